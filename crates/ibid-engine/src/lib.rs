@@ -1,0 +1,1 @@
+//! The ibid storage engine (placeholder while the engine lands).

@@ -1,0 +1,2 @@
+//! The `ibid` command: server and management CLI.
+fn main() {}
