@@ -1,0 +1,344 @@
+//! The commit: the one place metadata changes become durable.
+//!
+//! 1. **Cut** (gate held exclusively, microseconds): every volume's and shard's dirty changes
+//!    move to their `committing` slot, where readers still see them. Writers hold the gate
+//!    shared for a whole write, so a batch holds whole writes: a map entry and the reference
+//!    count it adds are always in the same batch.
+//! 2. **Data first**: [`crate::segment::Segments::sync`] writes and fsyncs every segment record
+//!    appended so far.
+//! 3. **One metadata transaction** (redb, durable on return): new chunks, dedup index entries,
+//!    map entries, refcount deltas, chunk deaths, segment usage, volume records, pool counters.
+//! 4. **Publish**: the `committing` slots are emptied; readers now find the data in the store.
+//!
+//! Crash analysis: before step 3 returns, the store still holds the previous batch and no
+//! metadata points at the new records (they are dead space for the cleaner). After it, every
+//! record the batch references was already durable (step 2). An error in steps 2–3 fails the
+//! pool: it must be reopened, which recovers the last committed state.
+
+use crate::error::{Error, Result};
+use crate::format::{self, ChunkRecord, SegmentUsage, VolumeRecord};
+use crate::meta;
+use crate::pool::{Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS};
+use redb::{ReadableTable, Table, WriteTransaction};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// One batch cut from the dirty state.
+struct Batch {
+    /// The cut number: records stamped with it or lower are in this batch or an earlier one.
+    no: u64,
+    volumes: Vec<(Arc<VolumeState>, Arc<Overlay>, VolumeRecord)>,
+    deleted: Vec<Arc<VolumeState>>,
+    shards: Vec<Arc<ShardBatch>>,
+    new_bytes: i64,
+}
+
+impl Batch {
+    fn is_empty(&self) -> bool {
+        self.deleted.is_empty()
+            && self.volumes.is_empty()
+            && self
+                .shards
+                .iter()
+                .all(|s| s.new_chunks.is_empty() && s.deltas.is_empty())
+    }
+}
+
+/// What the transaction changed in the committed counters.
+#[derive(Default)]
+struct Applied {
+    died: Vec<(usize, [u8; 32])>,
+    dead_segments: Vec<u64>,
+}
+
+impl Inner {
+    /// Commits every change made so far. Concurrent callers queue; each returns after a commit
+    /// that started after it was called.
+    pub(crate) fn commit(&self) -> Result<()> {
+        self.check_failed()?;
+        let mut cs = self.commit.lock();
+        self.check_failed()?;
+        let batch = self.cut();
+        if batch.is_empty() {
+            self.publish(&batch, &Applied::default());
+            self.committed.store(batch.no, Ordering::Release);
+            return Ok(());
+        }
+        let mut record = cs.record.clone();
+        let applied = match self
+            .segments
+            .sync()
+            .and_then(|()| self.apply(&batch, &mut record))
+        {
+            Ok(a) => a,
+            Err(e) => {
+                self.fail(&e);
+                return Err(e);
+            }
+        };
+        cs.record = record;
+        self.live_bytes
+            .store(cs.record.live_bytes, Ordering::Relaxed);
+        self.live_chunks
+            .store(cs.record.live_chunks, Ordering::Relaxed);
+        self.pending_bytes
+            .fetch_sub(batch.new_bytes, Ordering::Relaxed);
+        self.meta_bytes.store(
+            std::fs::metadata(self.dir.join("meta.redb")).map_or(0, |m| m.len()),
+            Ordering::Relaxed,
+        );
+        self.publish(&batch, &applied);
+        self.committed.store(batch.no, Ordering::Release);
+        for seg in applied.dead_segments {
+            self.segments.remove(seg)?;
+        }
+        drop(cs);
+        self.check_soft_threshold();
+        let bloom = self.bloom();
+        if self.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
+            self.wake_background();
+        }
+        Ok(())
+    }
+
+    fn cut(&self) -> Batch {
+        let _gate = self.gate.write();
+        let no = self.cut.fetch_add(1, Ordering::AcqRel) + 1;
+        self.dirty_blocks.store(0, Ordering::Relaxed);
+        let mut volumes = Vec::new();
+        for v in self.volumes.read().values() {
+            let mut map = v.map.lock();
+            if map.dirty.is_empty() && !map.record_dirty {
+                continue;
+            }
+            let overlay = Arc::new(std::mem::take(&mut map.dirty));
+            map.committing = overlay.clone();
+            map.record_dirty = false;
+            let record = VolumeRecord {
+                id: v.id,
+                size: map.size,
+                layer: v.layer,
+                mapped_blocks: map.mapped_blocks,
+                created_unix_s: v.created_unix_s,
+            };
+            volumes.push((v.clone(), overlay, record));
+        }
+        let deleted: Vec<Arc<VolumeState>> = std::mem::take(&mut *self.deleted.lock());
+        let deleted_with_overlays: Vec<Arc<VolumeState>> = deleted
+            .into_iter()
+            .inspect(|v| {
+                let mut map = v.map.lock();
+                map.committing = Arc::new(std::mem::take(&mut map.dirty));
+            })
+            .collect();
+        let mut new_bytes = 0i64;
+        let shards = self
+            .shards
+            .iter()
+            .map(|s| {
+                let mut s = s.lock();
+                let b = Arc::new(std::mem::take(&mut s.dirty));
+                new_bytes += b
+                    .new_chunks
+                    .values()
+                    .map(|r| r.physical_bytes() as i64)
+                    .sum::<i64>();
+                s.committing = b.clone();
+                b
+            })
+            .collect();
+        Batch {
+            no,
+            volumes,
+            deleted: deleted_with_overlays,
+            shards,
+            new_bytes,
+        }
+    }
+
+    fn publish(&self, batch: &Batch, applied: &Applied) {
+        for (v, _, _) in &batch.volumes {
+            let mut map = v.map.lock();
+            map.committing = Arc::new(Overlay::new());
+            map.generation += 1;
+        }
+        for s in &self.shards {
+            s.lock().committing = Arc::new(ShardBatch::default());
+        }
+        for (shard, fp) in &applied.died {
+            self.shards[*shard].lock().dead_fps.remove(fp);
+        }
+    }
+
+    fn apply(&self, batch: &Batch, record: &mut meta::PoolRecord) -> Result<Applied> {
+        let txn = self.db.begin_write()?;
+        let applied = self.apply_tables(&txn, batch, record)?;
+        record.commits += 1;
+        record.next_chunk_seq = self.chunk_seq.load(Ordering::Relaxed);
+        record.next_segment_id = self.segments.next_id();
+        txn.open_table(meta::POOL)?
+            .insert(meta::POOL_KEY, record.encode().as_slice())?;
+        txn.commit()?;
+        Ok(applied)
+    }
+
+    fn apply_tables(
+        &self,
+        txn: &WriteTransaction,
+        batch: &Batch,
+        record: &mut meta::PoolRecord,
+    ) -> Result<Applied> {
+        let mut chunks = txn.open_table(meta::CHUNKS)?;
+        let mut fps = txn.open_table(meta::FPS)?;
+        let mut map = txn.open_table(meta::MAP)?;
+        let mut segs = txn.open_table(meta::SEGMENTS)?;
+        let mut orphans = txn.open_table(meta::ORPHANS)?;
+        let mut vols = txn.open_table(meta::VOLUMES)?;
+        let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
+        let mut deltas: HashMap<u64, i64> = HashMap::new();
+
+        for shard in &batch.shards {
+            for (&id, rec) in &shard.new_chunks {
+                chunks.insert(id, rec.encode().as_slice())?;
+                fps.insert(rec.fingerprint, id)?;
+                let u = segment_usage(&mut usage, &segs, rec.segment)?;
+                u.total_bytes += rec.physical_bytes();
+                u.live_bytes += rec.physical_bytes();
+                record.live_chunks += 1;
+                record.live_bytes += rec.physical_bytes();
+            }
+            for (&id, &d) in &shard.deltas {
+                *deltas.entry(id).or_default() += d;
+            }
+        }
+        for (v, overlay, vrec) in &batch.volumes {
+            write_overlay(&mut map, v.layer, overlay)?;
+            vols.insert(v.name.as_str(), vrec.encode().as_slice())?;
+        }
+        for v in &batch.deleted {
+            write_overlay(&mut map, v.layer, &v.map.lock().committing.clone())?;
+            let (lo, hi) = (
+                format::map_key(v.layer, 0),
+                format::map_key(v.layer, u64::MAX),
+            );
+            for item in map.extract_from_if(lo..=hi, |_, _| true)? {
+                let (_, chunk) = item?;
+                *deltas.entry(chunk.value()).or_default() -= 1;
+            }
+            vols.remove(v.name.as_str())?;
+        }
+        let mut applied = Applied::default();
+        let mut zero_refs = Vec::new();
+        for (&id, &d) in &deltas {
+            if d == 0 {
+                // Unchanged, unless it is new in this batch: then it was never referenced.
+                if batch.shards[crate::volume::shard_of_chunk(id)]
+                    .new_chunks
+                    .contains_key(&id)
+                {
+                    zero_refs.push(id);
+                }
+                continue;
+            }
+            let mut rec = load_chunk(&chunks, id)?;
+            let refs = rec.refs as i64 + d;
+            if refs < 0 {
+                return Err(Error::Corrupt(format!(
+                    "chunk {id:#x} refcount would go below zero ({refs})"
+                )));
+            }
+            rec.refs = refs as u64;
+            chunks.insert(id, rec.encode().as_slice())?;
+            if refs == 0 {
+                zero_refs.push(id);
+            }
+        }
+        let orphan_ids: Vec<u64> = orphans
+            .iter()?
+            .map(|i| i.map(|(k, _)| k.value()))
+            .collect::<Result<_, _>>()?;
+        zero_refs.extend(
+            orphan_ids
+                .iter()
+                .copied()
+                .filter(|id| !deltas.contains_key(id)),
+        );
+        for id in zero_refs {
+            let rec = load_chunk(&chunks, id)?;
+            if rec.refs > 0 {
+                orphans.remove(id)?;
+                continue;
+            }
+            let shard = (id & ((1 << SHARD_BITS) - 1)) as usize;
+            debug_assert!(shard < SHARDS);
+            let mut s = self.shards[shard].lock();
+            if s.dirty.deltas.get(&id).is_some_and(|&d| d != 0) {
+                // A newer, uncommitted write references it again: keep it until that commits.
+                orphans.insert(id, ())?;
+                continue;
+            }
+            s.dead_fps.insert(rec.fingerprint);
+            drop(s);
+            orphans.remove(id)?;
+            chunks.remove(id)?;
+            if fps.get(rec.fingerprint)?.is_some_and(|v| v.value() == id) {
+                fps.remove(rec.fingerprint)?;
+            }
+            let u = segment_usage(&mut usage, &segs, rec.segment)?;
+            u.live_bytes -= rec.physical_bytes().min(u.live_bytes);
+            record.live_chunks -= 1;
+            record.live_bytes -= rec.physical_bytes();
+            applied.died.push((shard, rec.fingerprint));
+        }
+        for (seg, u) in usage {
+            if u.live_bytes == 0 && self.segments.fully_committed(seg, batch.no) {
+                segs.remove(seg)?;
+                applied.dead_segments.push(seg);
+            } else {
+                segs.insert(seg, u.encode().as_slice())?;
+            }
+        }
+        Ok(applied)
+    }
+}
+
+fn write_overlay(map: &mut Table<[u8; 16], u64>, layer: u64, overlay: &Overlay) -> Result<()> {
+    for (&block, entry) in overlay {
+        let key = format::map_key(layer, block);
+        match entry {
+            Entry::Data(id) => {
+                map.insert(key, *id)?;
+            }
+            Entry::Zero => {
+                map.remove(key)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn load_chunk(
+    chunks: &impl ReadableTable<u64, &'static [u8]>,
+    id: u64,
+) -> Result<ChunkRecord> {
+    let v = chunks
+        .get(id)?
+        .ok_or_else(|| Error::Corrupt(format!("chunk {id:#x} is referenced but missing")))?;
+    ChunkRecord::decode(v.value())
+}
+
+fn segment_usage<'a>(
+    usage: &'a mut BTreeMap<u64, SegmentUsage>,
+    segs: &Table<u64, &[u8]>,
+    seg: u64,
+) -> Result<&'a mut SegmentUsage> {
+    if let std::collections::btree_map::Entry::Vacant(e) = usage.entry(seg) {
+        let u = match segs.get(seg)? {
+            Some(v) => SegmentUsage::decode(v.value())?,
+            None => SegmentUsage::default(),
+        };
+        e.insert(u);
+    }
+    Ok(usage.get_mut(&seg).expect("inserted"))
+}

@@ -1,0 +1,38 @@
+//! Pool configuration.
+
+/// Settings given when a pool is created or opened.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Capacity in bytes. `None` at creation: the free space of the filesystem. Ignored at open
+    /// (the capacity is stored in the pool).
+    pub capacity_bytes: Option<u64>,
+    /// Soft threshold in percent of capacity (default 80).
+    pub soft_threshold_pct: u8,
+    /// Largest segment file in bytes.
+    pub segment_bytes_max: u64,
+    /// Uncommitted map entries across the pool that trigger a background commit.
+    pub dirty_blocks_commit: u64,
+    /// Uncommitted map entries at which writers commit themselves (backpressure).
+    pub dirty_blocks_max: u64,
+    /// Interval of the background commit and cleaner, in milliseconds.
+    pub background_interval_ms: u64,
+    /// The cleaner rewrites a segment whose live fraction is below this percentage.
+    pub gc_live_pct_max: u8,
+    /// Run the background committer and cleaner thread (tests turn it off to step by hand).
+    pub background: bool,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            capacity_bytes: None,
+            soft_threshold_pct: 80,
+            segment_bytes_max: 32 << 20,
+            dirty_blocks_commit: 64 << 10,
+            dirty_blocks_max: 512 << 10,
+            background_interval_ms: 1000,
+            gc_live_pct_max: 50,
+            background: true,
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! The background thread (periodic commits, dedup filter growth) and the segment cleaner.
+//!
+//! The cleaner picks the sealed, fully committed segment with the smallest live fraction,
+//! copies its live records to the cleaner's own segment, makes them durable, then in one
+//! metadata transaction points the chunks at their new places and forgets the old segment,
+//! whose file is deleted afterwards. Writers and readers are never stopped: the copy runs
+//! without locks, and the transaction only moves chunks still found at their old place (a chunk
+//! freed meanwhile simply isn't moved; its copy is dead space in the new segment).
+//!
+//! Crash analysis: before the transaction commits, the old segment is intact and referenced;
+//! the copies are unreferenced dead space. After it, the copies are durable and referenced; the
+//! old file is unreferenced and is deleted at once or at the next open.
+
+use crate::error::Result;
+use crate::format::{self, ChunkRecord, SegmentUsage, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES};
+use crate::meta;
+use crate::pool::{Inner, DATA_WRITERS};
+use redb::{ReadableDatabase, ReadableTable};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// Segments the background thread cleans per wake-up at most.
+const CLEAN_PER_WAKE_MAX: usize = 4;
+
+/// The background thread: commit, grow the dedup filter when outgrown, clean a few segments.
+pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: Duration) {
+    loop {
+        {
+            let Some(inner) = weak.upgrade() else { return };
+            let (m, c) = &inner.wake;
+            let mut woken = m.lock();
+            if !*woken && !stop.load(Ordering::Acquire) {
+                c.wait_for(&mut woken, interval);
+            }
+            *woken = false;
+        }
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.check_failed().is_err() {
+            return;
+        }
+        if let Err(e) = inner.commit() {
+            tracing::error!("background commit: {e}");
+            continue;
+        }
+        let bloom = inner.bloom();
+        if inner.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
+            if let Err(e) = inner.rebuild_bloom() {
+                tracing::warn!("grow dedup filter: {e}");
+            }
+        }
+        for _ in 0..CLEAN_PER_WAKE_MAX {
+            if stop.load(Ordering::Acquire) {
+                return;
+            }
+            match inner.clean_one(false) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::error!("segment cleaner: {e}");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Cleans the emptiest eligible segment. With `thorough`, any segment with dead bytes
+    /// qualifies; otherwise only those under the configured live fraction. Returns whether a
+    /// segment was cleaned.
+    pub(crate) fn clean_one(&self, thorough: bool) -> Result<bool> {
+        let _gc = self.gc_lock.lock();
+        let committed = self.committed.load(Ordering::Acquire);
+        let candidates = self.segments.cleanable(committed);
+        let mut best: Option<(u64, u64, u64)> = None; // (segment, live, file bytes)
+        {
+            let txn = self.db.begin_read()?;
+            let segs = txn.open_table(meta::SEGMENTS)?;
+            for seg in candidates {
+                let file_bytes = self.segments.file_bytes(seg);
+                let live = match segs.get(seg)? {
+                    Some(v) => SegmentUsage::decode(v.value())?.live_bytes,
+                    None => 0,
+                };
+                let dead = file_bytes.saturating_sub(live + SEGMENT_HEADER_BYTES);
+                let qualifies = if thorough {
+                    dead > 0 || live == 0
+                } else {
+                    live * 100 < file_bytes * self.config.gc_live_pct_max as u64
+                };
+                if qualifies && best.is_none_or(|(_, l, f)| live * f < l * file_bytes) {
+                    best = Some((seg, live, file_bytes));
+                }
+            }
+        }
+        let Some((seg, live, _)) = best else {
+            return Ok(false);
+        };
+        if live == 0 {
+            self.drop_segment(seg)?;
+        } else {
+            self.relocate_segment(seg)?;
+        }
+        Ok(true)
+    }
+
+    fn drop_segment(&self, seg: u64) -> Result<()> {
+        let _cs = self.commit.lock();
+        let txn = self.db.begin_write()?;
+        txn.open_table(meta::SEGMENTS)?.remove(seg)?;
+        txn.commit()?;
+        self.segments.remove(seg)
+    }
+
+    fn relocate_segment(&self, seg: u64) -> Result<()> {
+        let Some(bytes) = self.segments.read_all(seg)? else {
+            return Ok(());
+        };
+        format::decode_segment_header(&bytes)?;
+        let live = self.live_records(seg, &bytes)?;
+        let gc_writer = DATA_WRITERS;
+        let mut moved = Vec::with_capacity(live.len());
+        for (id, offset, rec) in live {
+            let start = offset as usize + RECORD_HEADER_BYTES;
+            let payload = &bytes[start..start + rec.stored_len as usize];
+            let placed = self.segments.append(gc_writer, id, rec.flags, payload, 0)?;
+            moved.push((id, offset, placed));
+        }
+        self.segments.sync()?;
+        let cs = self.commit.lock();
+        let txn = self.db.begin_write()?;
+        {
+            let mut chunks = txn.open_table(meta::CHUNKS)?;
+            let mut segs = txn.open_table(meta::SEGMENTS)?;
+            let mut usage: std::collections::BTreeMap<u64, SegmentUsage> = Default::default();
+            for (id, old_offset, placed) in moved {
+                let Some(v) = chunks.get(id)?.map(|v| v.value().to_vec()) else {
+                    continue;
+                };
+                let mut rec = ChunkRecord::decode(&v)?;
+                let u = usage.entry(placed.segment).or_insert_with(|| {
+                    segs.get(placed.segment)
+                        .ok()
+                        .flatten()
+                        .and_then(|v| SegmentUsage::decode(v.value()).ok())
+                        .unwrap_or_default()
+                });
+                u.total_bytes += rec.physical_bytes();
+                if rec.segment == seg && rec.offset == old_offset {
+                    u.live_bytes += rec.physical_bytes();
+                    rec.segment = placed.segment;
+                    rec.offset = placed.offset;
+                    debug_assert_eq!(rec.crc, placed.crc);
+                    chunks.insert(id, rec.encode().as_slice())?;
+                }
+            }
+            for (s, u) in usage {
+                segs.insert(s, u.encode().as_slice())?;
+            }
+            segs.remove(seg)?;
+        }
+        txn.commit()?;
+        drop(cs);
+        self.segments.remove(seg)
+    }
+
+    /// Records of `seg` (whose bytes are `bytes`) that the store still points at.
+    fn live_records(&self, seg: u64, bytes: &[u8]) -> Result<Vec<(u64, u32, ChunkRecord)>> {
+        let txn = self.db.begin_read()?;
+        let chunks = txn.open_table(meta::CHUNKS)?;
+        let mut out = Vec::new();
+        let mut pos = SEGMENT_HEADER_BYTES as usize;
+        while pos + RECORD_HEADER_BYTES <= bytes.len() {
+            let Ok(h) = format::decode_record_header(&bytes[pos..]) else {
+                break;
+            };
+            let end = pos + RECORD_HEADER_BYTES + h.stored_len as usize;
+            if end > bytes.len() {
+                break;
+            }
+            if let Some(v) = chunks.get(h.chunk_id)? {
+                let rec = ChunkRecord::decode(v.value())?;
+                if rec.segment == seg && rec.offset as usize == pos {
+                    if !format::record_crc_ok(&bytes[pos..end], rec.crc) {
+                        return Err(crate::Error::Corrupt(format!(
+                            "cleaner: chunk {:#x} in segment {seg:016x} fails its checksum",
+                            h.chunk_id
+                        )));
+                    }
+                    out.push((h.chunk_id, pos as u32, rec));
+                }
+            }
+            pos = end;
+        }
+        Ok(out)
+    }
+}

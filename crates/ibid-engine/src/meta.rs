@@ -1,0 +1,123 @@
+//! The metadata store's tables (redb) and the pool record.
+//!
+//! | table      | key                                  | value                                  |
+//! |------------|--------------------------------------|----------------------------------------|
+//! | `pool`     | `"pool"`                             | [`PoolRecord`]                         |
+//! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
+//! | `map`      | (layer u64 BE, block u64 BE)         | chunk id (absent = zero)               |
+//! | `chunks`   | chunk id                             | [`crate::format::ChunkRecord`]         |
+//! | `fps`      | BLAKE3 fingerprint (32 bytes)        | chunk id — the dedup index             |
+//! | `segments` | segment id                           | [`crate::format::SegmentUsage`]        |
+//! | `orphans`  | chunk id                             | () — chunks at zero refs kept alive    |
+//!
+//! Every table changes only inside the commit transaction, which is durable (fsync) when it
+//! returns. A chunk id is `(sequence << SHARD_BITS) | shard`, so its dedup shard is its low bits.
+
+use crate::error::{Error, Result};
+use redb::TableDefinition;
+
+/// The pool record.
+pub const POOL: TableDefinition<&str, &[u8]> = TableDefinition::new("pool");
+/// Volumes by name.
+pub const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+/// Volume maps: (layer, block) → chunk id.
+pub const MAP: TableDefinition<[u8; 16], u64> = TableDefinition::new("map");
+/// Chunks: id → record.
+pub const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
+/// The dedup index: fingerprint → chunk id.
+pub const FPS: TableDefinition<[u8; 32], u64> = TableDefinition::new("fps");
+/// Segment usage: id → (total, live) bytes.
+pub const SEGMENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("segments");
+/// Chunks whose refcount reached zero while a newer reference was still uncommitted.
+pub const ORPHANS: TableDefinition<u64, ()> = TableDefinition::new("orphans");
+
+/// Key of the pool record in [`POOL`].
+pub const POOL_KEY: &str = "pool";
+
+/// The pool's persistent counters and settings.
+///
+/// Layout: 12 little-endian u64 in field order, 96 bytes. Version log: 1 — initial format.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolRecord {
+    /// Format version of the pool.
+    pub version: u64,
+    /// Capacity in bytes: physical data plus metadata may not exceed it.
+    pub capacity_bytes: u64,
+    /// Soft threshold, percent of capacity.
+    pub soft_threshold_pct: u64,
+    /// Next chunk sequence number.
+    pub next_chunk_seq: u64,
+    /// Next segment id.
+    pub next_segment_id: u64,
+    /// Next volume id.
+    pub next_volume_id: u64,
+    /// Next map layer id.
+    pub next_layer_id: u64,
+    /// Chunks alive.
+    pub live_chunks: u64,
+    /// Physical bytes of live chunks (record headers included).
+    pub live_bytes: u64,
+    /// Number of commits so far.
+    pub commits: u64,
+    /// Creation time, seconds since the Unix epoch.
+    pub created_unix_s: u64,
+    /// Reserved.
+    pub reserved: u64,
+}
+
+/// Current pool format version.
+pub const POOL_FORMAT_VERSION: u64 = 1;
+const POOL_RECORD_FIELDS: usize = 12;
+
+impl PoolRecord {
+    fn fields(&self) -> [u64; POOL_RECORD_FIELDS] {
+        [
+            self.version,
+            self.capacity_bytes,
+            self.soft_threshold_pct,
+            self.next_chunk_seq,
+            self.next_segment_id,
+            self.next_volume_id,
+            self.next_layer_id,
+            self.live_chunks,
+            self.live_bytes,
+            self.commits,
+            self.created_unix_s,
+            self.reserved,
+        ]
+    }
+
+    /// Encodes the record.
+    pub fn encode(&self) -> Vec<u8> {
+        self.fields().iter().flat_map(|f| f.to_le_bytes()).collect()
+    }
+
+    /// Decodes the record.
+    pub fn decode(v: &[u8]) -> Result<Self> {
+        if v.len() != POOL_RECORD_FIELDS * 8 {
+            return Err(Error::Corrupt(format!("pool record of {} bytes", v.len())));
+        }
+        let f = |i: usize| u64::from_le_bytes(v[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        let r = PoolRecord {
+            version: f(0),
+            capacity_bytes: f(1),
+            soft_threshold_pct: f(2),
+            next_chunk_seq: f(3),
+            next_segment_id: f(4),
+            next_volume_id: f(5),
+            next_layer_id: f(6),
+            live_chunks: f(7),
+            live_bytes: f(8),
+            commits: f(9),
+            created_unix_s: f(10),
+            reserved: f(11),
+        };
+        if r.version != POOL_FORMAT_VERSION {
+            return Err(Error::Corrupt(format!(
+                "unknown pool format version {}",
+                r.version
+            )));
+        }
+        Ok(r)
+    }
+}

@@ -1,0 +1,696 @@
+//! The pool: opening and creating, volume management, space accounting.
+
+use crate::bloom::Bloom;
+use crate::config::PoolConfig;
+use crate::error::{Error, Result};
+use crate::format::{ChunkRecord, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX};
+use crate::meta::{self, PoolRecord};
+use crate::segment::Segments;
+use crate::stats::PoolStats;
+use crate::volume::Volume;
+use parking_lot::{Condvar, Mutex, RwLock};
+use redb::{Database, ReadableDatabase, ReadableTable};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Number of dedup shards; a chunk id's low bits name its shard.
+pub const SHARDS: usize = 64;
+/// Bits of a chunk id that hold the shard.
+pub const SHARD_BITS: u32 = 6;
+/// Number of stripe locks per volume that order read-modify-writes of partial blocks.
+pub const STRIPES: usize = 64;
+/// Parallel segment append streams for new data (the cleaner has one more of its own).
+pub const DATA_WRITERS: usize = 4;
+/// Longest volume name.
+pub const VOLUME_NAME_BYTES_MAX: usize = 128;
+
+/// A map entry in memory: a block either references a chunk or reads as zeros.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Entry {
+    Data(u64),
+    Zero,
+}
+
+/// A volume's map changes not yet committed.
+pub(crate) type Overlay = BTreeMap<u64, Entry>;
+
+/// In-memory state of one volume.
+pub(crate) struct VolumeState {
+    pub name: String,
+    pub id: u64,
+    pub layer: u64,
+    pub created_unix_s: u64,
+    pub map: Mutex<VolumeMap>,
+    pub stripes: Vec<Mutex<()>>,
+}
+
+pub(crate) struct VolumeMap {
+    pub size: u64,
+    /// Changes since the last swap.
+    pub dirty: Overlay,
+    /// Changes being committed (readers see them until the commit is durable).
+    pub committing: Arc<Overlay>,
+    /// Blocks mapped to data, including uncommitted changes.
+    pub mapped_blocks: u64,
+    /// Bumped whenever `committing` is cleared, so a writer knows its prefetch is stale.
+    pub generation: u64,
+    /// The volume was deleted; its handles fail.
+    pub deleted: bool,
+    /// The size or record changed and must be written at the next commit.
+    pub record_dirty: bool,
+}
+
+/// Uncommitted chunk-level changes of one dedup shard.
+#[derive(Default)]
+pub(crate) struct ShardBatch {
+    pub new_chunks: HashMap<u64, ChunkRecord>,
+    pub fps: HashMap<[u8; 32], u64>,
+    pub deltas: HashMap<u64, i64>,
+}
+
+pub(crate) struct ShardState {
+    pub dirty: ShardBatch,
+    pub committing: Arc<ShardBatch>,
+    /// Fingerprints whose chunk died in a commit not yet visible to readers of the store.
+    pub dead_fps: HashSet<[u8; 32]>,
+}
+
+/// Committed counters, owned by the committer.
+pub(crate) struct CommitState {
+    pub record: PoolRecord,
+}
+
+/// Everything a pool shares between its handles and its background thread.
+pub(crate) struct Inner {
+    pub dir: PathBuf,
+    pub config: PoolConfig,
+    pub db: Database,
+    pub segments: Segments,
+    pub bloom: RwLock<Arc<Bloom>>,
+    pub shards: Vec<Mutex<ShardState>>,
+    pub volumes: RwLock<BTreeMap<String, Arc<VolumeState>>>,
+    /// Volumes deleted but not yet removed by a commit.
+    pub deleted: Mutex<Vec<Arc<VolumeState>>>,
+    /// Writers hold it shared for a whole write; the committer takes it exclusively to cut a
+    /// consistent batch. Order: gate, then stripes, then a volume map or a shard.
+    pub gate: RwLock<()>,
+    pub commit: Mutex<CommitState>,
+    /// Cleaning passes are serialized.
+    pub gc_lock: Mutex<()>,
+    /// Batches cut so far; writers stamp new records with `cut + 1`.
+    pub cut: AtomicU64,
+    /// Batches durably committed.
+    pub committed: AtomicU64,
+    pub chunk_seq: AtomicU64,
+    pub capacity_bytes: AtomicU64,
+    pub soft_threshold_pct: AtomicU64,
+    /// Committed live chunk bytes and count (mirrors the pool record).
+    pub live_bytes: AtomicU64,
+    pub live_chunks: AtomicU64,
+    /// Bytes appended for chunks not yet committed.
+    pub pending_bytes: AtomicI64,
+    pub meta_bytes: AtomicU64,
+    pub dirty_blocks: AtomicU64,
+    pub failed: Mutex<Option<String>>,
+    pub soft_warned: AtomicBool,
+    pub background: Mutex<Option<Background>>,
+    pub bloom_thread: Mutex<Option<JoinHandle<()>>>,
+    pub wake: (Mutex<bool>, Condvar),
+    _lock_file: File,
+}
+
+pub(crate) struct Background {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+/// Describes a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeInfo {
+    /// Volume name.
+    pub name: String,
+    /// Size in bytes.
+    pub size_bytes: u64,
+    /// Blocks (4 KiB) mapped to non-zero data.
+    pub mapped_blocks: u64,
+    /// Creation time, seconds since the Unix epoch.
+    pub created_unix_s: u64,
+}
+
+/// A storage pool: a directory holding segment files and the metadata store.
+///
+/// Cloning a `Pool` gives another handle to the same open pool.
+#[derive(Clone)]
+pub struct Pool {
+    pub(crate) inner: Arc<Inner>,
+}
+
+fn now_unix_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn filesystem_free_bytes(dir: &Path) -> Result<u64> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| Error::InvalidArgument("pool path contains a NUL byte".into()))?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid out-pointer.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    if rc != 0 {
+        return Err(Error::io(
+            "statvfs pool directory",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn lock_pool_dir(dir: &Path) -> Result<File> {
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("LOCK"))
+        .map_err(|e| Error::io("open pool lock file", e))?;
+    // SAFETY: flock on a file descriptor we own.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        return Err(Error::Locked(dir.display().to_string()));
+    }
+    Ok(f)
+}
+
+/// Checks a volume name: 1–128 bytes of `[A-Za-z0-9._-]`, not starting with `.` or `-`.
+pub fn validate_volume_name(name: &str) -> Result<()> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if name.is_empty() || name.len() > VOLUME_NAME_BYTES_MAX {
+        return Err(Error::InvalidArgument(format!(
+            "a volume name has 1 to {VOLUME_NAME_BYTES_MAX} characters"
+        )));
+    }
+    if !name.chars().all(ok_char) || name.starts_with(['.', '-']) {
+        return Err(Error::InvalidArgument(format!(
+            "volume name {name:?}: use letters, digits, '.', '_' and '-', not starting with '.' or '-'"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a volume size: a positive multiple of 512 bytes, at most 1 PiB.
+pub fn validate_volume_size(size: u64) -> Result<()> {
+    if size == 0 || !size.is_multiple_of(SECTOR_BYTES) || size > VOLUME_BYTES_MAX {
+        return Err(Error::InvalidArgument(format!(
+            "volume size {size}: must be a positive multiple of 512 bytes, at most 1 PiB"
+        )));
+    }
+    Ok(())
+}
+
+impl Pool {
+    /// Creates a new pool in `dir` (created if missing; must not already hold a pool).
+    pub fn create(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("create pool directory", e))?;
+        if dir.join("meta.redb").exists() {
+            return Err(Error::AlreadyExists(dir.display().to_string()));
+        }
+        if config.soft_threshold_pct == 0 || config.soft_threshold_pct > 100 {
+            return Err(Error::InvalidArgument(
+                "soft threshold must be 1 to 100 percent".into(),
+            ));
+        }
+        let capacity = match config.capacity_bytes {
+            Some(c) => c,
+            None => filesystem_free_bytes(dir)?,
+        };
+        let lock = lock_pool_dir(dir)?;
+        let db = Database::create(dir.join("meta.redb"))?;
+        let record = PoolRecord {
+            version: meta::POOL_FORMAT_VERSION,
+            capacity_bytes: capacity,
+            soft_threshold_pct: config.soft_threshold_pct as u64,
+            next_chunk_seq: 1,
+            next_segment_id: 1,
+            next_volume_id: 1,
+            next_layer_id: 1,
+            created_unix_s: now_unix_s(),
+            ..Default::default()
+        };
+        let txn = db.begin_write()?;
+        {
+            txn.open_table(meta::POOL)?
+                .insert(meta::POOL_KEY, record.encode().as_slice())?;
+            txn.open_table(meta::VOLUMES)?;
+            txn.open_table(meta::MAP)?;
+            txn.open_table(meta::CHUNKS)?;
+            txn.open_table(meta::FPS)?;
+            txn.open_table(meta::SEGMENTS)?;
+            txn.open_table(meta::ORPHANS)?;
+        }
+        txn.commit()?;
+        drop(db);
+        Self::open_locked(dir, config, lock)
+    }
+
+    /// Opens an existing pool. Recovery is bounded: it reads the pool record and the volume
+    /// list, deletes segment files written after the last commit, and rebuilds the dedup
+    /// filter in the background.
+    pub fn open(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
+        let dir = dir.as_ref();
+        if !dir.join("meta.redb").exists() {
+            return Err(Error::NotFound(format!("pool at {}", dir.display())));
+        }
+        let lock = lock_pool_dir(dir)?;
+        Self::open_locked(dir, config, lock)
+    }
+
+    /// Opens the pool in `dir`, creating it if it does not exist.
+    pub fn open_or_create(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
+        if dir.as_ref().join("meta.redb").exists() {
+            Self::open(dir, config)
+        } else {
+            Self::create(dir, config)
+        }
+    }
+
+    fn open_locked(dir: &Path, config: PoolConfig, lock: File) -> Result<Pool> {
+        let db = Database::open(dir.join("meta.redb"))?;
+        let (record, volumes, segment_ids) = {
+            let txn = db.begin_read()?;
+            let pool_t = txn.open_table(meta::POOL)?;
+            let raw = pool_t
+                .get(meta::POOL_KEY)?
+                .ok_or_else(|| Error::Corrupt("pool record missing".into()))?;
+            let record = PoolRecord::decode(raw.value())?;
+            let mut volumes = BTreeMap::new();
+            for item in txn.open_table(meta::VOLUMES)?.iter()? {
+                let (k, v) = item?;
+                volumes.insert(k.value().to_string(), VolumeRecord::decode(v.value())?);
+            }
+            let mut segment_ids = HashSet::new();
+            for item in txn.open_table(meta::SEGMENTS)?.iter()? {
+                segment_ids.insert(item?.0.value());
+            }
+            (record, volumes, segment_ids)
+        };
+        let (segments, found) = Segments::open(
+            &dir.join("segments"),
+            DATA_WRITERS + 1,
+            config.segment_bytes_max,
+            record.next_segment_id,
+        )?;
+        for id in found.iter().filter(|id| !segment_ids.contains(id)) {
+            // Written after the last commit: nothing references it.
+            segments.remove(*id)?;
+        }
+        let bloom = Bloom::with_capacity(record.live_chunks.saturating_mul(2), false);
+        let shards = (0..SHARDS)
+            .map(|_| {
+                Mutex::new(ShardState {
+                    dirty: ShardBatch::default(),
+                    committing: Arc::new(ShardBatch::default()),
+                    dead_fps: HashSet::new(),
+                })
+            })
+            .collect();
+        let vols = volumes
+            .into_iter()
+            .map(|(name, r)| {
+                let state = new_volume_state(name.clone(), &r);
+                (name, Arc::new(state))
+            })
+            .collect();
+        let meta_bytes = std::fs::metadata(dir.join("meta.redb")).map_or(0, |m| m.len());
+        let inner = Arc::new(Inner {
+            dir: dir.to_path_buf(),
+            db,
+            segments,
+            bloom: RwLock::new(Arc::new(bloom)),
+            shards,
+            volumes: RwLock::new(vols),
+            deleted: Mutex::new(Vec::new()),
+            gate: RwLock::new(()),
+            cut: AtomicU64::new(record.commits),
+            committed: AtomicU64::new(record.commits),
+            chunk_seq: AtomicU64::new(record.next_chunk_seq),
+            capacity_bytes: AtomicU64::new(record.capacity_bytes),
+            soft_threshold_pct: AtomicU64::new(record.soft_threshold_pct),
+            live_bytes: AtomicU64::new(record.live_bytes),
+            live_chunks: AtomicU64::new(record.live_chunks),
+            pending_bytes: AtomicI64::new(0),
+            meta_bytes: AtomicU64::new(meta_bytes),
+            dirty_blocks: AtomicU64::new(0),
+            failed: Mutex::new(None),
+            soft_warned: AtomicBool::new(false),
+            background: Mutex::new(None),
+            bloom_thread: Mutex::new(None),
+            wake: (Mutex::new(false), Condvar::new()),
+            commit: Mutex::new(CommitState { record }),
+            gc_lock: Mutex::new(()),
+            config,
+            _lock_file: lock,
+        });
+        let pool = Pool { inner };
+        pool.rebuild_bloom_async();
+        if pool.inner.config.background {
+            pool.start_background();
+        }
+        Ok(pool)
+    }
+
+    fn start_background(&self) {
+        let stop = Arc::new(AtomicBool::new(false));
+        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
+        let stop2 = stop.clone();
+        let interval = Duration::from_millis(self.inner.config.background_interval_ms);
+        let thread = std::thread::Builder::new()
+            .name("ibid-background".into())
+            .spawn(move || crate::gc::background_loop(weak, stop2, interval))
+            .expect("spawn background thread");
+        *self.inner.background.lock() = Some(Background { stop, thread });
+    }
+
+    /// Rebuilds the dedup filter from the index in a background thread. Until it is done,
+    /// every dedup lookup consults the index (dedup stays exact; it is only slower).
+    fn rebuild_bloom_async(&self) {
+        let weak = Arc::downgrade(&self.inner);
+        let thread = std::thread::Builder::new()
+            .name("ibid-bloom".into())
+            .spawn(move || {
+                if let Some(inner) = weak.upgrade() {
+                    if let Err(e) = inner.rebuild_bloom() {
+                        tracing::warn!("rebuild dedup filter: {e}");
+                    }
+                }
+            });
+        *self.inner.bloom_thread.lock() = thread.ok();
+    }
+
+    /// Stops the background thread, commits everything, and closes the pool.
+    pub fn close(self) -> Result<()> {
+        self.stop_background();
+        self.sync()
+    }
+
+    fn stop_background(&self) {
+        if let Some(bg) = self.inner.background.lock().take() {
+            bg.stop.store(true, Ordering::Release);
+            self.inner.wake_background();
+            let _ = bg.thread.join();
+        }
+        if let Some(t) = self.inner.bloom_thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Makes everything written so far durable (one metadata commit).
+    pub fn sync(&self) -> Result<()> {
+        self.inner.commit()
+    }
+
+    /// Creates a thin volume of `size_bytes` (a multiple of 512, at most 1 PiB).
+    pub fn create_volume(&self, name: &str, size_bytes: u64) -> Result<Volume> {
+        validate_volume_name(name)?;
+        validate_volume_size(size_bytes)?;
+        self.inner.check_failed()?;
+        let mut cs = self.inner.commit.lock();
+        let mut vols = self.inner.volumes.write();
+        if vols.contains_key(name) {
+            return Err(Error::AlreadyExists(name.to_string()));
+        }
+        let record = VolumeRecord {
+            id: cs.record.next_volume_id,
+            size: size_bytes,
+            layer: cs.record.next_layer_id,
+            mapped_blocks: 0,
+            created_unix_s: now_unix_s(),
+        };
+        let mut pool_rec = cs.record.clone();
+        pool_rec.next_volume_id += 1;
+        pool_rec.next_layer_id += 1;
+        let txn = self.inner.db.begin_write()?;
+        {
+            txn.open_table(meta::VOLUMES)?
+                .insert(name, record.encode().as_slice())?;
+            txn.open_table(meta::POOL)?
+                .insert(meta::POOL_KEY, pool_rec.encode().as_slice())?;
+        }
+        txn.commit()?;
+        cs.record = pool_rec;
+        let state = Arc::new(new_volume_state(name.to_string(), &record));
+        vols.insert(name.to_string(), state.clone());
+        Ok(Volume::new(self.inner.clone(), state))
+    }
+
+    /// Opens a handle on a volume.
+    pub fn volume(&self, name: &str) -> Result<Volume> {
+        let state = self
+            .inner
+            .volumes
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        Ok(Volume::new(self.inner.clone(), state))
+    }
+
+    /// Lists the volumes, by name.
+    pub fn list_volumes(&self) -> Vec<VolumeInfo> {
+        self.inner
+            .volumes
+            .read()
+            .values()
+            .map(|v| volume_info(v))
+            .collect()
+    }
+
+    /// Grows a volume to `new_size_bytes`. Shrinking is refused: it would destroy data.
+    pub fn resize_volume(&self, name: &str, new_size_bytes: u64) -> Result<()> {
+        validate_volume_size(new_size_bytes)?;
+        let state = self
+            .inner
+            .volumes
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        {
+            let mut map = state.map.lock();
+            if new_size_bytes < map.size {
+                return Err(Error::InvalidArgument(format!(
+                    "volume {name:?} is {} bytes; shrinking to {new_size_bytes} would discard data",
+                    map.size
+                )));
+            }
+            map.size = new_size_bytes;
+            map.record_dirty = true;
+        }
+        self.inner.commit()
+    }
+
+    /// Deletes a volume. Its space comes back through the cleaner.
+    pub fn delete_volume(&self, name: &str) -> Result<()> {
+        self.inner.check_failed()?;
+        let state = {
+            let _gate = self.inner.gate.write();
+            let state = self
+                .inner
+                .volumes
+                .write()
+                .remove(name)
+                .ok_or_else(|| Error::NotFound(name.to_string()))?;
+            state.map.lock().deleted = true;
+            state
+        };
+        self.inner.deleted.lock().push(state);
+        self.inner.commit()
+    }
+
+    /// Space accounting for the whole pool, exact as of the last commit (call [`Pool::sync`]
+    /// first for figures that include every write acknowledged so far).
+    pub fn stats(&self) -> PoolStats {
+        self.inner.stats()
+    }
+
+    /// Runs the cleaner until no segment qualifies (for tests and benchmarks; the background
+    /// thread does the same thing a little at a time). Returns the segments cleaned.
+    pub fn gc_now(&self) -> Result<u64> {
+        self.inner.commit()?;
+        let mut cleaned = 0;
+        while self.inner.clean_one(true)? {
+            cleaned += 1;
+        }
+        Ok(cleaned)
+    }
+
+    /// Checks every invariant of the pool's metadata and data (see [`crate::verify`]).
+    pub fn verify(&self) -> Result<crate::verify::VerifyReport> {
+        self.inner.commit()?;
+        crate::verify::verify(&self.inner)
+    }
+
+    /// Paths of the segment files (for tests that corrupt them).
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        let mut ids = self.inner.segments.ids();
+        ids.sort_unstable();
+        ids.into_iter()
+            .map(|id| self.inner.segments.path(id))
+            .collect()
+    }
+
+    /// The directory holding the pool.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+}
+
+pub(crate) fn new_volume_state(name: String, r: &VolumeRecord) -> VolumeState {
+    VolumeState {
+        name,
+        id: r.id,
+        layer: r.layer,
+        created_unix_s: r.created_unix_s,
+        map: Mutex::new(VolumeMap {
+            size: r.size,
+            dirty: Overlay::new(),
+            committing: Arc::new(Overlay::new()),
+            mapped_blocks: r.mapped_blocks,
+            generation: 0,
+            deleted: false,
+            record_dirty: false,
+        }),
+        stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+    }
+}
+
+pub(crate) fn volume_info(v: &VolumeState) -> VolumeInfo {
+    let map = v.map.lock();
+    VolumeInfo {
+        name: v.name.clone(),
+        size_bytes: map.size,
+        mapped_blocks: map.mapped_blocks,
+        created_unix_s: v.created_unix_s,
+    }
+}
+
+impl Inner {
+    pub(crate) fn check_failed(&self) -> Result<()> {
+        match &*self.failed.lock() {
+            Some(why) => Err(Error::Failed(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn fail(&self, e: &Error) {
+        tracing::error!("pool {} failed: {e}", self.dir.display());
+        self.failed.lock().get_or_insert_with(|| e.to_string());
+    }
+
+    pub(crate) fn wake_background(&self) {
+        let (m, c) = &self.wake;
+        *m.lock() = true;
+        c.notify_one();
+    }
+
+    pub(crate) fn bloom(&self) -> Arc<Bloom> {
+        self.bloom.read().clone()
+    }
+
+    /// Replaces the filter with one sized for the current chunk count and fills it from the
+    /// index. New chunks go into the new filter as soon as it is installed; a commit right after
+    /// makes sure every older chunk is in the index snapshot the scan reads.
+    pub(crate) fn rebuild_bloom(&self) -> Result<()> {
+        let capacity = self.live_chunks.load(Ordering::Relaxed).saturating_mul(2);
+        let bloom = Arc::new(Bloom::with_capacity(capacity, false));
+        *self.bloom.write() = bloom.clone();
+        self.commit()?;
+        let txn = self.db.begin_read()?;
+        for item in txn.open_table(meta::FPS)?.iter()? {
+            bloom.insert(&item?.0.value());
+        }
+        bloom.set_ready();
+        Ok(())
+    }
+
+    pub(crate) fn stats(&self) -> PoolStats {
+        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
+        let physical = self.live_bytes.load(Ordering::Relaxed);
+        let meta_bytes = self.meta_bytes.load(Ordering::Relaxed);
+        let live_chunks = self.live_chunks.load(Ordering::Relaxed);
+        let (mut provisioned, mut mapped) = (0u64, 0u64);
+        let volumes = self.volumes.read();
+        for v in volumes.values() {
+            let m = v.map.lock();
+            provisioned += m.size;
+            mapped += m.mapped_blocks;
+        }
+        let segment_file_bytes: u64 = self
+            .segments
+            .ids()
+            .iter()
+            .map(|&id| self.segments.file_bytes(id))
+            .sum();
+        let used = physical + meta_bytes;
+        let logical = mapped * BLOCK_BYTES as u64;
+        let soft_pct = self.soft_threshold_pct.load(Ordering::Relaxed);
+        PoolStats {
+            capacity_bytes: capacity,
+            soft_threshold_pct: soft_pct as u8,
+            soft_threshold_exceeded: used as u128 * 100 >= capacity as u128 * soft_pct as u128,
+            volumes: volumes.len() as u64,
+            provisioned_bytes: provisioned,
+            logical_written_bytes: logical,
+            unique_bytes: live_chunks * BLOCK_BYTES as u64,
+            unique_chunks: live_chunks,
+            physical_bytes: physical,
+            metadata_bytes: meta_bytes,
+            used_bytes: used,
+            free_bytes: capacity.saturating_sub(used),
+            segment_file_bytes,
+            garbage_bytes: segment_file_bytes.saturating_sub(physical),
+            data_reduction_ratio: if physical == 0 {
+                1.0
+            } else {
+                logical as f64 / physical as f64
+            },
+            dedup_filter_ram_bytes: self.bloom().ram_bytes(),
+            committed_batches: self.committed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Fails with `NoSpace` if `bytes` more would not fit.
+    pub(crate) fn reserve_space(&self, bytes: u64) -> Result<()> {
+        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
+        let used = self.live_bytes.load(Ordering::Relaxed) as i64
+            + self.pending_bytes.load(Ordering::Relaxed)
+            + self.meta_bytes.load(Ordering::Relaxed) as i64;
+        if used.max(0) as u64 + bytes > capacity {
+            return Err(Error::NoSpace);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_soft_threshold(&self) {
+        let s = self.stats();
+        if s.soft_threshold_exceeded {
+            if !self.soft_warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "pool {}: {} of {} bytes used, past the soft threshold of {} %",
+                    self.dir.display(),
+                    s.used_bytes,
+                    s.capacity_bytes,
+                    s.soft_threshold_pct
+                );
+            }
+        } else if self.soft_warned.swap(false, Ordering::Relaxed) {
+            tracing::info!("pool {}: back under the soft threshold", self.dir.display());
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! Space accounting figures.
+
+/// Where the pool's space went, exact as of the last commit.
+///
+/// Sums that hold (checked by the tests): `used = physical + metadata`,
+/// `free = capacity - used` (floored at zero), `logical_written = Σ volumes' mapped blocks × 4 KiB`,
+/// `garbage = segment files - physical`, and `physical` is the sum of the live records' sizes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolStats {
+    /// Capacity of the pool.
+    pub capacity_bytes: u64,
+    /// Soft threshold in percent of capacity.
+    pub soft_threshold_pct: u8,
+    /// `used` has reached the soft threshold.
+    pub soft_threshold_exceeded: bool,
+    /// Number of volumes.
+    pub volumes: u64,
+    /// Sum of the volumes' sizes (thin: may exceed capacity).
+    pub provisioned_bytes: u64,
+    /// Non-zero data the volumes hold, as seen by clients (mapped blocks × 4 KiB).
+    pub logical_written_bytes: u64,
+    /// Distinct non-zero blocks stored, before compression (unique chunks × 4 KiB).
+    pub unique_bytes: u64,
+    /// Number of distinct chunks stored.
+    pub unique_chunks: u64,
+    /// Bytes the live chunks occupy in segment files, after compression, headers included.
+    pub physical_bytes: u64,
+    /// Size of the metadata store.
+    pub metadata_bytes: u64,
+    /// `physical + metadata`: what counts against capacity.
+    pub used_bytes: u64,
+    /// `capacity - used`.
+    pub free_bytes: u64,
+    /// Bytes of all segment files.
+    pub segment_file_bytes: u64,
+    /// Dead bytes in segment files, awaiting the cleaner.
+    pub garbage_bytes: u64,
+    /// `logical_written / physical` (1.0 for an empty pool).
+    pub data_reduction_ratio: f64,
+    /// RAM of the dedup filter.
+    pub dedup_filter_ram_bytes: u64,
+    /// Metadata commits so far.
+    pub committed_batches: u64,
+}
+
+/// Where one volume's space went, computed by walking its map (exact as of the last commit).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VolumeSpace {
+    /// Size of the volume.
+    pub size_bytes: u64,
+    /// Blocks mapped to data.
+    pub mapped_blocks: u64,
+    /// Blocks whose chunk no other volume references.
+    pub exclusive_blocks: u64,
+    /// Blocks whose chunk another volume also references.
+    pub shared_blocks: u64,
+    /// Distinct chunks referenced.
+    pub distinct_chunks: u64,
+    /// Physical bytes of the chunks only this volume references.
+    pub exclusive_physical_bytes: u64,
+    /// Physical bytes of the chunks this volume shares with others.
+    pub shared_physical_bytes: u64,
+}

@@ -1,0 +1,156 @@
+//! A full consistency check of a pool (an fsck): every reference count, index entry, segment
+//! usage figure and counter recomputed from scratch and compared, and every live chunk read
+//! back and checked against its fingerprint. Tests run it after every step that matters.
+
+use crate::error::{Error, Result};
+use crate::format::{self, ChunkRecord, SegmentUsage, VolumeRecord, BLOCK_BYTES};
+use crate::meta::{self, PoolRecord};
+use crate::pool::Inner;
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use std::collections::{BTreeMap, HashMap};
+
+/// What the check found (all figures recomputed from the tables).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// Volumes.
+    pub volumes: u64,
+    /// Map entries across all layers.
+    pub map_entries: u64,
+    /// Live chunks.
+    pub chunks: u64,
+    /// Physical bytes of live chunks.
+    pub physical_bytes: u64,
+    /// Chunks kept at zero references (normally none after a commit).
+    pub orphans: u64,
+}
+
+fn fail(msg: String) -> Error {
+    Error::Corrupt(format!("verify: {msg}"))
+}
+
+/// Checks the whole pool; call with no writes in flight for exact results.
+pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
+    let _cs = inner.commit.lock();
+    let txn = inner.db.begin_read()?;
+    let pool = PoolRecord::decode(
+        txn.open_table(meta::POOL)?
+            .get(meta::POOL_KEY)?
+            .ok_or_else(|| fail("no pool record".into()))?
+            .value(),
+    )?;
+    let mut report = VerifyReport::default();
+    let mut layers: BTreeMap<u64, (String, VolumeRecord)> = BTreeMap::new();
+    for item in txn.open_table(meta::VOLUMES)?.iter()? {
+        let (k, v) = item?;
+        let r = VolumeRecord::decode(v.value())?;
+        layers.insert(r.layer, (k.value().to_string(), r));
+    }
+    report.volumes = layers.len() as u64;
+    let mut refs: HashMap<u64, u64> = HashMap::new();
+    let mut per_layer: HashMap<u64, u64> = HashMap::new();
+    for item in txn.open_table(meta::MAP)?.iter()? {
+        let (k, v) = item?;
+        let (layer, block) = format::decode_map_key(&k.value());
+        let (name, r) = layers
+            .get(&layer)
+            .ok_or_else(|| fail(format!("map entry for unknown layer {layer}")))?;
+        if (block + 1) * BLOCK_BYTES as u64 > r.size.next_multiple_of(BLOCK_BYTES as u64) {
+            return Err(fail(format!(
+                "volume {name}: block {block} beyond its size"
+            )));
+        }
+        *refs.entry(v.value()).or_default() += 1;
+        *per_layer.entry(layer).or_default() += 1;
+        report.map_entries += 1;
+    }
+    for (layer, (name, r)) in &layers {
+        let n = per_layer.get(layer).copied().unwrap_or(0);
+        if n != r.mapped_blocks {
+            return Err(fail(format!(
+                "volume {name}: record says {} mapped blocks, map has {n}",
+                r.mapped_blocks
+            )));
+        }
+    }
+    let chunks = txn.open_table(meta::CHUNKS)?;
+    let fps = txn.open_table(meta::FPS)?;
+    let orphans = txn.open_table(meta::ORPHANS)?;
+    let mut usage: HashMap<u64, u64> = HashMap::new();
+    let mut block = vec![0u8; BLOCK_BYTES];
+    for item in chunks.iter()? {
+        let (k, v) = item?;
+        let id = k.value();
+        let rec = ChunkRecord::decode(v.value())?;
+        let counted = refs.remove(&id).unwrap_or(0);
+        if rec.refs != counted {
+            return Err(fail(format!(
+                "chunk {id:#x}: refcount {} but {counted} map entries",
+                rec.refs
+            )));
+        }
+        if rec.refs == 0 {
+            if orphans.get(id)?.is_none() {
+                return Err(fail(format!(
+                    "chunk {id:#x} has no references and is not an orphan"
+                )));
+            }
+            report.orphans += 1;
+        }
+        match fps.get(rec.fingerprint)? {
+            Some(f) if f.value() == id => {}
+            other => {
+                return Err(fail(format!(
+                    "chunk {id:#x}: index maps its fingerprint to {:?}",
+                    other.map(|f| f.value())
+                )))
+            }
+        }
+        if !inner.read_chunk(id, &mut block)? {
+            return Err(fail(format!("chunk {id:#x} cannot be read")));
+        }
+        if blake3::hash(&block).as_bytes() != &rec.fingerprint {
+            return Err(fail(format!(
+                "chunk {id:#x}: content does not match its fingerprint"
+            )));
+        }
+        *usage.entry(rec.segment).or_default() += rec.physical_bytes();
+        report.chunks += 1;
+        report.physical_bytes += rec.physical_bytes();
+    }
+    if let Some((id, n)) = refs.into_iter().next() {
+        return Err(fail(format!(
+            "{n} map entries reference missing chunk {id:#x}"
+        )));
+    }
+    if fps.len()? != report.chunks {
+        return Err(fail(format!(
+            "index has {} entries for {} chunks",
+            fps.len()?,
+            report.chunks
+        )));
+    }
+    for item in txn.open_table(meta::SEGMENTS)?.iter()? {
+        let (k, v) = item?;
+        let u = SegmentUsage::decode(v.value())?;
+        let live = usage.remove(&k.value()).unwrap_or(0);
+        if u.live_bytes != live {
+            return Err(fail(format!(
+                "segment {:016x}: usage says {} live bytes, chunks hold {live}",
+                k.value(),
+                u.live_bytes
+            )));
+        }
+    }
+    if let Some((seg, _)) = usage.into_iter().next() {
+        return Err(fail(format!(
+            "segment {seg:016x} holds chunks but has no usage record"
+        )));
+    }
+    if pool.live_chunks != report.chunks || pool.live_bytes != report.physical_bytes {
+        return Err(fail(format!(
+            "pool record says {} chunks / {} bytes, tables hold {} / {}",
+            pool.live_chunks, pool.live_bytes, report.chunks, report.physical_bytes
+        )));
+    }
+    Ok(report)
+}

@@ -1,0 +1,662 @@
+//! A volume handle: block I/O, zeroing, block status.
+//!
+//! Offsets and lengths are bytes, multiples of 512. Inside, the engine works in 4 KiB blocks:
+//! a write that covers part of a block reads the block, patches it and writes it whole, holding
+//! the block's stripe lock so concurrent partial writes to one block never lose each other.
+
+use crate::error::{Error, Result};
+use crate::format::{self, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
+use crate::meta;
+use crate::pool::{
+    Entry, Inner, ShardState, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
+};
+use crate::stats::VolumeSpace;
+use parking_lot::MutexGuard;
+use redb::ReadableDatabase;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+const BLOCK: u64 = BLOCK_BYTES as u64;
+/// Times a read retries when the chunk it found was concurrently freed or moved.
+const READ_RETRIES_MAX: usize = 8;
+
+/// An extent reported by [`Volume::block_status`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// First byte.
+    pub offset: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// What the extent holds.
+    pub kind: ExtentKind,
+}
+
+/// Allocation state of an extent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExtentKind {
+    /// Mapped to stored data.
+    Data,
+    /// Reads as zeros and holds no space (never written, zeroed or unmapped).
+    Zero,
+}
+
+/// A handle on one volume. Cheap to clone; any number of threads may use handles at once.
+#[derive(Clone)]
+pub struct Volume {
+    inner: Arc<Inner>,
+    state: Arc<VolumeState>,
+}
+
+fn all_zero(b: &[u8]) -> bool {
+    let (prefix, words, suffix) = unsafe { b.align_to::<u128>() };
+    prefix.iter().all(|&x| x == 0)
+        && words.iter().all(|&x| x == 0)
+        && suffix.iter().all(|&x| x == 0)
+}
+
+impl Volume {
+    pub(crate) fn new(inner: Arc<Inner>, state: Arc<VolumeState>) -> Self {
+        Volume { inner, state }
+    }
+
+    /// The volume's name.
+    pub fn name(&self) -> &str {
+        &self.state.name
+    }
+
+    /// The volume's size in bytes.
+    pub fn size(&self) -> u64 {
+        self.state.map.lock().size
+    }
+
+    /// A stable identifier of the volume, unique in its pool.
+    pub fn id(&self) -> u64 {
+        self.state.id
+    }
+
+    /// Blocks mapped to data, including uncommitted writes.
+    pub fn mapped_blocks(&self) -> u64 {
+        self.state.map.lock().mapped_blocks
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        if !offset.is_multiple_of(SECTOR_BYTES) || !len.is_multiple_of(SECTOR_BYTES) {
+            return Err(Error::InvalidArgument(format!(
+                "offset {offset} and length {len} must be multiples of 512"
+            )));
+        }
+        let map = self.state.map.lock();
+        if map.deleted {
+            return Err(Error::NotFound(self.state.name.clone()));
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= map.size => Ok(()),
+            _ => Err(Error::OutOfRange {
+                offset,
+                len,
+                size: map.size,
+            }),
+        }
+    }
+
+    /// Reads `buf.len()` bytes at `offset`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let (b0, b1) = (offset / BLOCK, (offset + buf.len() as u64).div_ceil(BLOCK));
+        let entries = self.inner.lookup_range(&self.state, b0, b1)?;
+        let mut block = vec![0u8; BLOCK_BYTES];
+        for b in b0..b1 {
+            let block_start = b * BLOCK;
+            let lo = offset.max(block_start);
+            let hi = (offset + buf.len() as u64).min(block_start + BLOCK);
+            let dst = &mut buf[(lo - offset) as usize..(hi - offset) as usize];
+            match entries.get(&b) {
+                None => dst.fill(0),
+                Some(&chunk) => {
+                    self.inner.read_block(&self.state, b, chunk, &mut block)?;
+                    dst.copy_from_slice(
+                        &block[(lo - block_start) as usize..(hi - block_start) as usize],
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`. With `fua`, the data is durable when this returns.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        self.inner.check_failed()?;
+        if !data.is_empty() {
+            self.inner.write_range(&self.state, offset, data)?;
+        }
+        self.after_write(fua)
+    }
+
+    /// Makes the range read as zeros and releases its space: a metadata operation whose cost
+    /// is proportional to the mapped blocks in the range, not its length. This is also unmap,
+    /// trim and discard.
+    pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.inner.check_failed()?;
+        let end = offset + len;
+        let (full0, full1) = (offset.div_ceil(BLOCK), end / BLOCK);
+        if full0 >= full1 {
+            // Inside one block, or across one block boundary without covering a whole block.
+            let zeros = vec![0u8; len as usize];
+            self.inner.write_range(&self.state, offset, &zeros)?;
+        } else {
+            if offset < full0 * BLOCK {
+                let zeros = vec![0u8; (full0 * BLOCK - offset) as usize];
+                self.inner.write_range(&self.state, offset, &zeros)?;
+            }
+            self.inner.zero_blocks(&self.state, full0, full1)?;
+            if full1 * BLOCK < end {
+                let zeros = vec![0u8; (end - full1 * BLOCK) as usize];
+                self.inner.write_range(&self.state, full1 * BLOCK, &zeros)?;
+            }
+        }
+        self.after_write(fua)
+    }
+
+    fn after_write(&self, fua: bool) -> Result<()> {
+        if fua {
+            return self.inner.commit();
+        }
+        let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed);
+        if dirty >= self.inner.config.dirty_blocks_max {
+            self.inner.commit()?;
+        } else if dirty >= self.inner.config.dirty_blocks_commit {
+            self.inner.wake_background();
+        }
+        Ok(())
+    }
+
+    /// Makes every write acknowledged so far (on any handle of the pool) durable.
+    pub fn flush(&self) -> Result<()> {
+        self.inner.commit()
+    }
+
+    /// Extents of data and zeros covering `[offset, offset + len)`, merged and in order.
+    pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.check_range(offset, len)?;
+        let end = offset + len;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let (b0, b1) = (offset / BLOCK, end.div_ceil(BLOCK));
+        let entries = self.inner.lookup_range(&self.state, b0, b1)?;
+        let mut out: Vec<Extent> = Vec::new();
+        let mut push = |start: u64, stop: u64, kind: ExtentKind| {
+            let (start, stop) = (start.max(offset), stop.min(end));
+            if start >= stop {
+                return;
+            }
+            match out.last_mut() {
+                Some(last) if last.kind == kind && last.offset + last.length == start => {
+                    last.length += stop - start
+                }
+                _ => out.push(Extent {
+                    offset: start,
+                    length: stop - start,
+                    kind,
+                }),
+            }
+        };
+        let mut cursor = b0;
+        for &b in entries.keys() {
+            push(cursor * BLOCK, b * BLOCK, ExtentKind::Zero);
+            push(b * BLOCK, (b + 1) * BLOCK, ExtentKind::Data);
+            cursor = b + 1;
+        }
+        push(cursor * BLOCK, b1 * BLOCK, ExtentKind::Zero);
+        Ok(out)
+    }
+
+    /// Where this volume's space went: walks its committed map (commits first).
+    pub fn space(&self) -> Result<VolumeSpace> {
+        self.inner.commit()?;
+        let size = self.size();
+        let txn = self.inner.db.begin_read()?;
+        let map = txn.open_table(meta::MAP)?;
+        let chunks = txn.open_table(meta::CHUNKS)?;
+        let layer = self.state.layer;
+        let mut counts: HashMap<u64, u64> = HashMap::new();
+        for item in map.range(format::map_key(layer, 0)..=format::map_key(layer, u64::MAX))? {
+            *counts.entry(item?.1.value()).or_default() += 1;
+        }
+        let mut s = VolumeSpace {
+            size_bytes: size,
+            distinct_chunks: counts.len() as u64,
+            ..Default::default()
+        };
+        for (&id, &n) in &counts {
+            let rec = crate::commit::load_chunk(&chunks, id)?;
+            s.mapped_blocks += n;
+            if rec.refs == n {
+                s.exclusive_blocks += n;
+                s.exclusive_physical_bytes += rec.physical_bytes();
+            } else {
+                s.shared_blocks += n;
+                s.shared_physical_bytes += rec.physical_bytes();
+            }
+        }
+        Ok(s)
+    }
+}
+
+/// A block prepared for installation in a volume map.
+struct Prepared {
+    block: u64,
+    entry: Entry,
+}
+
+impl Inner {
+    /// The data-mapped blocks in `[b0, b1)`: uncommitted changes over the committed map.
+    pub(crate) fn lookup_range(
+        &self,
+        v: &VolumeState,
+        b0: u64,
+        b1: u64,
+    ) -> Result<BTreeMap<u64, u64>> {
+        let overlay: Vec<(u64, Entry)> = {
+            let map = v.map.lock();
+            if map.deleted {
+                return Err(Error::NotFound(v.name.clone()));
+            }
+            let mut o: BTreeMap<u64, Entry> = map
+                .committing
+                .range(b0..b1)
+                .map(|(&b, &e)| (b, e))
+                .collect();
+            o.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
+            o.into_iter().collect()
+        };
+        let mut out = self.stored_range(v.layer, b0, b1)?;
+        for (b, e) in overlay {
+            match e {
+                Entry::Data(id) => {
+                    out.insert(b, id);
+                }
+                Entry::Zero => {
+                    out.remove(&b);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Committed map entries of `layer` in `[b0, b1)`.
+    fn stored_range(&self, layer: u64, b0: u64, b1: u64) -> Result<BTreeMap<u64, u64>> {
+        let txn = self.db.begin_read()?;
+        let map = txn.open_table(meta::MAP)?;
+        let mut out = BTreeMap::new();
+        if b1 == b0 + 1 {
+            if let Some(v) = map.get(format::map_key(layer, b0))? {
+                out.insert(b0, v.value());
+            }
+            return Ok(out);
+        }
+        for item in map.range(format::map_key(layer, b0)..format::map_key(layer, b1))? {
+            let (k, v) = item?;
+            out.insert(format::decode_map_key(&k.value()).1, v.value());
+        }
+        Ok(out)
+    }
+
+    /// Reads block `b` (mapped to `chunk` when looked up) into `out`, retrying if the chunk was
+    /// concurrently overwritten and freed, or moved by the cleaner.
+    pub(crate) fn read_block(
+        &self,
+        v: &VolumeState,
+        b: u64,
+        mut chunk: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        for _ in 0..READ_RETRIES_MAX {
+            match self.read_chunk(chunk, out)? {
+                true => return Ok(()),
+                false => match self.lookup_range(v, b, b + 1)?.get(&b) {
+                    Some(&c) => chunk = c,
+                    None => {
+                        out.fill(0);
+                        return Ok(());
+                    }
+                },
+            }
+        }
+        Err(Error::Corrupt(format!(
+            "block {b} of {}: chunk {chunk:#x} keeps vanishing",
+            v.name
+        )))
+    }
+
+    /// Where a chunk is: uncommitted records first, then the store. `None` if it is gone.
+    fn chunk_location(&self, id: u64) -> Result<Option<format::ChunkRecord>> {
+        {
+            let s = self.shards[shard_of_chunk(id)].lock();
+            if let Some(r) = s
+                .dirty
+                .new_chunks
+                .get(&id)
+                .or_else(|| s.committing.new_chunks.get(&id))
+            {
+                return Ok(Some(*r));
+            }
+        }
+        let txn = self.db.begin_read()?;
+        let chunks = txn.open_table(meta::CHUNKS)?;
+        match chunks.get(id)? {
+            Some(v) => Ok(Some(format::ChunkRecord::decode(v.value())?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Reads and verifies chunk `id` into `out` (4 KiB). `Ok(false)` if the chunk is gone.
+    pub(crate) fn read_chunk(&self, id: u64, out: &mut [u8]) -> Result<bool> {
+        let Some(rec) = self.chunk_location(id)? else {
+            return Ok(false);
+        };
+        let Some(raw) = self
+            .segments
+            .read_record(rec.segment, rec.offset, rec.stored_len)?
+        else {
+            return Ok(false);
+        };
+        let h = format::decode_record_header(&raw).map_err(|e| {
+            Error::Corrupt(format!(
+                "chunk {id:#x} in segment {:016x}: {e}",
+                rec.segment
+            ))
+        })?;
+        if h.chunk_id != id
+            || h.stored_len != rec.stored_len
+            || h.crc != rec.crc
+            || !format::record_crc_ok(&raw, rec.crc)
+        {
+            return Err(Error::Corrupt(format!(
+                "chunk {id:#x} in segment {:016x} at offset {}: checksum or header mismatch",
+                rec.segment, rec.offset
+            )));
+        }
+        let payload = &raw[RECORD_HEADER_BYTES..];
+        if rec.flags & RECORD_FLAG_LZ4 != 0 {
+            match lz4_flex::block::decompress_into(payload, out) {
+                Ok(n) if n == BLOCK_BYTES => {}
+                _ => {
+                    return Err(Error::Corrupt(format!(
+                        "chunk {id:#x}: bad compressed payload"
+                    )))
+                }
+            }
+        } else if payload.len() == BLOCK_BYTES {
+            out.copy_from_slice(payload);
+        } else {
+            return Err(Error::Corrupt(format!(
+                "chunk {id:#x}: payload of {} bytes",
+                payload.len()
+            )));
+        }
+        Ok(true)
+    }
+
+    /// Writes `data` at byte `offset` (512-aligned): partial head and tail blocks first, by
+    /// read-modify-write while holding their stripe locks; then the whole blocks, whose stripes
+    /// are taken only to install them. Stripes are always taken in ascending order with no
+    /// other stripe held, so writers cannot deadlock. The gate is held throughout, so each
+    /// block's reference changes land in the same commit batch as its map entry.
+    pub(crate) fn write_range(&self, v: &VolumeState, offset: u64, data: &[u8]) -> Result<()> {
+        let end = offset + data.len() as u64;
+        let (b0, b1) = (offset / BLOCK, end.div_ceil(BLOCK));
+        let mut partial: Vec<u64> = Vec::new();
+        if !offset.is_multiple_of(BLOCK) || end < (b0 + 1) * BLOCK {
+            partial.push(b0);
+        }
+        if !end.is_multiple_of(BLOCK) && !partial.contains(&(b1 - 1)) {
+            partial.push(b1 - 1);
+        }
+        let _gate = self.gate.read();
+        if !partial.is_empty() {
+            let mut stripes: Vec<usize> = partial.iter().map(|&b| stripe_of(b)).collect();
+            stripes.sort_unstable();
+            stripes.dedup();
+            let _guards: Vec<MutexGuard<()>> =
+                stripes.iter().map(|&s| v.stripes[s].lock()).collect();
+            for &b in &partial {
+                let block = self.patched_block(v, b, offset, data)?;
+                let stamp = self.cut.load(Ordering::Acquire) + 1;
+                let entry = self.prepare_block(&block, stamp)?;
+                self.install(v, b, b + 1, vec![Prepared { block: b, entry }], true)?;
+            }
+        }
+        let (f0, f1) = (offset.div_ceil(BLOCK), end / BLOCK);
+        if f0 >= f1 {
+            return Ok(());
+        }
+        let stamp = self.cut.load(Ordering::Acquire) + 1;
+        let mut prepared = Vec::with_capacity((f1 - f0) as usize);
+        let mut failure = None;
+        for b in f0..f1 {
+            let start = (b * BLOCK - offset) as usize;
+            match self.prepare_block(&data[start..start + BLOCK_BYTES], stamp) {
+                Ok(entry) => prepared.push(Prepared { block: b, entry }),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        self.install(v, f0, f1, prepared, false)?;
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// The current content of block `b` with the part of `data` (written at `offset`) that
+    /// falls in it patched in.
+    fn patched_block(&self, v: &VolumeState, b: u64, offset: u64, data: &[u8]) -> Result<Vec<u8>> {
+        let mut block = vec![0u8; BLOCK_BYTES];
+        if let Some(&chunk) = self.lookup_range(v, b, b + 1)?.get(&b) {
+            self.read_block(v, b, chunk, &mut block)?;
+        }
+        let block_start = b * BLOCK;
+        let lo = offset.max(block_start);
+        let hi = (offset + data.len() as u64).min(block_start + BLOCK);
+        block[(lo - block_start) as usize..(hi - block_start) as usize]
+            .copy_from_slice(&data[(lo - offset) as usize..(hi - offset) as usize]);
+        Ok(block)
+    }
+
+    /// Turns one 4 KiB block into a map entry: zero, a reference to an existing chunk with the
+    /// same fingerprint, or a new chunk (compressed if that saves space).
+    fn prepare_block(&self, block: &[u8], stamp: u64) -> Result<Entry> {
+        if all_zero(block) {
+            return Ok(Entry::Zero);
+        }
+        let fp: [u8; 32] = *blake3::hash(block).as_bytes();
+        let shard = fp[0] as usize % SHARDS;
+        let mut s = self.shards[shard].lock();
+        if let Some(id) = self.find_duplicate(&s, &fp)? {
+            *s.dirty.deltas.entry(id).or_default() += 1;
+            return Ok(Entry::Data(id));
+        }
+        let compressed = lz4_flex::block::compress(block);
+        let (flags, payload) = if compressed.len() < BLOCK_BYTES {
+            (RECORD_FLAG_LZ4, &compressed[..])
+        } else {
+            (0, block)
+        };
+        let physical = (RECORD_HEADER_BYTES + payload.len()) as u64;
+        self.reserve_space(physical)?;
+        let id = (self.chunk_seq.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | shard as u64;
+        let placed = self
+            .segments
+            .append(shard % DATA_WRITERS, id, flags, payload, stamp)?;
+        let rec = format::ChunkRecord {
+            segment: placed.segment,
+            offset: placed.offset,
+            stored_len: payload.len() as u32,
+            crc: placed.crc,
+            flags,
+            refs: 0,
+            fingerprint: fp,
+        };
+        s.dirty.new_chunks.insert(id, rec);
+        s.dirty.fps.insert(fp, id);
+        *s.dirty.deltas.entry(id).or_default() += 1;
+        self.pending_bytes
+            .fetch_add(physical as i64, Ordering::Relaxed);
+        self.bloom().insert(&fp);
+        Ok(Entry::Data(id))
+    }
+
+    /// A live chunk with this fingerprint, if any. Called with the fingerprint's shard locked,
+    /// so no commit can free the chunk between this lookup and the caller's reference.
+    fn find_duplicate(&self, s: &ShardState, fp: &[u8; 32]) -> Result<Option<u64>> {
+        if let Some(&id) = s.dirty.fps.get(fp) {
+            return Ok(Some(id));
+        }
+        if s.dead_fps.contains(fp) {
+            return Ok(None);
+        }
+        if let Some(&id) = s.committing.fps.get(fp) {
+            return Ok(Some(id));
+        }
+        if !self.bloom().may_contain(fp) {
+            return Ok(None);
+        }
+        let txn = self.db.begin_read()?;
+        let fps = txn.open_table(meta::FPS)?;
+        Ok(fps.get(*fp)?.map(|v| v.value()))
+    }
+
+    /// Installs prepared entries in the volume's map and drops the references they replace.
+    /// `stripes_held`: the caller already holds the stripe locks of `[b0, b1)`.
+    fn install(
+        &self,
+        v: &VolumeState,
+        b0: u64,
+        b1: u64,
+        prepared: Vec<Prepared>,
+        stripes_held: bool,
+    ) -> Result<()> {
+        let mut stripes: Vec<usize> = if stripes_held {
+            Vec::new()
+        } else {
+            (b0..b1.min(b0 + STRIPES as u64)).map(stripe_of).collect()
+        };
+        stripes.sort_unstable();
+        stripes.dedup();
+        let _guards: Vec<MutexGuard<()>> = stripes.iter().map(|&s| v.stripes[s].lock()).collect();
+        let mut released = Vec::new();
+        loop {
+            let generation = v.map.lock().generation;
+            let stored = self.stored_range(v.layer, b0, b1)?;
+            let mut map = v.map.lock();
+            if map.deleted {
+                drop(map);
+                for p in &prepared {
+                    if let Entry::Data(id) = p.entry {
+                        released.push(id);
+                    }
+                }
+                self.release(&released);
+                return Err(Error::NotFound(v.name.clone()));
+            }
+            if map.generation != generation {
+                continue;
+            }
+            let mut mapped = map.mapped_blocks as i64;
+            let mut added = 0u64;
+            for p in &prepared {
+                let old = match map
+                    .dirty
+                    .get(&p.block)
+                    .or_else(|| map.committing.get(&p.block))
+                {
+                    Some(&e) => e,
+                    None => stored
+                        .get(&p.block)
+                        .map_or(Entry::Zero, |&id| Entry::Data(id)),
+                };
+                if let Entry::Data(id) = old {
+                    released.push(id);
+                    mapped -= 1;
+                }
+                if let Entry::Data(_) = p.entry {
+                    mapped += 1;
+                }
+                if old != Entry::Zero || p.entry != Entry::Zero {
+                    map.dirty.insert(p.block, p.entry);
+                    added += 1;
+                }
+            }
+            map.mapped_blocks = mapped as u64;
+            drop(map);
+            self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
+            break;
+        }
+        self.release(&released);
+        Ok(())
+    }
+
+    /// Drops one reference to each chunk (applied at the next commit).
+    fn release(&self, ids: &[u64]) {
+        for &id in ids {
+            *self.shards[shard_of_chunk(id)]
+                .lock()
+                .dirty
+                .deltas
+                .entry(id)
+                .or_default() -= 1;
+        }
+    }
+
+    /// Zeroes whole blocks `[b0, b1)`: every mapped block becomes a zero entry.
+    pub(crate) fn zero_blocks(&self, v: &VolumeState, b0: u64, b1: u64) -> Result<()> {
+        let _gate = self.gate.read();
+        let _guards: Vec<MutexGuard<()>> = v.stripes.iter().map(|s| s.lock()).collect();
+        let mut released = Vec::new();
+        loop {
+            let generation = v.map.lock().generation;
+            let stored = self.stored_range(v.layer, b0, b1)?;
+            let mut map = v.map.lock();
+            if map.deleted {
+                return Err(Error::NotFound(v.name.clone()));
+            }
+            if map.generation != generation {
+                continue;
+            }
+            let mut current: BTreeMap<u64, Entry> = stored
+                .into_iter()
+                .map(|(b, id)| (b, Entry::Data(id)))
+                .collect();
+            current.extend(map.committing.range(b0..b1).map(|(&b, &e)| (b, e)));
+            current.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
+            let mut added = 0;
+            for (b, e) in current {
+                if let Entry::Data(id) = e {
+                    released.push(id);
+                    map.dirty.insert(b, Entry::Zero);
+                    added += 1;
+                }
+            }
+            map.mapped_blocks -= released.len() as u64;
+            drop(map);
+            self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
+            break;
+        }
+        self.release(&released);
+        Ok(())
+    }
+}
+
+fn stripe_of(block: u64) -> usize {
+    (block % STRIPES as u64) as usize
+}
+
+pub(crate) fn shard_of_chunk(id: u64) -> usize {
+    (id & ((1 << SHARD_BITS) - 1)) as usize
+}

@@ -1,0 +1,410 @@
+//! Randomized model test: long random sequences of engine operations, every read checked
+//! against a plain in-memory model (a byte vector per volume), and the space accounting checked
+//! for consistency at every step and exactly (dedup included) after every flush.
+
+use ibid_engine::{Error, ExtentKind, Pool, PoolConfig};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, HashSet};
+
+const VOLUMES: [&str; 3] = ["alpha", "beta", "gamma"];
+const BLOCK: usize = 4096;
+const SECTOR: u64 = 512;
+/// Initial sizes: one a multiple of 4 KiB, one ending in a partial block, one larger.
+const SIZES: [u64; 3] = [8 << 20, (6 << 20) + 1536, 12 << 20];
+const PATTERNS: usize = 5;
+
+#[derive(Debug, Clone)]
+enum Data {
+    /// Random, incompressible bytes from a seed.
+    Random(u64),
+    /// Repeats one of a few fixed 4 KiB blocks: deduplicates across writes and volumes.
+    Duplicate(usize),
+    /// All zeros.
+    Zero,
+    /// Random blocks with some zero sectors and runs: compressible, partly zero.
+    PartlyZero(u64),
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write {
+        vol: usize,
+        sector: u64,
+        sectors: u64,
+        data: Data,
+        fua: bool,
+    },
+    WriteZeroes {
+        vol: usize,
+        sector: u64,
+        sectors: u64,
+    },
+    Read {
+        vol: usize,
+        sector: u64,
+        sectors: u64,
+    },
+    BlockStatus {
+        vol: usize,
+    },
+    Flush,
+    Grow {
+        vol: usize,
+        add_sectors: u64,
+    },
+    Delete {
+        vol: usize,
+    },
+    Reopen,
+    Gc,
+}
+
+fn data_strategy() -> impl Strategy<Value = Data> {
+    prop_oneof![
+        3 => any::<u64>().prop_map(Data::Random),
+        3 => (0..PATTERNS).prop_map(Data::Duplicate),
+        1 => Just(Data::Zero),
+        2 => any::<u64>().prop_map(Data::PartlyZero),
+    ]
+}
+
+fn len_strategy() -> impl Strategy<Value = u64> {
+    // 512 B to 4 MiB, mostly small.
+    prop_oneof![
+        4 => 1u64..=16,
+        2 => 1u64..=256,
+        1 => 1u64..=8192,
+    ]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let vol = 0..VOLUMES.len();
+    prop_oneof![
+        10 => (vol.clone(), any::<u64>(), len_strategy(), data_strategy(), prop::bool::weighted(0.1))
+            .prop_map(|(vol, sector, sectors, data, fua)| Op::Write { vol, sector, sectors, data, fua }),
+        2 => (vol.clone(), any::<u64>(), len_strategy()).prop_map(|(vol, sector, sectors)| Op::WriteZeroes { vol, sector, sectors }),
+        3 => (vol.clone(), any::<u64>(), len_strategy()).prop_map(|(vol, sector, sectors)| Op::Read { vol, sector, sectors }),
+        1 => vol.clone().prop_map(|vol| Op::BlockStatus { vol }),
+        2 => Just(Op::Flush),
+        1 => (vol.clone(), 1u64..4096).prop_map(|(vol, add_sectors)| Op::Grow { vol, add_sectors }),
+        1 => vol.prop_map(|vol| Op::Delete { vol }),
+        1 => Just(Op::Reopen),
+        1 => Just(Op::Gc),
+    ]
+}
+
+fn pattern_block(k: usize) -> Vec<u8> {
+    let mut b = vec![0u8; BLOCK];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(k as u64 + 1);
+    for chunk in b.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    b
+}
+
+fn make_data(d: &Data, len: usize) -> Vec<u8> {
+    match d {
+        Data::Zero => vec![0u8; len],
+        Data::Duplicate(k) => pattern_block(*k)
+            .iter()
+            .copied()
+            .cycle()
+            .take(len)
+            .collect(),
+        Data::Random(seed) | Data::PartlyZero(seed) => {
+            let mut x = seed | 1;
+            let mut v = vec![0u8; len];
+            for chunk in v.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let n = chunk.len();
+                chunk.copy_from_slice(&x.to_le_bytes()[..n]);
+            }
+            if matches!(d, Data::PartlyZero(_)) {
+                for (i, sector) in v.chunks_mut(SECTOR as usize).enumerate() {
+                    match (seed.wrapping_add(i as u64)) % 3 {
+                        0 => sector.fill(0),
+                        1 => sector[64..].fill(0xab),
+                        _ => {}
+                    }
+                }
+            }
+            v
+        }
+    }
+}
+
+struct Harness {
+    dir: tempfile::TempDir,
+    config: PoolConfig,
+    pool: Option<Pool>,
+    model: BTreeMap<usize, Vec<u8>>,
+}
+
+impl Harness {
+    fn new(background: bool) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            segment_bytes_max: 256 << 10,
+            background,
+            background_interval_ms: 20,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.path().join("pool"), config.clone()).expect("create pool");
+        let mut h = Harness {
+            dir,
+            config,
+            pool: Some(pool),
+            model: BTreeMap::new(),
+        };
+        for v in 0..VOLUMES.len() {
+            h.ensure(v);
+        }
+        h
+    }
+
+    fn pool(&self) -> &Pool {
+        self.pool.as_ref().expect("open")
+    }
+
+    fn ensure(&mut self, v: usize) {
+        if !self.model.contains_key(&v) {
+            self.pool()
+                .create_volume(VOLUMES[v], SIZES[v])
+                .expect("create volume");
+            self.model.insert(v, vec![0u8; SIZES[v] as usize]);
+        }
+    }
+
+    fn clamp(&self, v: usize, sector: u64, sectors: u64) -> (u64, u64) {
+        let size_sectors = self.model[&v].len() as u64 / SECTOR;
+        let sectors = sectors.min(size_sectors);
+        let sector = sector % (size_sectors - sectors + 1);
+        (sector * SECTOR, sectors * SECTOR)
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match op {
+            Op::Write {
+                vol,
+                sector,
+                sectors,
+                data,
+                fua,
+            } => {
+                self.ensure(*vol);
+                let (off, len) = self.clamp(*vol, *sector, *sectors);
+                let bytes = make_data(data, len as usize);
+                let volume = self.pool().volume(VOLUMES[*vol]).expect("volume");
+                volume.write(off, &bytes, *fua).expect("write");
+                self.model.get_mut(vol).expect("model")[off as usize..(off + len) as usize]
+                    .copy_from_slice(&bytes);
+                self.check_read(*vol, off, len);
+            }
+            Op::WriteZeroes {
+                vol,
+                sector,
+                sectors,
+            } => {
+                self.ensure(*vol);
+                let (off, len) = self.clamp(*vol, *sector, *sectors);
+                self.pool()
+                    .volume(VOLUMES[*vol])
+                    .expect("volume")
+                    .write_zeroes(off, len, false)
+                    .expect("zero");
+                self.model.get_mut(vol).expect("model")[off as usize..(off + len) as usize].fill(0);
+                self.check_read(*vol, off, len);
+            }
+            Op::Read {
+                vol,
+                sector,
+                sectors,
+            } => {
+                self.ensure(*vol);
+                let (off, len) = self.clamp(*vol, *sector, *sectors);
+                self.check_read(*vol, off, len);
+            }
+            Op::BlockStatus { vol } => {
+                self.ensure(*vol);
+                self.check_block_status(*vol);
+            }
+            Op::Flush => {
+                self.pool().sync().expect("sync");
+                self.check_exact_accounting();
+            }
+            Op::Grow { vol, add_sectors } => {
+                self.ensure(*vol);
+                let m = self.model.get_mut(vol).expect("model");
+                let new = m.len() as u64 + add_sectors * SECTOR;
+                self.pool
+                    .as_ref()
+                    .expect("open")
+                    .resize_volume(VOLUMES[*vol], new)
+                    .expect("grow");
+                m.resize(new as usize, 0);
+                let shrink = self.pool().resize_volume(VOLUMES[*vol], new - SECTOR);
+                assert!(
+                    matches!(shrink, Err(Error::InvalidArgument(_))),
+                    "shrink must be refused: {shrink:?}"
+                );
+            }
+            Op::Delete { vol } => {
+                if self.model.remove(vol).is_some() {
+                    self.pool().delete_volume(VOLUMES[*vol]).expect("delete");
+                    assert!(matches!(
+                        self.pool().volume(VOLUMES[*vol]),
+                        Err(Error::NotFound(_))
+                    ));
+                }
+            }
+            Op::Reopen => {
+                self.pool.take().expect("open").close().expect("close");
+                self.pool = Some(
+                    Pool::open(self.dir.path().join("pool"), self.config.clone()).expect("reopen"),
+                );
+                for v in self.model.keys().copied().collect::<Vec<_>>() {
+                    let len = self.model[&v].len() as u64;
+                    assert_eq!(self.pool().volume(VOLUMES[v]).expect("volume").size(), len);
+                    self.check_read(v, 0, len);
+                }
+            }
+            Op::Gc => {
+                self.pool().gc_now().expect("gc");
+                self.check_exact_accounting();
+            }
+        }
+        self.check_mapped_counts();
+    }
+
+    fn check_read(&self, v: usize, off: u64, len: u64) {
+        let mut buf = vec![0u8; len as usize];
+        self.pool()
+            .volume(VOLUMES[v])
+            .expect("volume")
+            .read(off, &mut buf)
+            .expect("read");
+        let want = &self.model[&v][off as usize..(off + len) as usize];
+        if buf != want {
+            let first = buf.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+            panic!(
+                "volume {} differs from the model at byte {}",
+                VOLUMES[v],
+                off + first as u64
+            );
+        }
+    }
+
+    fn blocks(&self, v: usize) -> impl Iterator<Item = Vec<u8>> + '_ {
+        self.model[&v].chunks(BLOCK).map(|c| {
+            let mut b = c.to_vec();
+            b.resize(BLOCK, 0);
+            b
+        })
+    }
+
+    fn check_mapped_counts(&self) {
+        for &v in self.model.keys() {
+            let want = self.blocks(v).filter(|b| b.iter().any(|&x| x != 0)).count() as u64;
+            let got = self
+                .pool()
+                .volume(VOLUMES[v])
+                .expect("volume")
+                .mapped_blocks();
+            assert_eq!(got, want, "mapped blocks of {}", VOLUMES[v]);
+        }
+    }
+
+    fn check_block_status(&self, v: usize) {
+        let size = self.model[&v].len() as u64;
+        let extents = self
+            .pool()
+            .volume(VOLUMES[v])
+            .expect("volume")
+            .block_status(0, size)
+            .expect("block status");
+        let mut pos = 0;
+        for e in &extents {
+            assert_eq!(e.offset, pos, "extents must be contiguous");
+            let bytes = &self.model[&v][e.offset as usize..(e.offset + e.length) as usize];
+            if e.kind == ExtentKind::Zero {
+                assert!(
+                    bytes.iter().all(|&x| x == 0),
+                    "a zero extent at {} holds data",
+                    e.offset
+                );
+            }
+            pos += e.length;
+        }
+        assert_eq!(pos, size);
+    }
+
+    fn check_exact_accounting(&self) {
+        let s = self.pool().stats();
+        let mut distinct = HashSet::new();
+        let mut mapped = 0u64;
+        for &v in self.model.keys() {
+            for b in self.blocks(v) {
+                if b.iter().any(|&x| x != 0) {
+                    mapped += 1;
+                    distinct.insert(b);
+                }
+            }
+        }
+        assert_eq!(
+            s.logical_written_bytes,
+            mapped * BLOCK as u64,
+            "logical written"
+        );
+        assert_eq!(
+            s.unique_chunks,
+            distinct.len() as u64,
+            "unique chunks = distinct non-zero blocks"
+        );
+        assert_eq!(s.unique_bytes, s.unique_chunks * BLOCK as u64);
+        assert!(
+            s.physical_bytes <= s.unique_chunks * (BLOCK as u64 + 24),
+            "physical bounded by unique"
+        );
+        assert_eq!(s.used_bytes, s.physical_bytes + s.metadata_bytes);
+        assert_eq!(s.free_bytes, s.capacity_bytes - s.used_bytes);
+        assert_eq!(
+            s.provisioned_bytes,
+            self.model.values().map(|m| m.len() as u64).sum::<u64>()
+        );
+        assert!(s.segment_file_bytes >= s.physical_bytes);
+        let report = self.pool().verify().expect("verify");
+        assert_eq!(report.chunks, s.unique_chunks);
+        assert_eq!(report.physical_bytes, s.physical_bytes);
+    }
+
+    fn finish(mut self) {
+        self.pool().sync().expect("sync");
+        self.check_exact_accounting();
+        for v in self.model.keys().copied().collect::<Vec<_>>() {
+            let len = self.model[&v].len() as u64;
+            self.check_read(v, 0, len);
+        }
+        self.pool.take().expect("open").close().expect("close");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, max_shrink_iters: 200, ..ProptestConfig::default() })]
+
+    /// Random operation sequences agree with the model, with and without the background
+    /// committer and cleaner racing the test.
+    #[test]
+    fn engine_matches_model(ops in prop::collection::vec(op_strategy(), 1..60), background in any::<bool>()) {
+        let mut h = Harness::new(background);
+        for op in &ops {
+            h.apply(op);
+        }
+        h.finish();
+    }
+}
