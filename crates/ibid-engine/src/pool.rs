@@ -522,6 +522,11 @@ impl Pool {
     /// Runs the cleaner until no segment qualifies (for tests and benchmarks; the background
     /// thread does the same thing a little at a time). Returns the segments cleaned.
     pub fn gc_now(&self) -> Result<u64> {
+        {
+            // Seal the open segments too, so their dead records can go.
+            let _gate = self.inner.gate.write();
+            self.inner.segments.seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
+        }
         self.inner.commit()?;
         let mut cleaned = 0;
         while self.inner.clean_one(true)? {

@@ -230,6 +230,19 @@ impl Segments {
         Ok(())
     }
 
+    /// Seals the open segments of the first `writers` writers; their records belong to batch
+    /// `batch_no` or earlier. (The cleaner's own writer is left alone: its records are committed
+    /// by the cleaner's transaction, not by a batch.)
+    pub fn seal_writers(&self, writers: usize, batch_no: u64) -> Result<()> {
+        for writer in &self.writers[..writers] {
+            let mut guard = writer.open.lock();
+            if let Some(o) = guard.take() {
+                self.seal(writer, o, batch_no)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Writes every buffer and fsyncs every file written since the last sync, and the directory
     /// if files were created or removed. After it returns, every record appended before the call
     /// is durable.
