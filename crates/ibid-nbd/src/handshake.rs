@@ -24,7 +24,7 @@ pub const OPTION_DATA_LEN_MAX: u32 = 64 * 1024;
 pub const BASE_ALLOCATION_ID: u32 = 1;
 
 /// Negotiation state that options change (reset by STARTTLS).
-struct State {
+pub(crate) struct State {
     tls_active: bool,
     no_zeroes: bool,
     mode: ReplyMode,
@@ -32,8 +32,20 @@ struct State {
     meta_export: Option<String>,
 }
 
+impl State {
+    /// The state after the client flags, before any option.
+    pub(crate) fn new(no_zeroes: bool) -> Self {
+        State {
+            tls_active: false,
+            no_zeroes,
+            mode: ReplyMode::Simple,
+            meta_export: None,
+        }
+    }
+}
+
 /// What one option asks the loop to do next.
-enum Next {
+pub(crate) enum Next {
     Continue,
     Close,
     StartTls,
@@ -57,12 +69,7 @@ pub(crate) async fn negotiate(
             "unknown client flags {client_flags:#x}"
         )));
     }
-    let mut state = State {
-        tls_active: false,
-        no_zeroes: client_flags & wire::FLAG_C_NO_ZEROES != 0,
-        mode: ReplyMode::Simple,
-        meta_export: None,
-    };
+    let mut state = State::new(client_flags & wire::FLAG_C_NO_ZEROES != 0);
     for _ in 0..OPTIONS_PER_HANDSHAKE_MAX {
         let mut header = [0u8; wire::OPTION_HEADER_LEN];
         if read_or_eof(&mut stream, &mut header).await?.is_none() {
@@ -122,7 +129,13 @@ async fn read_or_eof(stream: &mut BoxStream, buf: &mut [u8]) -> Result<Option<()
 
 /// Handles one option: appends the reply bytes to `out` and says what happens next. Pure
 /// except for backend look-ups, so it can be unit-tested without sockets.
-fn option(ctx: &Context, state: &mut State, code: u32, data: &[u8], out: &mut Vec<u8>) -> Next {
+pub(crate) fn option(
+    ctx: &Context,
+    state: &mut State,
+    code: u32,
+    data: &[u8],
+    out: &mut Vec<u8>,
+) -> Next {
     let mut reply = |kind: u32, payload: &[u8]| {
         out.extend_from_slice(&wire::encode_option_reply(code, kind, payload));
     };

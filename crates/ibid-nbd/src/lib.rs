@@ -15,6 +15,8 @@
 #![deny(missing_docs, clippy::unwrap_used)]
 
 pub mod export;
+#[doc(hidden)]
+pub mod fuzzing;
 mod handshake;
 pub mod memory;
 mod server;

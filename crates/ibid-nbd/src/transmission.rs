@@ -124,7 +124,7 @@ pub fn validate_request(
 }
 
 /// The result of one request, before encoding.
-enum Outcome {
+pub(crate) enum Outcome {
     Done,
     Data(Vec<u8>),
     Status(Vec<StatusDescriptor>),
@@ -156,7 +156,7 @@ fn backend_error(e: ExportError) -> Outcome {
 }
 
 /// Runs a validated request against the backend (on the blocking pool).
-fn execute(export: &dyn Export, req: &RequestHeader, payload: Vec<u8>) -> Outcome {
+pub(crate) fn execute(export: &dyn Export, req: &RequestHeader, payload: Vec<u8>) -> Outcome {
     let fua = req.flags & wire::CMD_FLAG_FUA != 0;
     let done = |r: Result<(), ExportError>| r.map_or_else(backend_error, |()| Outcome::Done);
     match req.kind {
@@ -226,7 +226,7 @@ fn descriptors(extents: &[Extent], span: u64, req_one: bool) -> Vec<StatusDescri
 }
 
 /// Encodes an outcome in the connection's framing: (header bytes, data bytes).
-fn encode(
+pub(crate) fn encode(
     mode: ReplyMode,
     req: &RequestHeader,
     ctx_id: u32,
