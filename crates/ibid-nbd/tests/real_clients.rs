@@ -338,6 +338,7 @@ fn fio_nbd_engine_verify() {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            "--verify_state_save=0",
         ],
     );
     assert!(out.contains("err= 0"), "{out}");
