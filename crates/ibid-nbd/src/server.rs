@@ -140,7 +140,15 @@ pub async fn serve_until(
 /// One client connection from accept to close. Every error ends only this connection.
 async fn connection(stream: BoxStream, ctx: Arc<Context>, handshake_timeout: Duration) {
     let negotiated = tokio::time::timeout(handshake_timeout, handshake::negotiate(stream, &ctx));
-    let (stream, session) = match negotiated.await {
+    let mut stop = ctx.stop.clone();
+    let negotiated = tokio::select! {
+        n = negotiated => n,
+        _ = stop.wait_for(|stopped| *stopped) => {
+            debug!("server stopping: closing NBD connection in handshake");
+            return;
+        }
+    };
+    let (stream, session) = match negotiated {
         Err(_) => {
             warn!("closing NBD connection: handshake took longer than {handshake_timeout:?}");
             return;

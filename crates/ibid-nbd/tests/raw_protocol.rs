@@ -458,3 +458,30 @@ fn shutdown_closes_connections() {
     drop(srv);
     assert!(c.closed());
 }
+
+/// Proves FORCEDTLS: before STARTTLS every option but STARTTLS/ABORT gets ERR_TLS_REQD,
+/// EXPORT_NAME hangs up, and STARTTLS is acknowledged.
+#[test]
+fn tls_required_refuses_options_before_starttls() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = ServerConfig {
+        tls: Some(common::tls_material(dir.path())),
+        ..ServerConfig::default()
+    };
+    let srv = TestServer::start(exports(), config);
+    let mut c = Raw::connect(srv.port);
+    c.expect_reply(OPT_LIST, &[], REP_ERR_TLS_REQD);
+    let mut d = 4u32.to_be_bytes().to_vec();
+    d.extend_from_slice(b"disk");
+    d.extend_from_slice(&0u16.to_be_bytes());
+    c.expect_reply(OPT_GO, &d, REP_ERR_TLS_REQD);
+    c.expect_reply(OPT_STRUCTURED_REPLY, &[], REP_ERR_TLS_REQD);
+    c.expect_reply(OPT_STARTTLS, &[], REP_ACK);
+    // Plain bytes where a TLS ClientHello belongs end the connection.
+    c.send(&[0u8; 64]);
+    assert!(c.closed());
+
+    let mut c = Raw::connect(srv.port);
+    c.option(OPT_EXPORT_NAME, b"disk");
+    assert!(c.closed());
+}

@@ -5,7 +5,7 @@ mod common;
 
 use common::{cmd, exports, logs, nbdsh, ok, text, TestServer};
 use ibid_nbd::memory::MemoryExport;
-use ibid_nbd::{ServerConfig, TlsConfig};
+use ibid_nbd::ServerConfig;
 
 /// Writes a raw image with data at [1 MiB, 2 MiB) (pattern 0xab) and [5 MiB, 5 MiB + 64 KiB).
 fn source_image(dir: &std::path::Path) -> String {
@@ -345,48 +345,12 @@ fn fio_nbd_engine_verify() {
     assert!(!out.contains("verify: bad"), "{out}");
 }
 
-fn tls_material(dir: &std::path::Path) -> TlsConfig {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa};
-    use rcgen::{KeyPair, KeyUsagePurpose, SanType};
-    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("ca params");
-    ca.distinguished_name
-        .push(DnType::CommonName, "ibid test CA");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_key = KeyPair::generate().expect("ca key");
-    let ca_cert = ca.self_signed(&ca_key).expect("ca cert");
-    let mut leaf = CertificateParams::new(vec!["localhost".to_string()]).expect("leaf params");
-    leaf.distinguished_name
-        .push(DnType::CommonName, "localhost");
-    leaf.subject_alt_names
-        .push(SanType::IpAddress("127.0.0.1".parse().expect("ip")));
-    leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    leaf.key_usages = vec![
-        KeyUsagePurpose::DigitalSignature,
-        KeyUsagePurpose::KeyEncipherment,
-    ];
-    let leaf_key = KeyPair::generate().expect("leaf key");
-    let leaf_cert = leaf
-        .signed_by(&leaf_key, &ca_cert, &ca_key)
-        .expect("leaf cert");
-    let write = |name: &str, pem: String| std::fs::write(dir.join(name), pem).expect("write pem");
-    write("ca-cert.pem", ca_cert.pem());
-    write("server-cert.pem", leaf_cert.pem());
-    write("server-key.pem", leaf_key.serialize_pem());
-    TlsConfig {
-        cert_chain_pem: dir.join("server-cert.pem"),
-        private_key_pem: dir.join("server-key.pem"),
-        client_ca_pem: None,
-        required: true,
-    }
-}
-
 /// Proves a TLS-required server refuses a plain client and serves nbdinfo and qemu-img over
 /// TLS with an X.509 certificate generated here.
 #[test]
 fn tls_required_refuses_plain_and_accepts_x509() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let tls = tls_material(dir.path());
+    let tls = common::tls_material(dir.path());
     let config = ServerConfig {
         tls: Some(tls),
         ..ServerConfig::default()

@@ -1,9 +1,10 @@
 //! Shared test harness: a captive server on a random loopback port (stopped on drop), the
-//! real-client runner that fails loudly when a tool is missing, and captured server logs.
+//! real-client runner that fails loudly when a tool is missing, and captured server logs
+//! (echoed to stderr when `IBID_TEST_LOG` is set).
 #![allow(dead_code)]
 
 use ibid_nbd::memory::{MemoryExport, MemoryExports};
-use ibid_nbd::{Exports, ServerConfig};
+use ibid_nbd::{Exports, ServerConfig, TlsConfig};
 use std::io::Write;
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex, Once};
@@ -17,7 +18,10 @@ impl Write for LogWriter {
         LOGS.lock()
             .unwrap_or_else(|e| e.into_inner())
             .extend_from_slice(buf);
-        std::io::stderr().write(buf)
+        if std::env::var_os("IBID_TEST_LOG").is_some() {
+            std::io::stderr().write_all(buf)?;
+        }
+        Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
@@ -147,4 +151,42 @@ pub fn ok(tool: &str, args: &[&str]) -> String {
 /// Runs an nbdsh (Python) script that must succeed.
 pub fn nbdsh(script: &str) -> String {
     ok("nbdsh", &["-c", script])
+}
+
+/// Generates a CA and a server certificate for `localhost`/127.0.0.1 into `dir` (the file
+/// names qemu's and libnbd's `tls-creds` directories expect) and returns a TLS-required config.
+pub fn tls_material(dir: &std::path::Path) -> TlsConfig {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa};
+    use rcgen::{KeyPair, KeyUsagePurpose, SanType};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    ca.distinguished_name
+        .push(DnType::CommonName, "ibid test CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_key = KeyPair::generate().expect("ca key");
+    let ca_cert = ca.self_signed(&ca_key).expect("ca cert");
+    let mut leaf = CertificateParams::new(vec!["localhost".to_string()]).expect("leaf params");
+    leaf.distinguished_name
+        .push(DnType::CommonName, "localhost");
+    leaf.subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().expect("ip")));
+    leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    leaf.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    let leaf_key = KeyPair::generate().expect("leaf key");
+    let leaf_cert = leaf
+        .signed_by(&leaf_key, &ca_cert, &ca_key)
+        .expect("leaf cert");
+    let write = |name: &str, pem: String| std::fs::write(dir.join(name), pem).expect("write pem");
+    write("ca-cert.pem", ca_cert.pem());
+    write("server-cert.pem", leaf_cert.pem());
+    write("server-key.pem", leaf_key.serialize_pem());
+    TlsConfig {
+        cert_chain_pem: dir.join("server-cert.pem"),
+        private_key_pem: dir.join("server-key.pem"),
+        client_ca_pem: None,
+        required: true,
+    }
 }
