@@ -1,0 +1,46 @@
+//! ibid's NBD server.
+//!
+//! Serves [`Export`]s over the Network Block Device protocol (fixed newstyle handshake,
+//! structured replies, extended headers, `base:allocation` block status, STARTTLS) to real
+//! clients such as qemu, libnbd (nbdinfo, nbdcopy, nbdsh, nbdfuse) and fio.
+//!
+//! Modules, one responsibility each:
+//! - [`wire`]: byte layouts, constants, pure parsers and encoders (fuzzed);
+//! - [`export`]: the backend traits the `ibid` binary implements on engine volumes;
+//! - [`memory`]: an in-memory backend for tests and fuzzing;
+//! - `handshake`: the option-haggling state machine;
+//! - `transmission`: request validation and the concurrent request loop of one connection;
+//! - [`tls`]: rustls configuration for STARTTLS;
+//! - `server`: the accept loop, connection limits and shutdown.
+#![deny(missing_docs, clippy::unwrap_used)]
+
+pub mod export;
+#[doc(hidden)]
+pub mod fuzzing;
+mod handshake;
+pub mod memory;
+mod server;
+pub mod tls;
+mod transmission;
+pub mod wire;
+
+pub use export::{
+    Export, ExportError, ExportInfo, Exports, Extent, BLOCK_SIZE_MIN, BLOCK_SIZE_PREFERRED,
+    PAYLOAD_LEN_MAX,
+};
+pub use handshake::{OPTIONS_PER_HANDSHAKE_MAX, OPTION_DATA_LEN_MAX};
+pub use server::{
+    serve, serve_until, ServeError, ServerConfig, CONNECTIONS_MAX, HANDSHAKE_TIMEOUT,
+    SHUTDOWN_GRACE,
+};
+pub use tls::{TlsConfig, TlsConfigError};
+pub use transmission::{validate_request, INFLIGHT_BYTES_MAX, INFLIGHT_REQUESTS_MAX};
+
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// A connection's byte stream: plain TCP, or TLS after `NBD_OPT_STARTTLS`.
+pub(crate) trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
+
+/// The boxed stream the state machines pass around (the type changes at STARTTLS).
+pub(crate) type BoxStream = Box<dyn Stream>;
