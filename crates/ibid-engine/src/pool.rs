@@ -525,7 +525,9 @@ impl Pool {
         {
             // Seal the open segments too, so their dead records can go.
             let _gate = self.inner.gate.write();
-            self.inner.segments.seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
+            self.inner
+                .segments
+                .seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
         }
         self.inner.commit()?;
         let mut cleaned = 0;

@@ -25,21 +25,32 @@ fn block_content(i: u64) -> Vec<u8> {
 fn corrupt_and_check(flip_at_record_offset: u64) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("pool");
-    let config = PoolConfig { capacity_bytes: Some(1 << 30), background: false, ..PoolConfig::default() };
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        background: false,
+        ..PoolConfig::default()
+    };
     let pool = Pool::create(&path, config.clone()).expect("create");
     let vol = pool.create_volume("v", BLOCKS * 4096).expect("volume");
     for i in 0..BLOCKS {
-        vol.write(i * 4096, &block_content(i), false).expect("write");
+        vol.write(i * 4096, &block_content(i), false)
+            .expect("write");
     }
     drop(vol);
     let segments = pool.segment_paths();
     pool.close().expect("close");
     // The first record starts right after the 64-byte segment header.
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(&segments[0]).expect("segment");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&segments[0])
+        .expect("segment");
     let mut byte = [0u8; 1];
-    file.read_exact_at(&mut byte, 64 + flip_at_record_offset).expect("read byte");
+    file.read_exact_at(&mut byte, 64 + flip_at_record_offset)
+        .expect("read byte");
     byte[0] ^= 0x40;
-    file.write_all_at(&byte, 64 + flip_at_record_offset).expect("flip byte");
+    file.write_all_at(&byte, 64 + flip_at_record_offset)
+        .expect("flip byte");
     drop(file);
 
     let pool = Pool::open(&path, config).expect("reopen");
@@ -48,7 +59,11 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
     for i in 0..BLOCKS {
         let mut buf = vec![0u8; 4096];
         match vol.read(i * 4096, &mut buf) {
-            Ok(()) => assert_eq!(buf, block_content(i), "block {i} read back wrong data without an error"),
+            Ok(()) => assert_eq!(
+                buf,
+                block_content(i),
+                "block {i} read back wrong data without an error"
+            ),
             Err(Error::Corrupt(msg)) => {
                 assert!(msg.contains("checksum") || msg.contains("magic"), "{msg}");
                 corrupt += 1;
@@ -56,9 +71,15 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
             Err(e) => panic!("block {i}: unexpected error {e}"),
         }
     }
-    assert_eq!(corrupt, 1, "exactly the block whose record was damaged fails");
+    assert_eq!(
+        corrupt, 1,
+        "exactly the block whose record was damaged fails"
+    );
     let verify = pool.verify();
-    assert!(matches!(verify, Err(Error::Corrupt(_))), "verify must report the damage: {verify:?}");
+    assert!(
+        matches!(verify, Err(Error::Corrupt(_))),
+        "verify must report the damage: {verify:?}"
+    );
 }
 
 #[test]

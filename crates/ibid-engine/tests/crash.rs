@@ -57,7 +57,9 @@ fn decode_sector(vol: usize, sector: u64, s: &[u8]) -> Result<u64, String> {
     }
     let version = u64::from_le_bytes(s[16..24].try_into().expect("8 bytes"));
     if s[..] != sector_content(vol, sector, version)[..] {
-        return Err(format!("volume {vol} sector {sector}: content is not a valid version of this sector"));
+        return Err(format!(
+            "volume {vol} sector {sector}: content is not a valid version of this sector"
+        ));
     }
     Ok(version)
 }
@@ -67,11 +69,19 @@ fn decode_sector(vol: usize, sector: u64, s: &[u8]) -> Result<u64, String> {
 #[test]
 #[ignore = "helper process for crash_recovers_every_flushed_sector"]
 fn crash_child() {
-    let Ok(dir) = std::env::var("IBID_CRASH_DIR") else { return };
-    let seed: u64 = std::env::var("IBID_CRASH_SEED").expect("seed").parse().expect("seed");
+    let Ok(dir) = std::env::var("IBID_CRASH_DIR") else {
+        return;
+    };
+    let seed: u64 = std::env::var("IBID_CRASH_SEED")
+        .expect("seed")
+        .parse()
+        .expect("seed");
     let gc_heavy = seed % 2 == 1;
     let pool = Pool::open(&dir, config()).expect("open pool");
-    let vols: Vec<_> = VOLUMES.iter().map(|n| pool.volume(n).expect("volume")).collect();
+    let vols: Vec<_> = VOLUMES
+        .iter()
+        .map(|n| pool.volume(n).expect("volume"))
+        .collect();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut version = seed << 32;
     let mut out = std::io::stdout().lock();
@@ -80,13 +90,17 @@ fn crash_child() {
     loop {
         version += 1;
         let vol = rng.random_range(0..VOLUMES.len());
-        let sectors = *[1u64, 3, 8, 8, 16, 64].get(rng.random_range(0..6)).expect("len");
+        let sectors = *[1u64, 3, 8, 8, 16, 64]
+            .get(rng.random_range(0..6))
+            .expect("len");
         let start = rng.random_range(0..VOLUME_SECTORS - sectors);
         match rng.random_range(0..10) {
             0 => {
                 writeln!(out, "Z {vol} {start} {sectors}").expect("stdout");
                 out.flush().expect("stdout");
-                vols[vol].write_zeroes(start * 512, sectors * 512, false).expect("zero");
+                vols[vol]
+                    .write_zeroes(start * 512, sectors * 512, false)
+                    .expect("zero");
             }
             1 => {
                 vols[vol].flush().expect("flush");
@@ -99,7 +113,9 @@ fn crash_child() {
             _ => {
                 writeln!(out, "W {vol} {start} {sectors} {version}").expect("stdout");
                 out.flush().expect("stdout");
-                let data: Vec<u8> = (start..start + sectors).flat_map(|s| sector_content(vol, s, version)).collect();
+                let data: Vec<u8> = (start..start + sectors)
+                    .flat_map(|s| sector_content(vol, s, version))
+                    .collect();
                 let fua = rng.random_range(0..20) == 0;
                 vols[vol].write(start * 512, &data, fua).expect("write");
                 if fua {
@@ -118,7 +134,8 @@ fn crash_recovers_every_flushed_sector() {
     {
         let pool = Pool::create(&pool_dir, config()).expect("create");
         for v in VOLUMES {
-            pool.create_volume(v, VOLUME_SECTORS * 512).expect("create volume");
+            pool.create_volume(v, VOLUME_SECTORS * 512)
+                .expect("create volume");
         }
         pool.close().expect("close");
     }
@@ -132,7 +149,13 @@ fn crash_recovers_every_flushed_sector() {
         let seed = round as u64 + 1;
         gc_rounds += (seed % 2) as usize;
         let mut child = Command::new(&exe)
-            .args(["--ignored", "--exact", "crash_child", "--nocapture", "--test-threads=1"])
+            .args([
+                "--ignored",
+                "--exact",
+                "crash_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("IBID_CRASH_DIR", &pool_dir)
             .env("IBID_CRASH_SEED", seed.to_string())
             .stdout(Stdio::piped())
@@ -160,7 +183,11 @@ fn crash_recovers_every_flushed_sector() {
             let vol: usize = f[1].parse().expect("vol");
             let start: u64 = f[2].parse().expect("start");
             let n: u64 = f[3].parse().expect("n");
-            let version: u64 = if f[0] == "W" { f[4].parse().expect("version") } else { 0 };
+            let version: u64 = if f[0] == "W" {
+                f[4].parse().expect("version")
+            } else {
+                0
+            };
             for s in start..start + n {
                 if last_flush.is_some_and(|lf| i < lf) {
                     durable.insert((vol, s), version);
@@ -171,14 +198,16 @@ fn crash_recovers_every_flushed_sector() {
             }
         }
         let pool = Pool::open(&pool_dir, config()).expect("reopen after kill");
-        pool.verify().unwrap_or_else(|e| panic!("round {round}: metadata inconsistent after kill: {e}"));
+        pool.verify()
+            .unwrap_or_else(|e| panic!("round {round}: metadata inconsistent after kill: {e}"));
         for (vi, name) in VOLUMES.iter().enumerate() {
             let vol = pool.volume(name).expect("volume");
             let mut buf = vec![0u8; (VOLUME_SECTORS as usize) * SECTOR];
             vol.read(0, &mut buf).expect("read after kill");
             for s in 0..VOLUME_SECTORS {
-                let got = decode_sector(vi, s, &buf[s as usize * SECTOR..(s as usize + 1) * SECTOR])
-                    .unwrap_or_else(|e| panic!("round {round}: {e}"));
+                let got =
+                    decode_sector(vi, s, &buf[s as usize * SECTOR..(s as usize + 1) * SECTOR])
+                        .unwrap_or_else(|e| panic!("round {round}: {e}"));
                 let want = durable.get(&(vi, s)).copied().unwrap_or(0);
                 let later = maybe.get(&(vi, s));
                 assert!(
@@ -192,7 +221,13 @@ fn crash_recovers_every_flushed_sector() {
     }
     assert!(gc_rounds >= 10, "rounds with the cleaner running flat out");
     // The test only means something if the children got real work done before each kill.
-    assert!(ops_total >= ROUNDS * 20, "only {ops_total} operations in {ROUNDS} rounds");
-    assert!(flushes_total >= ROUNDS * 2, "only {flushes_total} flushes in {ROUNDS} rounds");
+    assert!(
+        ops_total >= ROUNDS * 20,
+        "only {ops_total} operations in {ROUNDS} rounds"
+    );
+    assert!(
+        flushes_total >= ROUNDS * 2,
+        "only {flushes_total} flushes in {ROUNDS} rounds"
+    );
     eprintln!("crash test: {ROUNDS} rounds, {ops_total} operations, {flushes_total} flushes");
 }

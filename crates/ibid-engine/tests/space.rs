@@ -18,7 +18,12 @@ fn random_block(seed: u64) -> Vec<u8> {
 }
 
 fn quiet_config(capacity: u64) -> PoolConfig {
-    PoolConfig { capacity_bytes: Some(capacity), background: false, segment_bytes_max: 1 << 20, ..PoolConfig::default() }
+    PoolConfig {
+        capacity_bytes: Some(capacity),
+        background: false,
+        segment_bytes_max: 1 << 20,
+        ..PoolConfig::default()
+    }
 }
 
 /// A full pool fails only the writes that need new space; data stays readable; freeing space
@@ -34,7 +39,8 @@ fn full_pool_fails_new_data_only_and_recovers_after_delete() {
     let pool = Pool::create(dir.path().join("p"), quiet_config(capacity)).expect("create");
     let a = pool.create_volume("a", 1 << 30).expect("a");
     let b = pool.create_volume("b", 1 << 30).expect("b");
-    b.write(0, &random_block(999_999), false).expect("b's first block");
+    b.write(0, &random_block(999_999), false)
+        .expect("b's first block");
     let mut written = 0u64;
     let err = loop {
         match a.write(written * 4096, &random_block(written), false) {
@@ -54,8 +60,10 @@ fn full_pool_fails_new_data_only_and_recovers_after_delete() {
     b.read(0, &mut buf).expect("read b when full");
     assert_eq!(buf, random_block(999_999));
     // Writes that need no new space still work: zeros, and data already stored.
-    b.write(4096, &vec![0u8; 4096], false).expect("zero write when full");
-    b.write(8192, &random_block(3), false).expect("duplicate write when full");
+    b.write(4096, &vec![0u8; 4096], false)
+        .expect("zero write when full");
+    b.write(8192, &random_block(3), false)
+        .expect("duplicate write when full");
     pool.sync().expect("sync");
     assert!(pool.stats().soft_threshold_exceeded);
     // Free space by deleting, and writes work again.
@@ -63,9 +71,14 @@ fn full_pool_fails_new_data_only_and_recovers_after_delete() {
     pool.delete_volume("a").expect("delete");
     pool.gc_now().expect("gc");
     let s = pool.stats();
-    assert!(s.free_bytes > 7 << 20, "free after delete: {}", s.free_bytes);
+    assert!(
+        s.free_bytes > 7 << 20,
+        "free after delete: {}",
+        s.free_bytes
+    );
     assert!(!s.soft_threshold_exceeded);
-    b.write(1 << 20, &random_block(123_456), true).expect("write after freeing space");
+    b.write(1 << 20, &random_block(123_456), true)
+        .expect("write after freeing space");
     pool.verify().expect("verify");
 }
 
@@ -77,19 +90,31 @@ fn overwrite_and_zero_release_physical_space() {
     let v = pool.create_volume("v", 64 << 20).expect("v");
     for round in 0..3u64 {
         for i in 0..1024 {
-            v.write(i * 4096, &random_block(round * 10_000 + i), false).expect("write");
+            v.write(i * 4096, &random_block(round * 10_000 + i), false)
+                .expect("write");
         }
         pool.sync().expect("sync");
     }
     pool.gc_now().expect("gc");
     let s = pool.stats();
     assert_eq!(s.unique_chunks, 1024);
-    assert!(s.segment_file_bytes < 1024 * 4200 + (2 << 20), "segments hold {} bytes", s.segment_file_bytes);
+    assert!(
+        s.segment_file_bytes < 1024 * 4200 + (2 << 20),
+        "segments hold {} bytes",
+        s.segment_file_bytes
+    );
     v.write_zeroes(0, 64 << 20, false).expect("zero all");
     pool.gc_now().expect("gc");
     let s = pool.stats();
-    assert_eq!((s.unique_chunks, s.physical_bytes, s.logical_written_bytes), (0, 0, 0));
-    assert!(s.segment_file_bytes < 2 << 20, "segments hold {} bytes after zeroing", s.segment_file_bytes);
+    assert_eq!(
+        (s.unique_chunks, s.physical_bytes, s.logical_written_bytes),
+        (0, 0, 0)
+    );
+    assert!(
+        s.segment_file_bytes < 2 << 20,
+        "segments hold {} bytes after zeroing",
+        s.segment_file_bytes
+    );
     pool.verify().expect("verify");
 }
 
@@ -100,16 +125,31 @@ fn petabyte_volume_zero_and_block_status_are_metadata_operations() {
     let pool = Pool::create(dir.path().join("p"), quiet_config(1 << 30)).expect("create");
     let size = 1u64 << 50;
     let v = pool.create_volume("huge", size).expect("1 PiB volume");
-    assert!(matches!(pool.create_volume("bigger", size + 512), Err(Error::InvalidArgument(_))));
-    v.write(size - 4096, &random_block(1), false).expect("write at the end");
-    v.write(1 << 40, &random_block(2), false).expect("write at 1 TiB");
+    assert!(matches!(
+        pool.create_volume("bigger", size + 512),
+        Err(Error::InvalidArgument(_))
+    ));
+    v.write(size - 4096, &random_block(1), false)
+        .expect("write at the end");
+    v.write(1 << 40, &random_block(2), false)
+        .expect("write at 1 TiB");
     let t = std::time::Instant::now();
     let extents = v.block_status(0, size).expect("status");
-    assert_eq!(extents.iter().filter(|e| e.kind == ExtentKind::Data).count(), 2);
+    assert_eq!(
+        extents
+            .iter()
+            .filter(|e| e.kind == ExtentKind::Data)
+            .count(),
+        2
+    );
     assert_eq!(extents.iter().map(|e| e.length).sum::<u64>(), size);
     v.write_zeroes(0, size, false).expect("zero 1 PiB");
     assert_eq!(v.block_status(0, size).expect("status").len(), 1);
-    assert!(t.elapsed().as_secs() < 5, "zeroing 1 PiB took {:?}", t.elapsed());
+    assert!(
+        t.elapsed().as_secs() < 5,
+        "zeroing 1 PiB took {:?}",
+        t.elapsed()
+    );
     let mut buf = vec![1u8; 4096];
     v.read(size - 4096, &mut buf).expect("read");
     assert!(buf.iter().all(|&b| b == 0));
@@ -122,15 +162,39 @@ fn bad_arguments_are_refused() {
     let pool = Pool::create(dir.path().join("p"), quiet_config(1 << 30)).expect("create");
     let v = pool.create_volume("v", 1 << 20).expect("v");
     let mut buf = vec![0u8; 512];
-    assert!(matches!(v.read(100, &mut buf), Err(Error::InvalidArgument(_))));
-    assert!(matches!(v.read(1 << 20, &mut buf), Err(Error::OutOfRange { .. })));
-    assert!(matches!(v.write(u64::MAX - 511, &buf, false), Err(Error::OutOfRange { .. })));
-    assert!(matches!(pool.create_volume("v", 1 << 20), Err(Error::AlreadyExists(_))));
-    assert!(matches!(pool.create_volume("bad/name", 1 << 20), Err(Error::InvalidArgument(_))));
-    assert!(matches!(pool.create_volume("odd", 1000), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        v.read(100, &mut buf),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        v.read(1 << 20, &mut buf),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        v.write(u64::MAX - 511, &buf, false),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        pool.create_volume("v", 1 << 20),
+        Err(Error::AlreadyExists(_))
+    ));
+    assert!(matches!(
+        pool.create_volume("bad/name", 1 << 20),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        pool.create_volume("odd", 1000),
+        Err(Error::InvalidArgument(_))
+    ));
     assert!(matches!(pool.volume("missing"), Err(Error::NotFound(_))));
-    assert!(matches!(pool.delete_volume("missing"), Err(Error::NotFound(_))));
-    assert!(matches!(Pool::create(dir.path().join("p"), quiet_config(1 << 30)), Err(_)));
+    assert!(matches!(
+        pool.delete_volume("missing"),
+        Err(Error::NotFound(_))
+    ));
+    assert!(matches!(
+        Pool::create(dir.path().join("p"), quiet_config(1 << 30)),
+        Err(_)
+    ));
     assert_eq!(pool.stats().logical_written_bytes, 0);
 }
 
@@ -139,7 +203,11 @@ fn bad_arguments_are_refused() {
 #[test]
 fn concurrent_writers_lose_no_update() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = PoolConfig { capacity_bytes: Some(1 << 30), background_interval_ms: 5, ..PoolConfig::default() };
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        background_interval_ms: 5,
+        ..PoolConfig::default()
+    };
     let pool = Arc::new(Pool::create(dir.path().join("p"), config).expect("create"));
     pool.create_volume("shared", 16 << 20).expect("shared");
     pool.create_volume("other", 16 << 20).expect("other");
@@ -153,10 +221,16 @@ fn concurrent_writers_lose_no_update() {
                 let other = pool.volume("other").expect("other");
                 for r in 0..ROUNDS {
                     // Sector t of block 0: a partial-block write racing the other threads'.
-                    shared.write(t * 512, &[(r % 251) as u8 + 1; 512], false).expect("sector");
+                    shared
+                        .write(t * 512, &[(r % 251) as u8 + 1; 512], false)
+                        .expect("sector");
                     // A whole block of its own, and a block on another volume.
-                    shared.write((1 + t) * 4096, &random_block(t * 1000 + r), false).expect("block");
-                    other.write(t * 4096 * 16, &random_block(t * 7777 + r), r % 50 == 0).expect("other");
+                    shared
+                        .write((1 + t) * 4096, &random_block(t * 1000 + r), false)
+                        .expect("block");
+                    other
+                        .write(t * 4096 * 16, &random_block(t * 7777 + r), r % 50 == 0)
+                        .expect("other");
                     if r % 64 == 0 {
                         shared.flush().expect("flush");
                     }
@@ -171,7 +245,12 @@ fn concurrent_writers_lose_no_update() {
     let mut block = vec![0u8; 4096];
     shared.read(0, &mut block).expect("read");
     for t in 0..THREADS as usize {
-        assert!(block[t * 512..(t + 1) * 512].iter().all(|&b| b == ((ROUNDS - 1) % 251) as u8 + 1), "sector {t} lost an update");
+        assert!(
+            block[t * 512..(t + 1) * 512]
+                .iter()
+                .all(|&b| b == ((ROUNDS - 1) % 251) as u8 + 1),
+            "sector {t} lost an update"
+        );
     }
     for t in 0..THREADS {
         shared.read((1 + t) * 4096, &mut block).expect("read");

@@ -1,2 +1,95 @@
-//! The `ibid` command: server and management CLI.
-fn main() {}
+//! The `ibid` command: runs the storage server and (later) manages it.
+
+mod nbd_exports;
+mod serve;
+mod units;
+
+use clap::{Parser, Subcommand};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// ibid: an all-flash storage array in software.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve a pool's volumes over NBD (creating the pool if needed).
+    Serve {
+        /// Pool directory.
+        #[arg(long, default_value = "ibid-data", env = "IBID_DATA")]
+        data: PathBuf,
+        /// Capacity of a new pool, e.g. 100G (default: the filesystem's free space).
+        #[arg(long, value_parser = units::parse_size)]
+        capacity: Option<u64>,
+        /// NBD listen address.
+        #[arg(long, default_value = "127.0.0.1:10809")]
+        nbd: SocketAddr,
+        /// Create this volume if it does not exist: NAME=SIZE, e.g. vm1=50G (repeatable).
+        #[arg(long = "volume", value_parser = parse_volume_arg)]
+        volumes: Vec<(String, u64)>,
+        /// Don't create the default volume (disk0, 16 GiB thin) in a new pool.
+        #[arg(long)]
+        no_default_volume: bool,
+        /// Certificate (PEM) for NBD TLS; with --nbd-tls-key, enables STARTTLS.
+        #[arg(long, requires = "nbd_tls_key")]
+        nbd_tls_cert: Option<PathBuf>,
+        /// Private key (PEM) for NBD TLS.
+        #[arg(long, requires = "nbd_tls_cert")]
+        nbd_tls_key: Option<PathBuf>,
+        /// Refuse NBD clients that do not use TLS.
+        #[arg(long, requires = "nbd_tls_cert")]
+        nbd_tls_required: bool,
+    },
+}
+
+fn parse_volume_arg(s: &str) -> Result<(String, u64), String> {
+    let (name, size) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected NAME=SIZE, e.g. vm1=50G"))?;
+    ibid_engine::validate_volume_name(name).map_err(|e| e.to_string())?;
+    Ok((name.to_string(), units::parse_size(size)?))
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Serve {
+            data,
+            capacity,
+            nbd,
+            volumes,
+            no_default_volume,
+            nbd_tls_cert,
+            nbd_tls_key,
+            nbd_tls_required,
+        } => {
+            let nbd_tls = match (nbd_tls_cert, nbd_tls_key) {
+                (Some(cert), Some(key)) => Some(ibid_nbd::TlsConfig {
+                    cert_chain_pem: cert,
+                    private_key_pem: key,
+                    client_ca_pem: None,
+                    required: nbd_tls_required,
+                }),
+                _ => None,
+            };
+            serve::run(serve::ServeOptions {
+                data,
+                capacity,
+                nbd,
+                volumes,
+                default_volume: !no_default_volume,
+                nbd_tls,
+            })
+        }
+    }
+}

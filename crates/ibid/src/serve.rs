@@ -1,0 +1,116 @@
+//! `ibid serve`: open (or create) a pool and serve its volumes until SIGINT or SIGTERM.
+
+use crate::nbd_exports::PoolExports;
+use crate::units::format_size;
+use anyhow::Context;
+use ibid_engine::{Pool, PoolConfig};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What `ibid serve` needs to start.
+pub struct ServeOptions {
+    /// Pool directory.
+    pub data: PathBuf,
+    /// Capacity of a new pool (default: the filesystem's free space).
+    pub capacity: Option<u64>,
+    /// NBD listen address.
+    pub nbd: SocketAddr,
+    /// Volumes to create if missing: (name, size).
+    pub volumes: Vec<(String, u64)>,
+    /// Create `disk0` (16 GiB, thin) in a new, empty pool.
+    pub default_volume: bool,
+    /// TLS for NBD, if configured.
+    pub nbd_tls: Option<ibid_nbd::TlsConfig>,
+}
+
+/// Name and size of the volume a fresh pool gets so that the first run is usable at once.
+pub const DEFAULT_VOLUME: (&str, u64) = ("disk0", 16 << 30);
+
+/// Runs the server until a shutdown signal, then closes the pool cleanly.
+pub fn run(opts: ServeOptions) -> anyhow::Result<()> {
+    let fresh = !opts.data.join("meta.redb").exists();
+    let config = PoolConfig {
+        capacity_bytes: opts.capacity,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::open_or_create(&opts.data, config)
+        .with_context(|| format!("open pool in {}", opts.data.display()))?;
+    let mut volumes = opts.volumes.clone();
+    if fresh && opts.default_volume && volumes.is_empty() {
+        volumes.push((DEFAULT_VOLUME.0.to_string(), DEFAULT_VOLUME.1));
+    }
+    for (name, size) in &volumes {
+        if pool.volume(name).is_err() {
+            pool.create_volume(name, *size)
+                .with_context(|| format!("create volume {name}"))?;
+        }
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("ibid-io")
+        .build()?;
+    let result = runtime.block_on(serve(pool.clone(), &opts));
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    pool.close().context("close pool")?;
+    result
+}
+
+async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
+    let nbd_listener = tokio::net::TcpListener::bind(opts.nbd)
+        .await
+        .with_context(|| format!("listen for NBD on {}", opts.nbd))?;
+    let nbd_addr = nbd_listener.local_addr()?;
+    print_banner(&pool, opts, nbd_addr);
+    let exports = Arc::new(PoolExports::new(pool));
+    let nbd_config = ibid_nbd::ServerConfig {
+        tls: opts.nbd_tls.clone(),
+        ..ibid_nbd::ServerConfig::default()
+    };
+    let nbd = ibid_nbd::serve_until(nbd_listener, exports, nbd_config, shutdown_signal());
+    nbd.await.context("NBD server")?;
+    tracing::info!("shutting down");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("install SIGTERM handler: {e}");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+fn print_banner(pool: &Pool, opts: &ServeOptions, nbd: SocketAddr) {
+    let stats = pool.stats();
+    println!(
+        "ibid serving pool {} ({} capacity, {} used)",
+        opts.data.display(),
+        format_size(stats.capacity_bytes),
+        format_size(stats.used_bytes)
+    );
+    println!("  NBD   nbd://{nbd}/VOLUME");
+    let volumes = pool.list_volumes();
+    if volumes.is_empty() {
+        println!("  no volumes yet: restart with --volume NAME=SIZE (e.g. --volume vm1=50G)");
+    }
+    for v in &volumes {
+        println!(
+            "  volume {:<20} {:>10}   e.g.  nbdinfo nbd://{nbd}/{}",
+            v.name,
+            format_size(v.size_bytes),
+            v.name
+        );
+    }
+    if let Some(v) = volumes.first() {
+        println!("  try:  qemu-img info nbd://{nbd}/{}", v.name);
+    }
+    println!("Ctrl-C stops the server; the pool is closed cleanly.");
+}

@@ -1,0 +1,79 @@
+//! Human units for sizes: `10G`, `1.5 TiB`, `512`, `4k`. Powers of 1024 throughout, as storage
+//! administrators expect of disk sizes (`G` = `GiB`).
+
+/// Parses a size such as `50G`, `1.5TiB`, `4096`, `512k` into bytes.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let shift = match unit.trim_end_matches("ib").trim_end_matches('b') {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        "p" => 50,
+        _ => {
+            return Err(format!(
+                "{s:?}: unknown unit {unit:?} (use K, M, G, T or P)"
+            ))
+        }
+    };
+    if num.is_empty() {
+        return Err(format!("{s:?}: expected a number, e.g. 10G"));
+    }
+    let bytes = if num.contains('.') {
+        let v: f64 = num.parse().map_err(|_| format!("{s:?}: not a number"))?;
+        v * (1u64 << shift) as f64
+    } else {
+        let v: u64 = num.parse().map_err(|_| format!("{s:?}: not a number"))?;
+        return v
+            .checked_mul(1 << shift)
+            .ok_or_else(|| format!("{s:?}: too large"));
+    };
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("{s:?}: out of range"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// Formats bytes with a binary unit: `1.5 GiB`, `512 B`.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{bytes} B")
+    } else if v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[i])
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_formats_human_sizes() {
+        assert_eq!(parse_size("10G"), Ok(10 << 30));
+        assert_eq!(parse_size("1.5 TiB"), Ok(3 << 39));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512k"), Ok(512 << 10));
+        assert_eq!(parse_size("1PB"), Ok(1 << 50));
+        assert!(parse_size("10X").is_err());
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("99999999999P").is_err());
+        assert_eq!(format_size(3 << 39), "1.5 TiB");
+        assert_eq!(format_size(512), "512 B");
+        assert_eq!(format_size(16 << 30), "16 GiB");
+    }
+}
