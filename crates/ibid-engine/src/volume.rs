@@ -217,6 +217,43 @@ impl Volume {
         Ok(out)
     }
 
+    /// Like [`Volume::block_status`], but stops after about `max_extents` extents: the cost is
+    /// bounded by the extents returned, not by `len`. The extents cover a prefix of the range
+    /// (the last one may end early); callers that need more ask again from where it ends.
+    /// This is what protocol front ends use: clients ask for block status from every offset
+    /// in turn, so an unbounded answer would make a walk over a fragmented volume quadratic.
+    pub fn block_status_max(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+    ) -> Result<Vec<Extent>> {
+        self.check_range(offset, len)?;
+        let end = offset + len;
+        let mut out: Vec<Extent> = Vec::new();
+        let mut pos = offset;
+        let mut window_blocks = 64u64;
+        while pos < end && out.len() <= max_extents.max(1) {
+            let window_end = end.min(
+                (pos / BLOCK)
+                    .saturating_add(window_blocks)
+                    .saturating_mul(BLOCK),
+            );
+            for e in self.block_status(pos, window_end - pos)? {
+                match out.last_mut() {
+                    Some(last) if last.kind == e.kind && last.offset + last.length == e.offset => {
+                        last.length += e.length
+                    }
+                    _ => out.push(e),
+                }
+            }
+            pos = window_end;
+            window_blocks = window_blocks.saturating_mul(4);
+        }
+        out.truncate(max_extents.max(1));
+        Ok(out)
+    }
+
     /// Where this volume's space went: walks its committed map (commits first).
     pub fn space(&self) -> Result<VolumeSpace> {
         self.inner.commit()?;

@@ -4,6 +4,10 @@ use ibid_engine::{Error, ExtentKind, Pool, Volume};
 use ibid_nbd::{Export, ExportError, ExportInfo, Exports, Extent};
 use std::sync::Arc;
 
+/// Extents returned per block-status request at most (clients ask again from where it ends).
+/// Small, because qemu uses only the first extent of each reply and asks again from its end.
+const BLOCK_STATUS_EXTENTS_MAX: usize = 64;
+
 /// All volumes of a pool, as NBD exports.
 pub struct PoolExports {
     pool: Pool,
@@ -96,7 +100,7 @@ impl Export for VolumeExport {
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, ExportError> {
         let extents = self
             .volume
-            .block_status(offset, len)
+            .block_status_max(offset, len, BLOCK_STATUS_EXTENTS_MAX)
             .map_err(to_export_error)?;
         Ok(extents
             .into_iter()

@@ -1,0 +1,186 @@
+//! A captive `ibid serve` for tests: started on a private pool and ephemeral ports, stopped
+//! (SIGTERM, clean close) when dropped. Real clients are run against it as subprocesses.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+/// A running server.
+pub struct Server {
+    child: Option<Child>,
+    /// Directory holding the pool.
+    pub dir: tempfile::TempDir,
+    /// NBD address, host:port.
+    pub nbd: String,
+}
+
+impl Server {
+    /// Starts `ibid serve` with `args` added; waits until it prints its NBD address.
+    pub fn start(args: &[&str]) -> Server {
+        let dir = tempfile::tempdir().expect("tempdir");
+        Self::start_in(dir, args)
+    }
+
+    /// Starts on an existing directory (to restart a server on the same pool).
+    pub fn start_in(dir: tempfile::TempDir, args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ibid"))
+            .arg("serve")
+            .arg("--data")
+            .arg(dir.path().join("pool"))
+            .args(["--nbd", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start ibid serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut nbd = None;
+        for line in BufReader::new(stdout).lines() {
+            let line = line.expect("read banner");
+            if let Some(rest) = line.trim().strip_prefix("NBD   nbd://") {
+                nbd = Some(rest.trim_end_matches("/VOLUME").to_string());
+            }
+            if line.starts_with("Ctrl-C") {
+                break;
+            }
+        }
+        let nbd = nbd.expect("ibid serve printed no NBD address");
+        Server {
+            child: Some(child),
+            dir,
+            nbd,
+        }
+    }
+
+    /// `nbd://127.0.0.1:PORT/VOLUME`.
+    pub fn url(&self, volume: &str) -> String {
+        format!("nbd://{}/{}", self.nbd, volume)
+    }
+
+    /// The pool directory.
+    pub fn pool_dir(&self) -> PathBuf {
+        self.dir.path().join("pool")
+    }
+
+    /// Stops the server (SIGTERM) and waits for a clean exit; returns the directory.
+    pub fn stop(mut self) -> tempfile::TempDir {
+        self.terminate();
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::mem::replace(&mut self.dir, dir)
+    }
+
+    fn terminate(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: sending a signal to our own child process.
+            unsafe { libc_kill(child.id() as i32, 15) };
+            for _ in 0..100 {
+                if let Ok(Some(status)) = child.try_wait() {
+                    assert!(status.success(), "ibid serve exited with {status}");
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            panic!("ibid serve did not stop within 5 s of SIGTERM");
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+/// Fails the test with a clear message if a required client is missing (the test script
+/// installs them; a missing one is a broken machine, not a reason to skip).
+pub fn require(tool: &str) {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .map(|o| o.status.success());
+    assert!(
+        found.unwrap_or(false),
+        "required tool {tool:?} is missing: run scripts/install-test-tools.sh"
+    );
+}
+
+/// Runs a command, fails the test with its output if it fails, returns its stdout.
+pub fn run(cmd: &str, args: &[&str]) -> String {
+    let out = output(cmd, args);
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed ({}):\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs a command and returns its output whatever its status.
+pub fn output(cmd: &str, args: &[&str]) -> Output {
+    require(cmd);
+    let t = std::time::Instant::now();
+    let _log = Defer(move || {
+        eprintln!(
+            "[{:>6.2}s] {cmd} {}",
+            t.elapsed().as_secs_f64(),
+            args.join(" ")
+        )
+    });
+    Command::new(cmd)
+        .args(args)
+        .env(
+            "PATH",
+            format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default()),
+        )
+        .output()
+        .unwrap_or_else(|e| panic!("run {cmd}: {e}"))
+}
+
+/// Writes a file of `len` bytes mixing random, zero, duplicate and compressible regions.
+pub fn make_image(path: &Path, len: usize) {
+    let mut data = vec![0u8; len];
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for (i, chunk) in data.chunks_mut(4096).enumerate() {
+        match i % 8 {
+            0..=2 => chunk.iter_mut().for_each(|b| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *b = x as u8;
+            }),
+            3 => chunk.fill(0),
+            4 => chunk.copy_from_slice(&[0x5a; 4096][..chunk.len()]),
+            5 => chunk
+                .iter_mut()
+                .enumerate()
+                .for_each(|(j, b)| *b = (j / 64) as u8),
+            _ => {}
+        }
+    }
+    std::fs::write(path, data).expect("write image");
+}
+
+/// Runs a closure when dropped.
+struct Defer<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Defer<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
