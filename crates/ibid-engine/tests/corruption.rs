@@ -11,7 +11,7 @@ fn block_content(i: u64) -> Vec<u8> {
     let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..4096)
         .map(|j| {
-            if i % 2 == 0 && j % 64 != 0 {
+            if i.is_multiple_of(2) && j % 64 != 0 {
                 return (i as u8).wrapping_add(1);
             }
             x ^= x << 13;
