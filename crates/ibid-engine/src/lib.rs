@@ -34,4 +34,4 @@ pub use error::{Error, Result};
 pub use pool::{validate_volume_name, validate_volume_size, Pool, VolumeInfo};
 pub use stats::{PoolStats, VolumeSpace};
 pub use verify::VerifyReport;
-pub use volume::{Extent, ExtentKind, Volume};
+pub use volume::{CopyReport, Extent, ExtentKind, Volume};

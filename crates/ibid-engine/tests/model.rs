@@ -44,6 +44,23 @@ enum Op {
         sector: u64,
         sectors: u64,
     },
+    /// Compare-and-write; `flip` spoils one byte of the expected data at that position.
+    CompareAndWrite {
+        vol: usize,
+        sector: u64,
+        sectors: u64,
+        data: Data,
+        flip: Option<usize>,
+    },
+    /// Range copy; `aligned` makes both offsets share their 4 KiB alignment (metadata path).
+    Copy {
+        src: usize,
+        dst: usize,
+        src_sector: u64,
+        dst_sector: u64,
+        sectors: u64,
+        aligned: bool,
+    },
     BlockStatus {
         vol: usize,
     },
@@ -85,6 +102,10 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         2 => (vol.clone(), any::<u64>(), len_strategy()).prop_map(|(vol, sector, sectors)| Op::WriteZeroes { vol, sector, sectors }),
         3 => (vol.clone(), any::<u64>(), len_strategy()).prop_map(|(vol, sector, sectors)| Op::Read { vol, sector, sectors }),
         1 => vol.clone().prop_map(|vol| Op::BlockStatus { vol }),
+        2 => (vol.clone(), any::<u64>(), 1u64..=32, data_strategy(), prop::option::weighted(0.3, any::<usize>()))
+            .prop_map(|(vol, sector, sectors, data, flip)| Op::CompareAndWrite { vol, sector, sectors, data, flip }),
+        3 => (vol.clone(), vol.clone(), any::<u64>(), any::<u64>(), len_strategy(), prop::bool::weighted(0.7))
+            .prop_map(|(src, dst, src_sector, dst_sector, sectors, aligned)| Op::Copy { src, dst, src_sector, dst_sector, sectors, aligned }),
         2 => Just(Op::Flush),
         1 => (vol.clone(), 1u64..4096).prop_map(|(vol, add_sectors)| Op::Grow { vol, add_sectors }),
         1 => vol.prop_map(|vol| Op::Delete { vol }),
@@ -229,6 +250,67 @@ impl Harness {
                 self.ensure(*vol);
                 let (off, len) = self.clamp(*vol, *sector, *sectors);
                 self.check_read(*vol, off, len);
+            }
+            Op::CompareAndWrite {
+                vol,
+                sector,
+                sectors,
+                data,
+                flip,
+            } => {
+                self.ensure(*vol);
+                let (off, len) = self.clamp(*vol, *sector, *sectors);
+                let new = make_data(data, len as usize);
+                let mut expected = self.model[vol][off as usize..(off + len) as usize].to_vec();
+                if let Some(f) = flip {
+                    expected[f % len as usize] ^= 0x01;
+                }
+                let volume = self.pool().volume(VOLUMES[*vol]).expect("volume");
+                let outcome = volume
+                    .compare_and_write(off, &expected, &new, false)
+                    .expect("compare and write");
+                match flip {
+                    Some(f) => assert_eq!(
+                        outcome,
+                        Some((f % len as usize) as u64),
+                        "miscompare offset"
+                    ),
+                    None => {
+                        assert_eq!(outcome, None, "matching compare must write");
+                        self.model.get_mut(vol).expect("model")[off as usize..(off + len) as usize]
+                            .copy_from_slice(&new);
+                    }
+                }
+                self.check_read(*vol, off, len);
+            }
+            Op::Copy {
+                src,
+                dst,
+                src_sector,
+                dst_sector,
+                sectors,
+                aligned,
+            } => {
+                self.ensure(*src);
+                self.ensure(*dst);
+                let (src_off, len) = self.clamp(*src, *src_sector, *sectors);
+                let (mut dst_off, len2) = self.clamp(*dst, *dst_sector, *sectors);
+                let len = len.min(len2);
+                if *aligned {
+                    // Same offset within a 4 KiB block, still inside the destination.
+                    dst_off = dst_off - dst_off % 4096 + src_off % 4096;
+                    if dst_off + len > self.model[dst].len() as u64 {
+                        dst_off = src_off % 4096;
+                    }
+                }
+                let s = self.pool().volume(VOLUMES[*src]).expect("src");
+                let d = self.pool().volume(VOLUMES[*dst]).expect("dst");
+                let report = d.copy_from(&s, src_off, dst_off, len).expect("copy");
+                assert_eq!(report.shared_bytes + report.data_bytes, len);
+                let bytes = self.model[src][src_off as usize..(src_off + len) as usize].to_vec();
+                self.model.get_mut(dst).expect("model")[dst_off as usize..(dst_off + len) as usize]
+                    .copy_from_slice(&bytes);
+                self.check_read(*dst, dst_off, len);
             }
             Op::BlockStatus { vol } => {
                 self.ensure(*vol);

@@ -259,3 +259,105 @@ fn concurrent_writers_lose_no_update() {
     pool.sync().expect("sync");
     pool.verify().expect("verify");
 }
+
+/// Many threads increment one counter with compare-and-write (the VMFS heartbeat / ATS
+/// pattern): every increment that reported success is counted exactly once.
+#[test]
+fn compare_and_write_increments_lose_no_update() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        background_interval_ms: 5,
+        ..PoolConfig::default()
+    };
+    let pool = Arc::new(Pool::create(dir.path().join("p"), config).expect("create"));
+    pool.create_volume("ats", 1 << 20).expect("volume");
+    const THREADS: u64 = 6;
+    const INCREMENTS: u64 = 150;
+    let handles: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                let v = pool.volume("ats").expect("volume");
+                let mut done = 0;
+                let mut misses = 0u64;
+                while done < INCREMENTS {
+                    let mut cur = vec![0u8; 512];
+                    v.read(4096, &mut cur).expect("read");
+                    let n = u64::from_le_bytes(cur[..8].try_into().expect("8"));
+                    let mut next = cur.clone();
+                    next[..8].copy_from_slice(&(n + 1).to_le_bytes());
+                    match v.compare_and_write(4096, &cur, &next, false).expect("caw") {
+                        None => done += 1,
+                        Some(at) => {
+                            assert!(at < 8, "miscompare must be in the counter bytes, got {at}");
+                            misses += 1;
+                        }
+                    }
+                }
+                misses
+            })
+        })
+        .collect();
+    let misses: u64 = handles.into_iter().map(|h| h.join().expect("thread")).sum();
+    let v = pool.volume("ats").expect("volume");
+    let mut cur = vec![0u8; 512];
+    v.read(4096, &mut cur).expect("read");
+    assert_eq!(
+        u64::from_le_bytes(cur[..8].try_into().expect("8")),
+        THREADS * INCREMENTS,
+        "{misses} miscompares"
+    );
+    pool.verify().expect("verify");
+}
+
+/// Copying a range by reference adds no physical space and reads no data, at any size: a
+/// 370 GiB mostly-unwritten range and a fully written one.
+#[test]
+fn copy_by_reference_adds_no_space() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(1 << 30)).expect("create");
+    let src = pool.create_volume("src", 370 << 30).expect("src");
+    let dst = pool.create_volume("dst", 370 << 30).expect("dst");
+    for i in 0..256u64 {
+        src.write(i * (1 << 30), &random_block(i), false)
+            .expect("write");
+    }
+    for i in 0..2048u64 {
+        src.write((1 << 20) + i * 4096, &random_block(10_000 + i), false)
+            .expect("write");
+    }
+    pool.sync().expect("sync");
+    let before = pool.stats();
+    let t = std::time::Instant::now();
+    let report = dst.copy_from(&src, 0, 0, 370 << 30).expect("copy");
+    let took = t.elapsed();
+    assert_eq!(report.shared_bytes, 370 << 30);
+    assert_eq!(report.data_bytes, 0);
+    pool.sync().expect("sync");
+    let after = pool.stats();
+    assert_eq!(
+        after.physical_bytes, before.physical_bytes,
+        "copy added physical space"
+    );
+    assert_eq!(after.unique_chunks, before.unique_chunks);
+    assert_eq!(
+        after.logical_written_bytes,
+        2 * before.logical_written_bytes
+    );
+    let mut a = vec![0u8; 4096];
+    let mut b = vec![0u8; 4096];
+    for off in [0u64, 7 << 30, (1 << 20) + 4096 * 77] {
+        src.read(off, &mut a).expect("read");
+        dst.read(off, &mut b).expect("read");
+        assert_eq!(a, b);
+    }
+    // Writing the copy breaks sharing for that block only.
+    dst.write(7 << 30, &random_block(424_242), false)
+        .expect("write");
+    src.read(7 << 30, &mut a).expect("read");
+    assert_eq!(a, random_block(7));
+    eprintln!("370 GiB copy by reference: {took:?}");
+    assert!(took.as_secs() < 10, "copy took {took:?}");
+    pool.verify().expect("verify");
+}
