@@ -33,7 +33,7 @@ use tokio::sync::{mpsc, Notify};
 use tracing::{debug, info};
 
 /// Largest Expected Data Transfer Length accepted for a write, in bytes.
-pub const MAX_WRITE_EDTL: u32 = 16 << 20;
+pub const MAX_WRITE_EDTL: u32 = 33 << 20;
 /// Outgoing PDUs queued per connection before senders wait.
 const OUT_QUEUE_LEN: usize = 256;
 /// How long a TMF or logout waits for running commands to finish.
@@ -460,9 +460,13 @@ impl Conn {
         let (ttt, datasn, off) = (p.field32(20), p.field32(36), p.field32(40));
         let have = pw.buf.len() as u32;
         if datasn != pw.datasn || off != have {
-            return Err(ConnError::Protocol(
-                "Data-Out DataSN or offset out of order",
-            ));
+            // ERL 0 cannot recover the sequence: fail the task, keep the connection.
+            debug!(itt, datasn, off, "Data-Out out of order; task failed");
+            if let Some(pw) = self.pending.remove(&itt) {
+                let s = Sense::new(crate::sense::KEY_ABORTED_COMMAND, 0x4b, 0x00);
+                self.spawn_response(itt, pw.lun_raw, Response::check(s), pw.edtl, FLAG_WRITE);
+            }
+            return Ok(Flow::Continue);
         }
         let end = have
             .checked_add(p.data.len() as u32)

@@ -90,15 +90,34 @@ fn write_checked(ctx: &Ctx, rw: Rw, need: u64) -> Result<Response, Sense> {
     }
     range(ctx, rw.lba, rw.blocks as u64)?;
     writable(ctx)?;
-    if ctx.data.len() as u64 != need {
-        return Err(Sense::invalid_field_in_iu());
-    }
-    if need > 0 {
+    // An iSCSI EDTL that differs from the CDB's length is processed for the
+    // shorter of the two (RFC 7143 11.4.5.2 residuals; SAM-5 overflow rule).
+    let n = (ctx.data.len() as u64).min(need) as usize;
+    write_bytes(ctx, rw.lba * BLOCK_SIZE, &ctx.data[..n], rw.fua)?;
+    Ok(Response::good(Vec::new()))
+}
+
+/// Write `data` at `off`; a trailing partial block is read, merged and written.
+fn write_bytes(ctx: &Ctx, off: u64, data: &[u8], fua: bool) -> Result<(), Sense> {
+    let bs = BLOCK_SIZE as usize;
+    let full = data.len() / bs * bs;
+    if full > 0 {
         ctx.dev
-            .write(rw.lba * BLOCK_SIZE, ctx.data, rw.fua)
+            .write(off, &data[..full], fua)
             .map_err(|e| lun_error_sense(&e))?;
     }
-    Ok(Response::good(Vec::new()))
+    if full < data.len() {
+        let mut block = vec![0u8; bs];
+        let at = off + full as u64;
+        ctx.dev
+            .read(at, &mut block)
+            .map_err(|e| lun_error_sense(&e))?;
+        block[..data.len() - full].copy_from_slice(&data[full..]);
+        ctx.dev
+            .write(at, &block, fua)
+            .map_err(|e| lun_error_sense(&e))?;
+    }
+    Ok(())
 }
 
 fn verify(ctx: &Ctx, rw: Rw) -> Result<Response, Sense> {
@@ -182,7 +201,9 @@ fn write_same_checked(ctx: &Ctx, op: &Op, need: u64) -> Result<Response, Sense> 
         return Err(Sense::invalid_field_in_iu());
     }
     let (off, len) = (lba * BLOCK_SIZE, blocks * BLOCK_SIZE);
-    if ndob || ctx.data.iter().all(|&b| b == 0) {
+    // With UNMAP set the blocks are deallocated whatever the pattern: LBPRZ
+    // then makes them read as zeros (SBC-3 4.7.3.4).
+    if ndob || unmap || ctx.data.iter().all(|&b| b == 0) {
         ctx.dev
             .write_zeroes(off, len)
             .map_err(|e| lun_error_sense(&e))?;
@@ -278,7 +299,8 @@ fn caw_checked(ctx: &Ctx, lba: u64, blocks: u8, protect: u8, need: u64) -> Resul
     range(ctx, lba, blocks as u64)?;
     writable(ctx)?;
     if ctx.data.len() as u64 != need {
-        return Err(Sense::invalid_field_in_iu());
+        // Also catches 256+ blocks sent with a wrapped 8-bit count.
+        return Err(Sense::invalid_cdb(13));
     }
     if blocks == 0 {
         return Ok(Response::good(Vec::new()));

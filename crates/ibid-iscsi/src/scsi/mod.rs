@@ -23,7 +23,7 @@ pub const BLOCK_SIZE: u64 = 512;
 /// log2(logical blocks per physical block): 4 KiB physical (512e).
 pub const LBPPB_EXPONENT: u8 = 3;
 /// Largest READ/WRITE/VERIFY transfer, in blocks (B0h MAXIMUM TRANSFER LENGTH).
-pub const MAX_TRANSFER_BLOCKS: u32 = 16_384;
+pub const MAX_TRANSFER_BLOCKS: u32 = 65_536;
 /// Largest COMPARE AND WRITE, in blocks (B0h MAXIMUM COMPARE AND WRITE LENGTH).
 pub const MAX_CAW_BLOCKS: u8 = 16;
 /// Largest UNMAP descriptor / WRITE SAME, in blocks (B0h).
@@ -125,6 +125,8 @@ pub struct LunState {
     pub pr: pr::PrState,
     /// Pending unit attentions per initiator port.
     pub ua: HashMap<String, VecDeque<Sense>>,
+    /// Initiator ports that have used this LUN (they get reset UAs).
+    pub ports: HashSet<String>,
     /// Ports already told about the soft threshold.
     pub space_told: HashSet<String>,
     /// EXTENDED COPY results per (initiator port, list id).
@@ -132,6 +134,13 @@ pub struct LunState {
 }
 
 impl LunState {
+    /// A reset: SPC-2 reservations dropped, `ua` queued for every known port.
+    fn reset(&mut self, ua: Sense) {
+        self.reserved_by = None;
+        let ports: Vec<String> = self.ports.iter().cloned().collect();
+        self.ua_all_but(&ports, "", ua);
+    }
+
     /// Queue a unit attention for every port in `ports` except `but`.
     pub fn ua_all_but(&mut self, ports: &[String], but: &str, s: Sense) {
         for p in ports.iter().filter(|p| p.as_str() != but) {
@@ -241,6 +250,9 @@ impl Target {
         let warn = self.luns.space_warning();
         let port = &ctx.nexus.port;
         ctx.with_state(|st| {
+            if !st.ports.contains(port) {
+                st.ports.insert(port.clone());
+            }
             if warn && st.space_told.insert(port.clone()) {
                 return Some(Sense::soft_threshold().into());
             }
@@ -280,13 +292,15 @@ impl Target {
 
     /// LOGICAL UNIT RESET: clear SPC-2 reservations, raise 29h/03h for others.
     pub fn lun_reset(&self, lun: u64) {
-        self.with_state(lun, |st| st.reserved_by = None);
+        self.with_state(lun, |st| {
+            st.reset(Sense::new(crate::sense::KEY_UNIT_ATTENTION, 0x29, 0x03))
+        });
     }
 
-    /// TARGET RESET: a LUN reset on every LUN.
+    /// TARGET RESET: a reset of every LUN, with 29h/00h.
     pub fn target_reset(&self) {
         for st in self.state.lock().values_mut() {
-            st.reserved_by = None;
+            st.reset(Sense::reset_occurred());
         }
     }
 }
