@@ -81,7 +81,7 @@ async fn read_pdu(
         let mut d = [0u8; DIGEST_LEN];
         rd.read_exact(&mut d).await?;
         let crc = crc32c::crc32c_append(crc32c::crc32c(&bhs), &ahs);
-        if u32::from_be_bytes(d) != crc {
+        if u32::from_le_bytes(d) != crc {
             return Err(PduError::HeaderDigest.into());
         }
     }
@@ -90,7 +90,7 @@ async fn read_pdu(
     if dd && f.data_len > 0 {
         let mut d = [0u8; DIGEST_LEN];
         rd.read_exact(&mut d).await?;
-        if u32::from_be_bytes(d) != crc32c::crc32c(&data) {
+        if u32::from_le_bytes(d) != crc32c::crc32c(&data) {
             return Err(PduError::DataDigest.into());
         }
     }

@@ -15,7 +15,9 @@
 //!
 //! followed by the AHS (TotalAHSLength * 4 bytes), an optional 4-byte header
 //! digest (CRC32C over BHS and AHS), the data segment padded to 4 bytes, and
-//! an optional 4-byte data digest (CRC32C over the padded data).
+//! an optional 4-byte data digest (CRC32C over the padded data). Digests are
+//! sent least significant byte first, as every initiator (and the Linux
+//! kernel's crc32c) does.
 
 use thiserror::Error;
 
@@ -193,7 +195,7 @@ impl Pdu {
         let ahs = take(buf, pos, f.ahs_len)?.to_vec();
         pos += f.ahs_len;
         if header_digest {
-            let want = be32(take(buf, pos, DIGEST_LEN)?);
+            let want = le32(take(buf, pos, DIGEST_LEN)?);
             if want != header_crc(&bhs, &ahs) {
                 return Err(PduError::HeaderDigest);
             }
@@ -202,7 +204,7 @@ impl Pdu {
         let padded = take(buf, pos, f.padded_data_len())?;
         pos += f.padded_data_len();
         if data_digest && f.data_len > 0 {
-            let want = be32(take(buf, pos, DIGEST_LEN)?);
+            let want = le32(take(buf, pos, DIGEST_LEN)?);
             if want != crc32c::crc32c(padded) {
                 return Err(PduError::DataDigest);
             }
@@ -221,7 +223,7 @@ impl Pdu {
         out.extend_from_slice(&self.bhs);
         out.extend_from_slice(&self.ahs);
         if header_digest {
-            out.extend_from_slice(&header_crc(&self.bhs, &self.ahs).to_be_bytes());
+            out.extend_from_slice(&header_crc(&self.bhs, &self.ahs).to_le_bytes());
         }
         if !self.data.is_empty() {
             let start = out.len();
@@ -229,7 +231,7 @@ impl Pdu {
             out.resize(start + padded, 0);
             if data_digest {
                 let crc = crc32c::crc32c(&out[start..]);
-                out.extend_from_slice(&crc.to_be_bytes());
+                out.extend_from_slice(&crc.to_le_bytes());
             }
         }
         out
@@ -289,6 +291,10 @@ fn take(buf: &[u8], pos: usize, len: usize) -> Result<&[u8], PduError> {
 /// Big-endian u32 from the first 4 bytes of `b` (which must have them).
 pub fn be32(b: &[u8]) -> u32 {
     u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+/// Little-endian u32 (digests are sent least significant byte first).
+fn le32(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 /// Big-endian u64 from the first 8 bytes of `b`.
 pub fn be64(b: &[u8]) -> u64 {

@@ -1,7 +1,7 @@
 //! Shared test support: an in-process target on a random loopback port.
 #![allow(dead_code)]
 
-use ibid_iscsi::memory::{MemLuns, MemPool};
+use ibid_iscsi::memory::{MemLun, MemLuns, MemPool};
 use ibid_iscsi::{serve, ChapConfig, TargetConfig};
 use std::process::Command;
 use std::sync::Arc;
@@ -17,6 +17,8 @@ pub struct TestTarget {
     pub port: u16,
     /// The pool behind the LUNs.
     pub pool: Arc<MemPool>,
+    /// Direct handles on LUN 0, 1, 2 for checking what initiators did.
+    pub luns: Vec<Arc<MemLun>>,
 }
 
 impl TestTarget {
@@ -30,9 +32,11 @@ impl TestTarget {
 /// `capacity` bytes of pool, optional CHAP.
 pub fn start_with(capacity: u64, chap: Option<ChapConfig>) -> TestTarget {
     let mut luns = MemLuns::new(capacity, 80);
-    luns.add(0, LUN_SIZE, false);
-    luns.add(1, LUN_SIZE, false);
-    luns.add(2, LUN_SIZE, true);
+    let handles = vec![
+        luns.add(0, LUN_SIZE, false),
+        luns.add(1, LUN_SIZE, false),
+        luns.add(2, LUN_SIZE, true),
+    ];
     let pool = luns.pool();
     let mut cfg = TargetConfig::new(IQN);
     cfg.chap = chap;
@@ -50,7 +54,11 @@ pub fn start_with(capacity: u64, chap: Option<ChapConfig>) -> TestTarget {
             let _ = serve(l, Arc::new(luns), cfg).await;
         });
     });
-    TestTarget { port, pool }
+    TestTarget {
+        port,
+        pool,
+        luns: handles,
+    }
 }
 
 /// Start a target with a 4 GiB pool and no CHAP.
@@ -70,4 +78,29 @@ pub fn require(tool: &str, package: &str) {
         found,
         "required tool `{tool}` is missing: install the Debian package `{package}`"
     );
+}
+
+/// Build tests/c/ibid_initiator.c against libiscsi once per test binary;
+/// returns the binary path.
+pub fn build_initiator() -> std::path::PathBuf {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(build_initiator_now).clone()
+}
+
+fn build_initiator_now() -> std::path::PathBuf {
+    require("cc", "gcc");
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/ibid_initiator.c");
+    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("ibid_initiator");
+    let st = Command::new("cc")
+        .args(["-O1", "-Wall", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .arg("-liscsi")
+        .status()
+        .expect("run cc");
+    assert!(
+        st.success(),
+        "building {src:?} failed: is `libiscsi-dev` installed?"
+    );
+    out
 }
