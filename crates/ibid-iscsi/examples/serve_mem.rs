@@ -1,4 +1,4 @@
-//! Serve two in-memory LUNs for manual testing:
+//! Serve in-memory LUNs 0 and 1 (and 2, read-only) for manual testing:
 //! `cargo run -p ibid-iscsi --example serve_mem -- 127.0.0.1:3260 64`
 //! (address, LUN size in MiB). Target IQN `iqn.2026-11.org.ibid:mem`.
 
@@ -14,6 +14,7 @@ async fn main() -> std::io::Result<()> {
     let mut luns = MemLuns::new(8 << 30, 80);
     luns.add(0, mib << 20, false);
     luns.add(1, mib << 20, false);
+    luns.add(2, mib << 20, true);
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     eprintln!(
         "serving iqn.2026-11.org.ibid:mem on {}",
