@@ -106,3 +106,87 @@ fn persistent_reservation_blocks_other_writers() {
     );
     assert_eq!(t.execute(&a, 0, &w, &[0u8; 512]).status, 0);
 }
+
+/// Pool past the soft threshold: one UNIT ATTENTION 38h/07h per nexus, then
+/// normal service; pool full: DATA PROTECT 27h/07h and the other LUN still
+/// readable, and unmapping makes room again.
+#[test]
+fn soft_threshold_and_pool_full() {
+    let mut luns = MemLuns::new(16 * 4096, 50);
+    luns.add(0, 1 << 20, false);
+    luns.add(1, 1 << 20, false);
+    let t = Target::new(Arc::new(luns), TargetConfig::new("iqn.2026-11.org.ibid:t"));
+    let (a, b) = (nexus("a"), nexus("b"));
+    let w = |lba: u8| [0x2a, 0, 0, 0, 0, lba, 0, 0, 8, 0];
+    for i in 0..8u8 {
+        let r = t.execute(&a, 0, &w(i * 8), &[1u8; 4096]);
+        assert_eq!(r.status, 0, "{r:?}");
+    }
+    let r = t.execute(&a, 0, &[0x00; 6], &[]);
+    assert_eq!(r.sense, Some(Sense::soft_threshold()));
+    assert_eq!(
+        t.execute(&a, 0, &[0x00; 6], &[]).status,
+        0,
+        "UA is raised once"
+    );
+    assert_eq!(
+        t.execute(&b, 1, &[0x00; 6], &[]).sense,
+        Some(Sense::soft_threshold())
+    );
+    // Unit attentions are per I_T_L nexus: LUN 1 tells nexus a once too.
+    assert_eq!(
+        t.execute(&a, 1, &[0x00; 6], &[]).sense,
+        Some(Sense::soft_threshold())
+    );
+    for i in 0..8u8 {
+        assert_eq!(t.execute(&a, 1, &w(i * 8), &[2u8; 4096]).status, 0);
+    }
+    let r = t.execute(&a, 0, &w(128), &[3u8; 4096]);
+    assert_eq!(r.sense, Some(Sense::no_space()));
+    assert_eq!(
+        t.execute(&b, 0, &[0x00; 6], &[]).sense,
+        Some(Sense::soft_threshold())
+    );
+    let r = t.execute(&b, 0, &[0x28, 0, 0, 0, 0, 0, 0, 0, 8, 0], &[]);
+    assert!(r.data_in == vec![1u8; 4096], "existing data stays readable");
+    let mut unmap = vec![0, 22, 0, 16, 0, 0, 0, 0];
+    unmap.extend_from_slice(&0u64.to_be_bytes());
+    unmap.extend_from_slice(&8u32.to_be_bytes());
+    unmap.extend_from_slice(&[0; 4]);
+    assert_eq!(
+        t.execute(&a, 0, &[0x42, 0, 0, 0, 0, 0, 0, 0, 24, 0], &unmap)
+            .status,
+        0
+    );
+    assert_eq!(
+        t.execute(&a, 0, &w(128), &[3u8; 4096]).status,
+        0,
+        "unmap made room"
+    );
+}
+
+/// GET LBA STATUS reports true mapped/deallocated extents from the start LBA.
+#[test]
+fn get_lba_status_extents() {
+    let t = target();
+    let n = nexus("a");
+    t.execute(&n, 0, &[0x2a, 0, 0, 0, 0, 16, 0, 0, 8, 0], &[5u8; 4096]);
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x9e;
+    cdb[1] = 0x12;
+    cdb[9] = 4;
+    cdb[13] = 64;
+    let d = t.execute(&n, 0, &cdb, &[]).data_in;
+    let desc = |i: usize| {
+        let o = 8 + 16 * i;
+        (
+            u64::from_be_bytes(d[o..o + 8].try_into().unwrap()),
+            u32::from_be_bytes(d[o + 8..o + 12].try_into().unwrap()),
+            d[o + 12],
+        )
+    };
+    assert_eq!(desc(0), (4, 12, 1));
+    assert_eq!(desc(1), (16, 8, 0));
+    assert_eq!(desc(2).0, 24);
+    assert_eq!(desc(2).2, 1);
+}
