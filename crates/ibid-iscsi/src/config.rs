@@ -28,6 +28,9 @@ pub struct TargetConfig {
     pub first_burst_length: u32,
     /// Commands a session may have outstanding (CmdSN window).
     pub queue_depth: u32,
+    /// Idle time after which the target pings with a NOP-In; a connection
+    /// silent for three intervals is closed. `None` disables keepalive.
+    pub nop_in_interval: Option<std::time::Duration>,
     /// Vendor identification in INQUIRY (8 chars).
     pub vendor: String,
     /// Product identification in INQUIRY (16 chars).
@@ -45,6 +48,7 @@ impl TargetConfig {
             max_burst_length: 1 << 20,
             first_burst_length: 262_144,
             queue_depth: 64,
+            nop_in_interval: Some(std::time::Duration::from_secs(30)),
             vendor: "IBID".into(),
             product: "ibid volume".into(),
         }

@@ -133,7 +133,16 @@ pub async fn run(sock: TcpStream, shared: Arc<Shared>) {
         next_ttt: 1,
         local,
     };
-    let result = conn.serve(&mut rd, &kill).await;
+    let last_rx = Arc::new(Mutex::new(tokio::time::Instant::now()));
+    if let Some(every) = shared.cfg.nop_in_interval {
+        tokio::spawn(keepalive(
+            conn.tx.clone(),
+            last_rx.clone(),
+            kill.clone(),
+            every,
+        ));
+    }
+    let result = conn.serve(&mut rd, &kill, &last_rx).await;
     debug!(?peer, ?result, "connection ends");
     conn.close().await;
     let isid = outcome.isid;
@@ -281,7 +290,12 @@ struct Conn {
 }
 
 impl Conn {
-    async fn serve(&mut self, rd: &mut OwnedReadHalf, kill: &Notify) -> Result<(), ConnError> {
+    async fn serve(
+        &mut self,
+        rd: &mut OwnedReadHalf,
+        kill: &Notify,
+        last_rx: &Mutex<tokio::time::Instant>,
+    ) -> Result<(), ConnError> {
         let (hd, dd) = (self.params.header_digest, self.params.data_digest);
         let max = self.params.target_max_recv_dsl as usize;
         loop {
@@ -289,6 +303,7 @@ impl Conn {
                 r = read_pdu(rd, hd, dd, max) => r?,
                 _ = kill.notified() => return Ok(()),
             };
+            *last_rx.lock() = tokio::time::Instant::now();
             if let Flow::Close = self.handle(pdu).await? {
                 return Ok(());
             }
@@ -680,6 +695,37 @@ impl Conn {
         }
         info!(port = %self.nexus.port, "logout");
         Ok(Flow::Close)
+    }
+}
+
+/// Ping an idle initiator with NOP-In (RFC 7143 11.19); close the connection
+/// when it stays silent for three intervals. Ends when the writer is gone.
+async fn keepalive(
+    tx: mpsc::Sender<Out>,
+    last_rx: Arc<Mutex<tokio::time::Instant>>,
+    kill: Arc<Notify>,
+    every: Duration,
+) {
+    let mut ttt: u32 = 0x4e4f_5000;
+    loop {
+        tokio::time::sleep(every).await;
+        let idle = last_rx.lock().elapsed();
+        if idle >= every * 3 {
+            info!(?idle, "initiator silent; closing connection");
+            kill.notify_one();
+            return;
+        }
+        if idle < every {
+            continue;
+        }
+        ttt = ttt.wrapping_add(1);
+        let mut p = Pdu::new(OP_NOP_IN);
+        p.bhs[1] = FLAG_FINAL;
+        p.set32(16, RESERVED_TAG);
+        p.set32(20, ttt);
+        if tx.send(Out::Pdu(p, false)).await.is_err() {
+            return;
+        }
     }
 }
 

@@ -134,6 +134,20 @@ fn malformed_input_kills_only_its_connection() {
     tur_ok(&mut good, &mut sn);
 }
 
+/// An idle initiator is pinged with NOP-In (ITT reserved, TTT set) and a
+/// silent one is disconnected after three intervals.
+#[test]
+fn nop_in_keepalive_pings_then_drops_silent_initiator() {
+    let t = common::start_cfg(1 << 30, |c| {
+        c.nop_in_interval = Some(Duration::from_millis(200))
+    });
+    let (mut s, _) = login(t.port);
+    let r = recv(&mut s).expect("nop-in ping");
+    assert_eq!((r.opcode(), r.itt()), (pdu::OP_NOP_IN, pdu::RESERVED_TAG));
+    assert_ne!(r.field32(20), pdu::RESERVED_TAG);
+    assert!(closed(&mut s), "silent connection was not closed");
+}
+
 #[test]
 fn bad_requests_in_full_feature_phase_get_precise_answers() {
     let t = common::start();

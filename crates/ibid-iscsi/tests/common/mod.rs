@@ -31,6 +31,11 @@ impl TestTarget {
 /// Start a target with LUN 0 and 1 (read-write) and LUN 2 (read-only),
 /// `capacity` bytes of pool, optional CHAP.
 pub fn start_with(capacity: u64, chap: Option<ChapConfig>) -> TestTarget {
+    start_cfg(capacity, |c| c.chap = chap)
+}
+
+/// Like [`start_with`], with any configuration change.
+pub fn start_cfg(capacity: u64, tweak: impl FnOnce(&mut TargetConfig)) -> TestTarget {
     let mut luns = MemLuns::new(capacity, 80);
     let handles = vec![
         luns.add(0, LUN_SIZE, false),
@@ -39,7 +44,7 @@ pub fn start_with(capacity: u64, chap: Option<ChapConfig>) -> TestTarget {
     ];
     let pool = luns.pool();
     let mut cfg = TargetConfig::new(IQN);
-    cfg.chap = chap;
+    tweak(&mut cfg);
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = listener.local_addr().expect("addr").port();
     listener.set_nonblocking(true).expect("nonblocking");
