@@ -527,7 +527,10 @@ impl Conn {
         let running = self.running.clone();
         let window = self.window.clone();
         let tx = self.tx.clone();
-        let mrdsl = self.params.initiator_max_recv_dsl;
+        let limits = Limits {
+            mrdsl: self.params.initiator_max_recv_dsl,
+            max_burst: self.params.max_burst,
+        };
         tokio::spawn(async move {
             let task = tokio::task::spawn_blocking(move || {
                 shared.target.execute(&nexus, lun, &cdb, &data)
@@ -540,7 +543,7 @@ impl Conn {
             if abort.load(Ordering::SeqCst) {
                 return;
             }
-            for (p, status) in response_pdus(itt, lun_raw, resp, edtl, flags, mrdsl) {
+            for (p, status) in response_pdus(itt, lun_raw, resp, edtl, flags, limits) {
                 let _ = tx.send(Out::Pdu(p, status)).await;
             }
         });
@@ -549,10 +552,13 @@ impl Conn {
     fn spawn_response(&self, itt: u32, lun_raw: u64, resp: Response, edtl: u32, flags: u8) {
         let tx = self.tx.clone();
         let window = self.window.clone();
-        let mrdsl = self.params.initiator_max_recv_dsl;
+        let limits = Limits {
+            mrdsl: self.params.initiator_max_recv_dsl,
+            max_burst: self.params.max_burst,
+        };
         tokio::spawn(async move {
             window.end();
-            for (p, status) in response_pdus(itt, lun_raw, resp, edtl, flags, mrdsl) {
+            for (p, status) in response_pdus(itt, lun_raw, resp, edtl, flags, limits) {
                 let _ = tx.send(Out::Pdu(p, status)).await;
             }
         });
@@ -736,7 +742,7 @@ fn response_pdus(
     resp: Response,
     edtl: u32,
     flags: u8,
-    mrdsl: u32,
+    limits: Limits,
 ) -> Vec<(Pdu, bool)> {
     let write = flags & FLAG_WRITE != 0;
     let mut out = Vec::new();
@@ -751,19 +757,19 @@ fn response_pdus(
         data.clear();
     }
     let good = resp.status == STATUS_GOOD && resp.sense.is_none();
-    let chunk = (mrdsl.max(512)) as usize;
-    let n_chunks = data.len().div_ceil(chunk);
-    for (i, c) in data.chunks(chunk).enumerate() {
+    let chunks = data_in_chunks(data.len(), limits);
+    let n_chunks = chunks.len();
+    for (i, (off, len, end_of_burst)) in chunks.into_iter().enumerate() {
         let last = i + 1 == n_chunks;
         let mut p = Pdu::new(OP_DATA_IN);
         p.set_lun_raw(lun_raw);
         p.set32(16, itt);
         p.set32(20, RESERVED_TAG);
         p.set32(36, i as u32);
-        p.set32(40, (i * chunk) as u32);
-        p.data = c.to_vec();
+        p.set32(40, off as u32);
+        p.data = data[off..off + len].to_vec();
         let collapse = last && good;
-        if last {
+        if end_of_burst {
             p.bhs[1] = FLAG_FINAL;
         }
         if collapse {
@@ -791,6 +797,30 @@ fn response_pdus(
     out
 }
 
+/// Negotiated sizes that shape Data-In.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// The initiator's MaxRecvDataSegmentLength.
+    mrdsl: u32,
+    /// MaxBurstLength: a Data-In sequence (ended by the F bit) is no longer.
+    max_burst: u32,
+}
+
+/// Split `len` bytes of Data-In into (offset, length, ends a sequence).
+fn data_in_chunks(len: usize, l: Limits) -> Vec<(usize, usize, bool)> {
+    let seg = l.mrdsl.max(512) as usize;
+    let burst = (l.max_burst as usize).max(seg);
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off < len {
+        let burst_end = (off / burst + 1) * burst;
+        let n = seg.min(burst_end - off).min(len - off);
+        out.push((off, n, off + n == burst_end || off + n == len));
+        off += n;
+    }
+    out
+}
+
 /// Residual flag and count for SCSI-wanted `spdtl` against iSCSI `edtl`.
 fn residual(spdtl: u64, edtl: u64) -> (u8, u32) {
     if spdtl > edtl {
@@ -799,5 +829,46 @@ fn residual(spdtl: u64, edtl: u64) -> (u8, u32) {
         (FLAG_UNDERFLOW, (edtl - spdtl) as u32)
     } else {
         (0, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_in_respects_segment_and_burst() {
+        let c = data_in_chunks(
+            10_000,
+            Limits {
+                mrdsl: 3000,
+                max_burst: 4096,
+            },
+        );
+        assert_eq!(
+            c,
+            vec![
+                (0, 3000, false),
+                (3000, 1096, true),
+                (4096, 3000, false),
+                (7096, 1096, true),
+                (8192, 1808, true)
+            ]
+        );
+        assert!(data_in_chunks(
+            0,
+            Limits {
+                mrdsl: 512,
+                max_burst: 512
+            }
+        )
+        .is_empty());
+    }
+
+    #[test]
+    fn residuals() {
+        assert_eq!(residual(512, 0), (FLAG_OVERFLOW, 512));
+        assert_eq!(residual(512, 10_000), (FLAG_UNDERFLOW, 9488));
+        assert_eq!(residual(512, 512), (0, 0));
     }
 }
