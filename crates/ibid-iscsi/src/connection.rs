@@ -584,14 +584,14 @@ impl Conn {
         let (response, close) = match function {
             1 => (self.abort_task(rtt), false),
             2 | 4 | 5 if self.shared.target.luns.open(lun).is_none() => (2, false),
-            2 | 4 => (self.abort_matching(|_, r| r.lun == lun), false),
+            2 | 4 => (self.abort_lun(Some(lun)), false),
             5 => {
-                self.abort_matching(|_, r| r.lun == lun);
+                self.abort_lun(Some(lun));
                 self.shared.target.lun_reset(lun);
                 (0, false)
             }
             6 | 7 => {
-                self.abort_matching(|_, _| true);
+                self.abort_lun(None);
                 self.shared.target.target_reset();
                 (0, function == 7)
             }
@@ -633,14 +633,17 @@ impl Conn {
         }
     }
 
-    fn abort_matching(&mut self, pred: impl Fn(u32, &Running) -> bool) -> u8 {
-        let n = self.pending.len();
-        self.pending.clear();
-        for _ in 0..n {
+    /// Abort every task of this session on `lun` (all LUNs when `None`):
+    /// tasks waiting for data are dropped, running ones lose their response.
+    fn abort_lun(&mut self, lun: Option<u64>) -> u8 {
+        let hit = |l: u64| lun.is_none_or(|x| x == l);
+        let before = self.pending.len();
+        self.pending.retain(|_, pw| !hit(lun_from_wire(pw.lun_raw)));
+        for _ in self.pending.len()..before {
             self.window.end();
         }
-        for (i, r) in self.running.lock().iter() {
-            if pred(*i, r) {
+        for r in self.running.lock().values() {
+            if hit(r.lun) {
                 r.abort.store(true, Ordering::SeqCst);
             }
         }
