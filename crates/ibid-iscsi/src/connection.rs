@@ -16,14 +16,14 @@ use crate::pdu::{
     RESERVED_TAG,
 };
 use crate::scsi::{Nexus, Response, Target};
-use crate::sense::{Sense, STATUS_GOOD};
+use crate::sense::{Sense, STATUS_GOOD, STATUS_TASK_ABORTED};
 use crate::session::{Registry, SnCheck, Window};
 use crate::text;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -49,7 +49,42 @@ pub struct Shared {
     pub cfg: TargetConfig,
     /// Logged-in sessions.
     pub registry: Registry,
+    /// Running-task tables of all connections (for resets across sessions).
+    pub conns: Mutex<Vec<Weak<RunningMap>>>,
 }
+
+impl Shared {
+    /// Abort the running tasks on `lun` (all LUNs if `None`) of every
+    /// connection except `own`; they complete with TASK ABORTED (TAS = 1).
+    fn abort_others(&self, lun: Option<u64>, own: &Arc<RunningMap>) {
+        let mut conns = self.conns.lock();
+        conns.retain(|w| w.strong_count() > 0);
+        for other in conns.iter().filter_map(Weak::upgrade) {
+            if Arc::ptr_eq(&other, own) {
+                continue;
+            }
+            for r in other
+                .lock()
+                .values()
+                .filter(|r| lun.is_none_or(|l| l == r.lun))
+            {
+                let _ = r.abort.compare_exchange(
+                    ABORT_NONE,
+                    ABORT_REPORT,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                );
+            }
+        }
+    }
+}
+
+/// Task abort state: not aborted.
+const ABORT_NONE: u8 = 0;
+/// Aborted by its own I_T nexus: no response is sent.
+const ABORT_SILENT: u8 = 1;
+/// Aborted by another nexus's reset: answered with TASK ABORTED status.
+const ABORT_REPORT: u8 = 2;
 
 /// Why a connection ends.
 #[derive(Debug, Error)]
@@ -142,6 +177,7 @@ pub async fn run(sock: TcpStream, shared: Arc<Shared>) {
             every,
         ));
     }
+    shared.conns.lock().push(Arc::downgrade(&conn.running));
     let result = conn.serve(&mut rd, &kill, &last_rx).await;
     debug!(?peer, ?result, "connection ends");
     conn.close().await;
@@ -264,10 +300,13 @@ struct PendingWrite {
     r2tsn: u32,
 }
 
+/// The running tasks of one connection, by Initiator Task Tag.
+pub type RunningMap = Mutex<HashMap<u32, Running>>;
+
 /// A command being executed.
-struct Running {
+pub struct Running {
     lun: u64,
-    abort: Arc<AtomicBool>,
+    abort: Arc<AtomicU8>,
 }
 
 /// Whether to keep serving after a PDU.
@@ -312,7 +351,7 @@ impl Conn {
 
     async fn close(&mut self) {
         for (_, r) in self.running.lock().iter() {
-            r.abort.store(true, Ordering::SeqCst);
+            r.abort.store(ABORT_SILENT, Ordering::SeqCst);
         }
         let _ = self.tx.send(Out::Close).await;
     }
@@ -513,7 +552,7 @@ impl Conn {
     }
 
     fn execute(&self, itt: u32, lun_raw: u64, cdb: [u8; 16], data: Vec<u8>, edtl: u32, flags: u8) {
-        let abort = Arc::new(AtomicBool::new(false));
+        let abort = Arc::new(AtomicU8::new(ABORT_NONE));
         let lun = lun_from_wire(lun_raw);
         self.running.lock().insert(
             itt,
@@ -540,9 +579,16 @@ impl Conn {
                 .unwrap_or_else(|_| Response::check(Sense::new(0x4, 0x44, 0x00)));
             running.lock().remove(&itt);
             window.end();
-            if abort.load(Ordering::SeqCst) {
-                return;
-            }
+            let resp = match abort.load(Ordering::SeqCst) {
+                ABORT_NONE => resp,
+                ABORT_REPORT => Response {
+                    status: STATUS_TASK_ABORTED,
+                    sense: None,
+                    data_in: Vec::new(),
+                    data_out_len: None,
+                },
+                _ => return,
+            };
             for (p, status) in response_pdus(itt, lun_raw, resp, edtl, flags, limits) {
                 let _ = tx.send(Out::Pdu(p, status)).await;
             }
@@ -587,11 +633,13 @@ impl Conn {
             2 | 4 => (self.abort_lun(Some(lun)), false),
             5 => {
                 self.abort_lun(Some(lun));
+                self.shared.abort_others(Some(lun), &self.running);
                 self.shared.target.lun_reset(lun);
                 (0, false)
             }
             6 | 7 => {
                 self.abort_lun(None);
+                self.shared.abort_others(None, &self.running);
                 self.shared.target.target_reset();
                 (0, function == 7)
             }
@@ -605,7 +653,10 @@ impl Conn {
         let lun_raw = p.lun_raw();
         let shared = self.shared.clone();
         tokio::spawn(async move {
-            Conn::drain(&running, |_, r| r.abort.load(Ordering::SeqCst)).await;
+            Conn::drain(&running, |_, r| {
+                r.abort.load(Ordering::SeqCst) != ABORT_NONE
+            })
+            .await;
             let mut r = Pdu::new(OP_TASK_MGMT_RESP);
             r.bhs[1] = FLAG_FINAL;
             r.bhs[2] = response;
@@ -626,7 +677,7 @@ impl Conn {
         }
         match self.running.lock().get(&rtt) {
             Some(r) => {
-                r.abort.store(true, Ordering::SeqCst);
+                r.abort.store(ABORT_SILENT, Ordering::SeqCst);
                 0
             }
             None => 1,
@@ -644,7 +695,7 @@ impl Conn {
         }
         for r in self.running.lock().values() {
             if hit(r.lun) {
-                r.abort.store(true, Ordering::SeqCst);
+                r.abort.store(ABORT_SILENT, Ordering::SeqCst);
             }
         }
         0

@@ -42,6 +42,7 @@ pub async fn serve(
         target: scsi::Target::new(luns, config.clone()),
         cfg: config,
         registry: session::Registry::default(),
+        conns: parking_lot::Mutex::new(Vec::new()),
     });
     info!(addr = ?listener.local_addr().ok(), target = %shared.cfg.target_name, "iSCSI target listening");
     loop {
