@@ -524,4 +524,112 @@ mod tests {
         assert_eq!(decode_binary("0bAQID"), Some(vec![1, 2, 3]));
         assert_eq!(decode_binary("0x0"), None);
     }
+
+    fn req(csg: u8, nsg: u8, transit: bool, keys: &str) -> Pdu {
+        let mut p = Pdu::new(crate::pdu::OP_LOGIN_REQ);
+        p.bhs[1] = csg << 2 | nsg | if transit { FLAG_TRANSIT } else { 0 };
+        p.bhs[8..14].copy_from_slice(&[0x80, 0, 0, 0, 0, 1]);
+        p.data = keys.replace(';', "\0").into_bytes();
+        p
+    }
+
+    fn answers(p: &Pdu) -> Vec<(String, String)> {
+        text::parse(&p.data)
+    }
+
+    fn get<'a>(a: &'a [(String, String)], k: &str) -> Option<&'a str> {
+        a.iter().find(|(kk, _)| kk == k).map(|(_, v)| v.as_str())
+    }
+
+    /// Operational negotiation: digests picked from the offer, numbers
+    /// clamped to our limits, unknown keys NotUnderstood, our MRDSL declared.
+    #[test]
+    fn operational_negotiation() {
+        let mut l = Login::new(TargetConfig::new("iqn.t:x"));
+        let keys = "InitiatorName=iqn.i:y;TargetName=iqn.t:x;HeaderDigest=CRC32C,None;DataDigest=None;\
+                    MaxBurstLength=16777215;FirstBurstLength=65536;InitialR2T=No;ImmediateData=Yes;\
+                    MaxOutstandingR2T=64;ErrorRecoveryLevel=2;X-foo=bar;MaxRecvDataSegmentLength=131072;";
+        let LoginStep::Done(resp, out) = l.step(&req(1, 3, true, keys)) else {
+            panic!("login did not complete")
+        };
+        let a = answers(&resp);
+        assert_eq!(get(&a, "HeaderDigest"), Some("CRC32C"));
+        assert_eq!(get(&a, "DataDigest"), Some("None"));
+        assert_eq!(get(&a, "MaxBurstLength"), Some("1048576"));
+        assert_eq!(get(&a, "ErrorRecoveryLevel"), Some("0"));
+        assert_eq!(get(&a, "MaxOutstandingR2T"), Some("16"));
+        assert_eq!(get(&a, "X-foo"), Some("NotUnderstood"));
+        assert_eq!(get(&a, "MaxRecvDataSegmentLength"), Some("262144"));
+        assert_eq!(get(&a, "TargetPortalGroupTag"), Some("1"));
+        assert!(out.params.header_digest && !out.params.data_digest && !out.params.initial_r2t);
+        assert_eq!(out.params.initiator_max_recv_dsl, 131_072);
+    }
+
+    /// Wrong target name: status 0203; missing InitiatorName: 0207.
+    #[test]
+    fn login_failures() {
+        let mut l = Login::new(TargetConfig::new("iqn.t:x"));
+        let LoginStep::Fail(r) = l.step(&req(
+            1,
+            3,
+            true,
+            "InitiatorName=iqn.i:y;TargetName=iqn.t:other;",
+        )) else {
+            panic!("expected failure")
+        };
+        assert_eq!(&r.bhs[36..38], &STATUS_NOT_FOUND.to_be_bytes());
+        let mut l = Login::new(TargetConfig::new("iqn.t:x"));
+        let LoginStep::Fail(r) = l.step(&req(1, 3, true, "TargetName=iqn.t:x;")) else {
+            panic!("expected failure")
+        };
+        assert_eq!(&r.bhs[36..38], &STATUS_MISSING_PARAM.to_be_bytes());
+    }
+
+    /// CHAP: challenge, correct response accepted and mutual answer given;
+    /// skipping the security stage is refused.
+    #[test]
+    fn chap_flow() {
+        let mut cfg = TargetConfig::new("iqn.t:x");
+        cfg.chap = Some(ChapConfig {
+            user: "u".into(),
+            secret: "s3cret-s3cret".into(),
+            mutual: Some(("t".into(), "t-secret-12345".into())),
+        });
+        let mut skip = Login::new(cfg.clone());
+        assert!(matches!(
+            skip.step(&req(
+                1,
+                3,
+                true,
+                "InitiatorName=iqn.i:y;TargetName=iqn.t:x;"
+            )),
+            LoginStep::Fail(_)
+        ));
+        let mut l = Login::new(cfg);
+        let LoginStep::Continue(r) = l.step(&req(
+            0,
+            1,
+            true,
+            "InitiatorName=iqn.i:y;TargetName=iqn.t:x;AuthMethod=CHAP,None;",
+        )) else {
+            panic!()
+        };
+        assert_eq!(get(&answers(&r), "AuthMethod"), Some("CHAP"));
+        let LoginStep::Continue(r) = l.step(&req(0, 1, true, "CHAP_A=5;")) else {
+            panic!()
+        };
+        let a = answers(&r);
+        let id: u8 = get(&a, "CHAP_I").unwrap().parse().unwrap();
+        let c = decode_binary(get(&a, "CHAP_C").unwrap()).unwrap();
+        let resp = hex(&chap_md5(id, b"s3cret-s3cret", &c));
+        let keys = format!("CHAP_N=u;CHAP_R=0x{resp};CHAP_I=7;CHAP_C=0x0102030405060708;");
+        let LoginStep::Continue(r) = l.step(&req(0, 1, true, &keys)) else {
+            panic!()
+        };
+        assert_eq!(r.bhs[1] & FLAG_TRANSIT, FLAG_TRANSIT);
+        let a = answers(&r);
+        let want = hex(&chap_md5(7, b"t-secret-12345", &[1, 2, 3, 4, 5, 6, 7, 8]));
+        assert_eq!(get(&a, "CHAP_R"), Some(format!("0x{want}").as_str()));
+        assert!(matches!(l.step(&req(1, 3, true, "")), LoginStep::Done(..)));
+    }
 }
