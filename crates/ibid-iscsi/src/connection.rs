@@ -16,7 +16,7 @@ use crate::pdu::{
     RESERVED_TAG,
 };
 use crate::scsi::{Nexus, Response, Target};
-use crate::sense::{Sense, STATUS_GOOD, STATUS_TASK_ABORTED};
+use crate::sense::{Sense, STATUS_GOOD, STATUS_TASK_ABORTED, STATUS_TASK_SET_FULL};
 use crate::session::{Registry, SnCheck, Window};
 use crate::text;
 use parking_lot::Mutex;
@@ -34,6 +34,10 @@ use tracing::{debug, info};
 
 /// Largest Expected Data Transfer Length accepted for a write, in bytes.
 pub const MAX_WRITE_EDTL: u32 = 33 << 20;
+/// Write data one connection may have buffered while collecting Data-Out.
+pub const MAX_PENDING_WRITE_BYTES: u64 = 128 << 20;
+/// Buffer reserved up front for a write; it grows as data arrives.
+const WRITE_RESERVE_MAX: usize = 1 << 20;
 /// Outgoing PDUs queued per connection before senders wait.
 const OUT_QUEUE_LEN: usize = 256;
 /// How long a TMF or logout waits for running commands to finish.
@@ -435,6 +439,19 @@ impl Conn {
             );
             return Ok(Flow::Continue);
         }
+        let buffered: u64 = self.pending.values().map(|w| w.edtl as u64).sum();
+        if buffered + edtl as u64 > MAX_PENDING_WRITE_BYTES {
+            // Bound the memory one connection can make us hold; the
+            // initiator retries TASK SET FULL later (SAM-5 5.3.1).
+            let full = Response {
+                status: STATUS_TASK_SET_FULL,
+                sense: None,
+                data_in: Vec::new(),
+                data_out_len: None,
+            };
+            self.spawn_response(itt, p.lun_raw(), full, edtl, p.flags());
+            return Ok(Flow::Continue);
+        }
         let (is_final, flags, lun_raw) = (p.is_final(), p.flags(), p.lun_raw());
         let mut data = p.data;
         if !self.params.immediate_data && !data.is_empty() {
@@ -443,7 +460,7 @@ impl Conn {
         if data.len() as u32 > edtl.min(self.params.first_burst) {
             return Err(ConnError::Protocol("immediate data exceeds burst"));
         }
-        data.reserve(edtl as usize - data.len());
+        data.reserve((edtl as usize - data.len()).min(WRITE_RESERVE_MAX));
         let unsolicited_end = if self.params.initial_r2t || is_final {
             data.len() as u32
         } else {

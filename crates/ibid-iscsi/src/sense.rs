@@ -8,6 +8,8 @@ pub const STATUS_CHECK_CONDITION: u8 = 0x02;
 pub const STATUS_CONDITION_MET: u8 = 0x04;
 /// SCSI status BUSY.
 pub const STATUS_BUSY: u8 = 0x08;
+/// SCSI status TASK SET FULL.
+pub const STATUS_TASK_SET_FULL: u8 = 0x28;
 /// SCSI status RESERVATION CONFLICT.
 pub const STATUS_RESERVATION_CONFLICT: u8 = 0x18;
 /// SCSI status TASK ABORTED.

@@ -219,3 +219,38 @@ fn bad_requests_in_full_feature_phase_get_precise_answers() {
         (pdu::OP_NOP_IN, 777, &b"ping"[..])
     );
 }
+
+/// Writes that announce data but never send it cannot make the target buffer
+/// more than its per-connection bound: the excess gets TASK SET FULL.
+#[test]
+fn unsent_write_data_is_bounded() {
+    let t = common::start();
+    let (mut s, mut sn) = login(t.port);
+    let edtl: u32 = 32 << 20;
+    for i in 0..5u32 {
+        let mut p = Pdu::new(pdu::OP_SCSI_CMD);
+        p.bhs[1] = pdu::FLAG_FINAL | pdu::FLAG_WRITE;
+        p.set32(16, 1000 + i);
+        p.set32(20, edtl);
+        p.set32(24, sn);
+        sn += 1;
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x8a;
+        cdb[10..14].copy_from_slice(&(edtl / 512).to_be_bytes());
+        p.bhs[32..48].copy_from_slice(&cdb);
+        send(&mut s, p);
+    }
+    loop {
+        let r = recv(&mut s).expect("pdu");
+        if r.opcode() == pdu::OP_R2T {
+            assert!(r.itt() < 1004, "R2T for a command past the bound");
+            continue;
+        }
+        assert_eq!(
+            (r.opcode(), r.itt(), r.bhs[3]),
+            (pdu::OP_SCSI_RESP, 1004, 0x28)
+        );
+        break;
+    }
+    tur_ok(&mut s, &mut sn);
+}
