@@ -1,0 +1,381 @@
+//! SCSI command execution (SPC-4 / SBC-3) on top of [`crate::backend`].
+//!
+//! [`Target::execute`] takes a CDB and the collected Data-Out buffer and
+//! returns status, sense and Data-In. It is synchronous: the iSCSI layer
+//! calls it from `spawn_blocking`.
+
+pub mod block;
+pub mod cdb;
+pub mod info;
+pub mod pr;
+pub mod xcopy;
+
+use crate::backend::{Lun, LunError, Luns};
+use crate::config::TargetConfig;
+use crate::sense::{Sense, STATUS_CHECK_CONDITION, STATUS_GOOD, STATUS_RESERVATION_CONFLICT};
+use cdb::Op;
+use parking_lot::Mutex;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+/// Logical block size in bytes.
+pub const BLOCK_SIZE: u64 = 512;
+/// log2(logical blocks per physical block): 4 KiB physical (512e).
+pub const LBPPB_EXPONENT: u8 = 3;
+/// Largest READ/WRITE/VERIFY transfer, in blocks (B0h MAXIMUM TRANSFER LENGTH).
+pub const MAX_TRANSFER_BLOCKS: u32 = 65_536;
+/// Largest COMPARE AND WRITE, in blocks (B0h MAXIMUM COMPARE AND WRITE LENGTH).
+pub const MAX_CAW_BLOCKS: u8 = 16;
+/// Largest UNMAP descriptor / WRITE SAME, in blocks (B0h).
+pub const MAX_UNMAP_BLOCKS: u32 = 1 << 20;
+/// Largest number of UNMAP block descriptors (B0h).
+pub const MAX_UNMAP_DESCRIPTORS: u32 = 256;
+/// Largest WRITE SAME, in blocks (B0h MAXIMUM WRITE SAME LENGTH).
+pub const MAX_WRITE_SAME_BLOCKS: u64 = 1 << 22;
+/// Unmap/optimal granularity, in blocks: one 4 KiB engine block.
+pub const GRANULARITY_BLOCKS: u32 = 8;
+/// Pending unit attentions kept per I_T nexus and LUN.
+const UA_QUEUE_MAX: usize = 8;
+
+/// The initiator side of an I_T nexus.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Nexus {
+    /// Initiator port name: `<InitiatorName>,i,0x<ISID>` (SPC-4 TransportID).
+    pub port: String,
+    /// Initiator name alone.
+    pub initiator: String,
+}
+
+/// The outcome of one command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    /// SCSI status.
+    pub status: u8,
+    /// Sense data for CHECK CONDITION.
+    pub sense: Option<Sense>,
+    /// Data-In (before truncation to the expected transfer length).
+    pub data_in: Vec<u8>,
+    /// Data-Out the CDB asked for (for write residuals), if it is a data-out command.
+    pub data_out_len: Option<u64>,
+}
+
+impl Response {
+    /// GOOD with data.
+    pub fn good(data_in: Vec<u8>) -> Self {
+        Response {
+            status: STATUS_GOOD,
+            sense: None,
+            data_in,
+            data_out_len: None,
+        }
+    }
+    /// CHECK CONDITION with `sense`.
+    pub fn check(sense: Sense) -> Self {
+        Response {
+            status: STATUS_CHECK_CONDITION,
+            sense: Some(sense),
+            data_in: Vec::new(),
+            data_out_len: None,
+        }
+    }
+    /// RESERVATION CONFLICT.
+    pub fn conflict() -> Self {
+        Response {
+            status: STATUS_RESERVATION_CONFLICT,
+            sense: None,
+            data_in: Vec::new(),
+            data_out_len: None,
+        }
+    }
+    fn with_out(mut self, n: u64) -> Self {
+        self.data_out_len = Some(n);
+        self
+    }
+}
+
+impl From<Sense> for Response {
+    fn from(s: Sense) -> Self {
+        Response::check(s)
+    }
+}
+
+/// Map a backend error to sense.
+pub fn lun_error_sense(e: &LunError) -> Sense {
+    match e {
+        LunError::NoSpace => Sense::no_space(),
+        LunError::OutOfRange => Sense::lba_out_of_range(),
+        LunError::ReadOnly => Sense::write_protected(),
+        LunError::NoSuchLun => Sense::lun_not_supported(),
+        LunError::Io(_) => Sense::medium_error(),
+    }
+}
+
+/// Truncate `v` to the allocation length `alloc`.
+pub fn alloc_trunc(mut v: Vec<u8>, alloc: u32) -> Vec<u8> {
+    v.truncate(alloc as usize);
+    v
+}
+
+/// Per-LUN state shared by all sessions.
+#[derive(Default)]
+pub struct LunState {
+    /// SPC-2 RESERVE holder (initiator port).
+    pub reserved_by: Option<String>,
+    /// Persistent reservations.
+    pub pr: pr::PrState,
+    /// Pending unit attentions per initiator port.
+    pub ua: HashMap<String, VecDeque<Sense>>,
+    /// Initiator ports that have used this LUN (they get reset UAs).
+    pub ports: HashSet<String>,
+    /// Ports already told about the soft threshold.
+    pub space_told: HashSet<String>,
+    /// EXTENDED COPY results per (initiator port, list id).
+    pub copies: HashMap<(String, u8), xcopy::CopyResult>,
+}
+
+impl LunState {
+    /// A reset: SPC-2 reservations dropped, `ua` queued for every known port.
+    fn reset(&mut self, ua: Sense) {
+        self.reserved_by = None;
+        let ports: Vec<String> = self.ports.iter().cloned().collect();
+        self.ua_all_but(&ports, "", ua);
+    }
+
+    /// Queue a unit attention for every port in `ports` except `but`.
+    pub fn ua_all_but(&mut self, ports: &[String], but: &str, s: Sense) {
+        for p in ports.iter().filter(|p| p.as_str() != but) {
+            let q = self.ua.entry(p.clone()).or_default();
+            if q.len() < UA_QUEUE_MAX {
+                q.push_back(s);
+            }
+        }
+    }
+}
+
+/// The SCSI side of the target: LUNs plus the shared per-LUN state.
+pub struct Target {
+    /// The backend.
+    pub luns: Arc<dyn Luns>,
+    /// Configuration (names for INQUIRY).
+    pub cfg: TargetConfig,
+    state: Mutex<HashMap<u64, LunState>>,
+}
+
+/// Everything a handler needs about the command it runs.
+pub struct Ctx<'a> {
+    /// The target.
+    pub target: &'a Target,
+    /// Who sent it.
+    pub nexus: &'a Nexus,
+    /// LUN number.
+    pub lun: u64,
+    /// The device.
+    pub dev: Arc<dyn Lun>,
+    /// The Data-Out buffer.
+    pub data: &'a [u8],
+}
+
+impl Ctx<'_> {
+    /// Capacity in logical blocks.
+    pub fn blocks(&self) -> u64 {
+        self.dev.size() / BLOCK_SIZE
+    }
+    /// Run `f` with this LUN's state locked.
+    pub fn with_state<R>(&self, f: impl FnOnce(&mut LunState) -> R) -> R {
+        self.target.with_state(self.lun, f)
+    }
+}
+
+impl Target {
+    /// A target over `luns`.
+    pub fn new(luns: Arc<dyn Luns>, cfg: TargetConfig) -> Self {
+        Target {
+            luns,
+            cfg,
+            state: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Run `f` with LUN `lun`'s state locked.
+    pub fn with_state<R>(&self, lun: u64, f: impl FnOnce(&mut LunState) -> R) -> R {
+        f(self.state.lock().entry(lun).or_default())
+    }
+
+    /// Execute one command.
+    pub fn execute(&self, nexus: &Nexus, lun: u64, cdb_bytes: &[u8], data: &[u8]) -> Response {
+        let op = match cdb::parse(cdb_bytes) {
+            Ok(op) => op,
+            Err(s) => return s.into(),
+        };
+        if let Some(r) = self.lun_independent(nexus, lun, &op) {
+            return r;
+        }
+        let Some(dev) = self.luns.open(lun) else {
+            return Sense::lun_not_supported().into();
+        };
+        let ctx = Ctx {
+            target: self,
+            nexus,
+            lun,
+            dev,
+            data,
+        };
+        if let Some(r) = self.pending_unit_attention(&ctx, &op) {
+            return r;
+        }
+        if self.conflicts(&ctx, &op) {
+            return Response::conflict();
+        }
+        dispatch(&ctx, op)
+    }
+
+    fn lun_independent(&self, nexus: &Nexus, lun: u64, op: &Op) -> Option<Response> {
+        match op {
+            Op::ReportLuns { select, alloc } => Some(info::report_luns(self, *select, *alloc)),
+            Op::Inquiry { .. } if self.luns.open(lun).is_none() => Some(info::inquiry_no_lun(op)),
+            Op::RequestSense { desc, alloc } => {
+                Some(info::request_sense(self, nexus, lun, *desc, *alloc))
+            }
+            _ => None,
+        }
+    }
+
+    fn pending_unit_attention(&self, ctx: &Ctx, op: &Op) -> Option<Response> {
+        if matches!(
+            op,
+            Op::Inquiry { .. } | Op::ReportLuns { .. } | Op::RequestSense { .. }
+        ) {
+            return None;
+        }
+        let warn = self.luns.space_warning();
+        let port = &ctx.nexus.port;
+        ctx.with_state(|st| {
+            if !st.ports.contains(port) {
+                st.ports.insert(port.clone());
+            }
+            if warn && st.space_told.insert(port.clone()) {
+                return Some(Sense::soft_threshold().into());
+            }
+            if !warn {
+                st.space_told.remove(port);
+            }
+            st.ua
+                .get_mut(port)
+                .and_then(|q| q.pop_front())
+                .map(Response::check)
+        })
+    }
+
+    fn conflicts(&self, ctx: &Ctx, op: &Op) -> bool {
+        let class = access_class(op);
+        ctx.with_state(|st| {
+            if let Some(holder) = &st.reserved_by {
+                if holder != &ctx.nexus.port
+                    && class != Access::Always
+                    && !matches!(op, Op::Release)
+                {
+                    return true;
+                }
+            }
+            st.pr.conflicts(&ctx.nexus.port, class)
+        })
+    }
+
+    /// Drop SPC-2 reservations held by `port` on every LUN (I_T nexus loss).
+    pub fn nexus_lost(&self, port: &str) {
+        for st in self.state.lock().values_mut() {
+            if st.reserved_by.as_deref() == Some(port) {
+                st.reserved_by = None;
+            }
+        }
+    }
+
+    /// LOGICAL UNIT RESET: clear SPC-2 reservations, raise 29h/03h for others.
+    pub fn lun_reset(&self, lun: u64) {
+        self.with_state(lun, |st| {
+            st.reset(Sense::new(crate::sense::KEY_UNIT_ATTENTION, 0x29, 0x03))
+        });
+    }
+
+    /// TARGET RESET: a reset of every LUN, with 29h/00h.
+    pub fn target_reset(&self) {
+        for st in self.state.lock().values_mut() {
+            st.reset(Sense::reset_occurred());
+        }
+    }
+}
+
+/// How a command is treated under reservations (SPC-4 5.13.1, table 66).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Allowed whatever the reservation.
+    Always,
+    /// A read of the medium.
+    Read,
+    /// A write of the medium or of device state.
+    Write,
+}
+
+fn access_class(op: &Op) -> Access {
+    match op {
+        Op::Inquiry { .. }
+        | Op::ReportLuns { .. }
+        | Op::RequestSense { .. }
+        | Op::PrIn { .. }
+        | Op::PrOut { .. }
+        | Op::ReportOpcodes { .. }
+        | Op::ReportTargetPortGroups { .. }
+        | Op::ReadCapacity10 { .. }
+        | Op::ReadCapacity16 { .. }
+        | Op::TestUnitReady
+        | Op::Release => Access::Always,
+        Op::Read(_)
+        | Op::Verify(_)
+        | Op::Prefetch { .. }
+        | Op::GetLbaStatus { .. }
+        | Op::ModeSense { .. } => Access::Read,
+        _ => Access::Write,
+    }
+}
+
+fn dispatch(ctx: &Ctx, op: Op) -> Response {
+    match op {
+        Op::TestUnitReady => Response::good(Vec::new()),
+        Op::Inquiry { evpd, page, alloc } => info::inquiry(ctx, evpd, page, alloc),
+        Op::ReadCapacity10 { lba, pmi } => info::read_capacity10(ctx, lba, pmi),
+        Op::ReadCapacity16 { alloc } => info::read_capacity16(ctx, alloc),
+        Op::ModeSense { .. } => info::mode_sense(ctx, &op),
+        Op::ModeSelect { ten, pf, sp, len } => info::mode_select(ctx, ten, pf, sp, len),
+        Op::ReportOpcodes {
+            options,
+            rctd,
+            opcode,
+            sa,
+            alloc,
+        } => info::report_opcodes(options, rctd, opcode, sa, alloc),
+        Op::ReportTargetPortGroups { alloc } => info::report_tpg(alloc),
+        Op::StartStopUnit { .. } | Op::PreventAllow { .. } => Response::good(Vec::new()),
+        Op::Reserve => pr::reserve(ctx),
+        Op::Release => pr::release(ctx),
+        Op::PrIn { sa, alloc } => pr::pr_in(ctx, sa, alloc),
+        Op::PrOut { sa, scope, ty, len } => pr::pr_out(ctx, sa, scope, ty, len),
+        Op::ExtendedCopy { len } => xcopy::extended_copy(ctx, len),
+        Op::ReceiveCopyResults { sa, list_id, alloc } => {
+            xcopy::receive_copy_results(ctx, sa, list_id, alloc)
+        }
+        other => block::dispatch(ctx, other),
+    }
+}
+
+/// Parameter list bytes actually usable: the smaller of CDB length and data.
+pub fn param_list<'a>(ctx: &Ctx<'a>, len: u32) -> &'a [u8] {
+    &ctx.data[..(len as usize).min(ctx.data.len())]
+}
+
+/// Attach the data-out length a write-type command expected.
+pub fn expect_out(r: Response, n: u64) -> Response {
+    r.with_out(n)
+}
+
+#[cfg(test)]
+mod tests;
