@@ -224,10 +224,10 @@ pub(crate) fn option(
             Next::Continue
         }
         ClientOption::Info(req) => {
-            info(ctx, state, &req, &mut reply);
+            info(ctx, &req, &mut reply);
             Next::Continue
         }
-        ClientOption::Go(req) => match info(ctx, state, &req, &mut reply) {
+        ClientOption::Go(req) => match info(ctx, &req, &mut reply) {
             Some(export) => Next::Enter(session(state, req.name, export)),
             None => Next::Continue,
         },
@@ -280,7 +280,6 @@ pub(crate) fn transmission_flags(export: &dyn Export) -> u16 {
 /// Answers INFO/GO; returns the export on success (the ACK has been queued).
 fn info(
     ctx: &Context,
-    _state: &State,
     req: &InfoRequest,
     reply: &mut impl FnMut(u32, &[u8]),
 ) -> Option<Arc<dyn Export>> {

@@ -485,3 +485,70 @@ fn tls_required_refuses_options_before_starttls() {
     c.option(OPT_EXPORT_NAME, b"disk");
     assert!(c.closed());
 }
+
+/// A backend whose reads panic at offset 0 and fail with `Io` elsewhere; writes succeed.
+struct BrokenExport;
+
+impl ibid_nbd::Export for BrokenExport {
+    fn size(&self) -> u64 {
+        1 << 20
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read(&self, offset: u64, _buf: &mut [u8]) -> Result<(), ibid_nbd::ExportError> {
+        assert!(offset != 0, "injected backend panic");
+        Err(ibid_nbd::ExportError::Io("injected read error".into()))
+    }
+    fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), ibid_nbd::ExportError> {
+        Ok(())
+    }
+    fn write_zeroes(&self, _: u64, _: u64, _: bool) -> Result<(), ibid_nbd::ExportError> {
+        Ok(())
+    }
+    fn trim(&self, _: u64, _: u64) -> Result<(), ibid_nbd::ExportError> {
+        Ok(())
+    }
+    fn flush(&self) -> Result<(), ibid_nbd::ExportError> {
+        Ok(())
+    }
+    fn block_status(&self, _: u64, _: u64) -> Result<Vec<ibid_nbd::Extent>, ibid_nbd::ExportError> {
+        Ok(Vec::new())
+    }
+}
+
+struct BrokenExports;
+
+impl ibid_nbd::Exports for BrokenExports {
+    fn list(&self) -> Vec<ibid_nbd::ExportInfo> {
+        Vec::new()
+    }
+    fn open(&self, _name: &str) -> Option<std::sync::Arc<dyn ibid_nbd::Export>> {
+        Some(std::sync::Arc::new(BrokenExport))
+    }
+}
+
+/// Proves backend failures become error replies on a connection that keeps working: `Io` and
+/// a panicking backend call give EIO, an empty block status answer gives EIO.
+#[test]
+fn backend_errors_and_panics_give_eio() {
+    const EIO: u32 = 5;
+    let srv = TestServer::start(std::sync::Arc::new(BrokenExports), ServerConfig::default());
+    let mut c = Raw::connect(srv.port);
+    c.go("any", true, true);
+    for (cookie, offset) in [(1u64, 4096u64), (2, 0)] {
+        c.request(CMD_READ, 0, cookie, offset, 512);
+        let (flags, kind, ck, p) = c.chunk();
+        assert_eq!(
+            (flags, kind, ck),
+            (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie)
+        );
+        assert_eq!(be32(&p), EIO);
+    }
+    c.request(CMD_BLOCK_STATUS, 0, 3, 0, 4096);
+    let (_, kind, _, p) = c.chunk();
+    assert_eq!((kind, be32(&p)), (REPLY_TYPE_ERROR, EIO));
+    c.request(CMD_WRITE, 0, 4, 0, 512);
+    c.send(&[1u8; 512]);
+    assert_eq!(c.chunk().1, REPLY_TYPE_NONE);
+}

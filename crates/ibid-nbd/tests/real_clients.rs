@@ -494,3 +494,50 @@ fn nbdfuse_loop_ext4_fstrim_returns_space() {
     );
     drop(guard);
 }
+
+/// Proves mutual TLS: with a client CA configured, a client without a certificate is refused
+/// and nbdinfo and qemu-io with a CA-signed client certificate are served.
+#[test]
+fn tls_client_certificates_required_when_configured() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut tls = common::tls_material(dir.path());
+    tls.client_ca_pem = Some(dir.path().join("ca-cert.pem"));
+    let config = ServerConfig {
+        tls: Some(tls),
+        ..ServerConfig::default()
+    };
+    let srv = TestServer::start(exports(), config);
+    let d = dir.path().to_string_lossy().into_owned();
+    let no_cert = format!("nbds://127.0.0.1:{}/disk?tls-certificates={d}", srv.port);
+    let refused = cmd("nbdinfo", &[&no_cert]);
+    assert!(
+        !refused.status.success(),
+        "client without certificate:\n{}",
+        text(&refused)
+    );
+
+    let with_cert = format!(
+        "nbds://127.0.0.1:{}/disk?tls-certificates={d}/client",
+        srv.port
+    );
+    let info = ok("nbdinfo", &[&with_cert]);
+    assert!(info.contains("export-size: 67108864"), "{info}");
+    let object = format!("tls-creds-x509,id=tls0,endpoint=client,dir={d}/client");
+    let opts = format!(
+        "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export=disk,tls-creds=tls0",
+        srv.port
+    );
+    ok(
+        "qemu-io",
+        &[
+            "--object",
+            &object,
+            "--image-opts",
+            "-c",
+            "write -P 0x62 0 4k",
+            "-c",
+            "read -P 0x62 0 4k",
+            &opts,
+        ],
+    );
+}

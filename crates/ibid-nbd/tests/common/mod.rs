@@ -155,6 +155,7 @@ pub fn nbdsh(script: &str) -> String {
 
 /// Generates a CA and a server certificate for `localhost`/127.0.0.1 into `dir` (the file
 /// names qemu's and libnbd's `tls-creds` directories expect) and returns a TLS-required config.
+/// `dir/client/` also holds a client certificate signed by the same CA, for mutual TLS.
 pub fn tls_material(dir: &std::path::Path) -> TlsConfig {
     use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa};
     use rcgen::{KeyPair, KeyUsagePurpose, SanType};
@@ -183,6 +184,26 @@ pub fn tls_material(dir: &std::path::Path) -> TlsConfig {
     write("ca-cert.pem", ca_cert.pem());
     write("server-cert.pem", leaf_cert.pem());
     write("server-key.pem", leaf_key.serialize_pem());
+
+    // A client certificate, in its own directory (`client/`), for mutual TLS.
+    let mut client = CertificateParams::new(Vec::<String>::new()).expect("client params");
+    client
+        .distinguished_name
+        .push(DnType::CommonName, "ibid test client");
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    // qemu insists on key encipherment in client certificates too.
+    client.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    let client_key = KeyPair::generate().expect("client key");
+    let client_cert = client
+        .signed_by(&client_key, &ca_cert, &ca_key)
+        .expect("client cert");
+    std::fs::create_dir_all(dir.join("client")).expect("mkdir client");
+    write("client/ca-cert.pem", ca_cert.pem());
+    write("client/client-cert.pem", client_cert.pem());
+    write("client/client-key.pem", client_key.serialize_pem());
     TlsConfig {
         cert_chain_pem: dir.join("server-cert.pem"),
         private_key_pem: dir.join("server-key.pem"),
