@@ -29,6 +29,8 @@ pub const INFLIGHT_BYTES_MAX: u32 = 128 * 1024 * 1024;
 pub const BLOCK_STATUS_SPAN_MAX: u64 = 4 * 1024 * 1024 * 1024;
 /// Most extents in one block status reply.
 pub const EXTENTS_PER_REPLY_MAX: usize = 64 * 1024;
+/// Longest time one reply may take to reach the client's socket before the connection ends.
+const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a closing connection waits for queued replies to reach the client.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Read buffer for request headers and write payloads.
@@ -296,7 +298,7 @@ pub(crate) async fn run(
                 debug!("server stopping: closing NBD connection");
                 break Ok(());
             }
-            () = tx.closed() => break Err(ConnError::Protocol("reply writer stopped".into())),
+            () = tx.closed() => break Err(ConnError::Protocol("replies could not be sent (socket failed or client stopped reading)".into())),
         };
         match step {
             Ok(Some(request)) => dispatch(request, &session, tx.clone()),
@@ -436,12 +438,23 @@ async fn write_loop(
 ) -> Result<(), io::Error> {
     let mut wr = BufWriter::with_capacity(WRITE_BUFFER_LEN, wr);
     while let Some(out) = rx.recv().await {
-        wr.write_all(&out.header).await?;
-        wr.write_all(&out.data).await?;
+        let flush = rx.is_empty();
+        let sent = async {
+            wr.write_all(&out.header).await?;
+            wr.write_all(&out.data).await?;
+            if flush {
+                wr.flush().await?;
+            }
+            Ok::<(), io::Error>(())
+        };
+        // A client that stops taking replies would otherwise pin its in-flight buffers and
+        // its connection slot forever.
+        tokio::time::timeout(REPLY_WRITE_TIMEOUT, sent)
+            .await
+            .map_err(|_| {
+                io::Error::new(io::ErrorKind::TimedOut, "client stopped reading replies")
+            })??;
         drop(out);
-        if rx.is_empty() {
-            wr.flush().await?;
-        }
     }
     wr.flush().await?;
     wr.shutdown().await
