@@ -119,6 +119,8 @@ pub(crate) struct Inner {
     pub dirty_blocks: AtomicU64,
     pub failed: Mutex<Option<String>>,
     pub soft_warned: AtomicBool,
+    /// Bumped whenever a volume is created or deleted.
+    pub catalog_generation: AtomicU64,
     pub background: Mutex<Option<Background>>,
     pub bloom_thread: Mutex<Option<JoinHandle<()>>>,
     pub wake: (Mutex<bool>, Condvar),
@@ -133,6 +135,8 @@ pub(crate) struct Background {
 /// Describes a volume.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeInfo {
+    /// Volume id: unique in the pool, never reused.
+    pub id: u64,
     /// Volume name.
     pub name: String,
     /// Size in bytes.
@@ -349,6 +353,7 @@ impl Pool {
             dirty_blocks: AtomicU64::new(0),
             failed: Mutex::new(None),
             soft_warned: AtomicBool::new(false),
+            catalog_generation: AtomicU64::new(0),
             background: Mutex::new(None),
             bloom_thread: Mutex::new(None),
             wake: (Mutex::new(false), Condvar::new()),
@@ -358,6 +363,7 @@ impl Pool {
             _lock_file: lock,
         });
         let pool = Pool { inner };
+        pool.inner.check_soft_threshold();
         pool.rebuild_bloom_async();
         if pool.inner.config.background {
             pool.start_background();
@@ -446,6 +452,9 @@ impl Pool {
         cs.record = pool_rec;
         let state = Arc::new(new_volume_state(name.to_string(), &record));
         vols.insert(name.to_string(), state.clone());
+        self.inner
+            .catalog_generation
+            .fetch_add(1, Ordering::Relaxed);
         Ok(Volume::new(self.inner.clone(), state))
     }
 
@@ -458,6 +467,19 @@ impl Pool {
             .get(name)
             .cloned()
             .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        Ok(Volume::new(self.inner.clone(), state))
+    }
+
+    /// Opens a handle on a volume by its id.
+    pub fn volume_by_id(&self, id: u64) -> Result<Volume> {
+        let state = self
+            .inner
+            .volumes
+            .read()
+            .values()
+            .find(|v| v.id == id)
+            .cloned();
+        let state = state.ok_or_else(|| Error::NotFound(format!("volume id {id}")))?;
         Ok(Volume::new(self.inner.clone(), state))
     }
 
@@ -510,7 +532,22 @@ impl Pool {
             state
         };
         self.inner.deleted.lock().push(state);
+        self.inner
+            .catalog_generation
+            .fetch_add(1, Ordering::Relaxed);
         self.inner.commit()
+    }
+
+    /// A counter bumped whenever a volume is created or deleted (front ends use it to tell
+    /// initiators to rescan).
+    pub fn catalog_generation(&self) -> u64 {
+        self.inner.catalog_generation.load(Ordering::Relaxed)
+    }
+
+    /// Whether the pool is past its soft threshold (as of the last commit). Cheap: front ends
+    /// may call it for every command.
+    pub fn soft_threshold_exceeded(&self) -> bool {
+        self.inner.soft_warned.load(Ordering::Relaxed)
     }
 
     /// Space accounting for the whole pool, exact as of the last commit (call [`Pool::sync`]
@@ -580,6 +617,7 @@ pub(crate) fn new_volume_state(name: String, r: &VolumeRecord) -> VolumeState {
 pub(crate) fn volume_info(v: &VolumeState) -> VolumeInfo {
     let map = v.map.lock();
     VolumeInfo {
+        id: v.id,
         name: v.name.clone(),
         size_bytes: map.size,
         mapped_blocks: map.mapped_blocks,
@@ -684,16 +722,19 @@ impl Inner {
         Ok(())
     }
 
+    /// Logs the soft threshold crossing once, and its clearing; cheap (atomics only), run
+    /// after every commit.
     pub(crate) fn check_soft_threshold(&self) {
-        let s = self.stats();
-        if s.soft_threshold_exceeded {
+        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
+        let used =
+            self.live_bytes.load(Ordering::Relaxed) + self.meta_bytes.load(Ordering::Relaxed);
+        let pct = self.soft_threshold_pct.load(Ordering::Relaxed);
+        let exceeded = used as u128 * 100 >= capacity as u128 * pct as u128;
+        if exceeded {
             if !self.soft_warned.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
-                    "pool {}: {} of {} bytes used, past the soft threshold of {} %",
-                    self.dir.display(),
-                    s.used_bytes,
-                    s.capacity_bytes,
-                    s.soft_threshold_pct
+                    "pool {}: {used} of {capacity} bytes used, past the soft threshold of {pct} %",
+                    self.dir.display()
                 );
             }
         } else if self.soft_warned.swap(false, Ordering::Relaxed) {

@@ -1,5 +1,6 @@
 //! The `ibid` command: runs the storage server and (later) manages it.
 
+mod iscsi_luns;
 mod nbd_exports;
 mod serve;
 mod units;
@@ -29,6 +30,12 @@ enum Command {
         /// NBD listen address.
         #[arg(long, default_value = "127.0.0.1:10809")]
         nbd: SocketAddr,
+        /// iSCSI listen address; `off` disables the target.
+        #[arg(long, default_value = "127.0.0.1:3260", value_parser = parse_optional_addr)]
+        iscsi: OptionalAddr,
+        /// iSCSI target name (IQN).
+        #[arg(long, default_value = "iqn.2026-11.org.ibid:pool")]
+        iqn: String,
         /// Create this volume if it does not exist: NAME=SIZE, e.g. vm1=50G (repeatable).
         #[arg(long = "volume", value_parser = parse_volume_arg)]
         volumes: Vec<(String, u64)>,
@@ -45,6 +52,19 @@ enum Command {
         #[arg(long, requires = "nbd_tls_cert")]
         nbd_tls_required: bool,
     },
+}
+
+/// A listen address, or `off`.
+#[derive(Clone)]
+struct OptionalAddr(Option<SocketAddr>);
+
+fn parse_optional_addr(s: &str) -> Result<OptionalAddr, String> {
+    if s == "off" {
+        return Ok(OptionalAddr(None));
+    }
+    s.parse()
+        .map(|a| OptionalAddr(Some(a)))
+        .map_err(|e| format!("{s:?}: {e}"))
 }
 
 fn parse_volume_arg(s: &str) -> Result<(String, u64), String> {
@@ -67,6 +87,8 @@ fn main() -> anyhow::Result<()> {
             data,
             capacity,
             nbd,
+            iscsi,
+            iqn,
             volumes,
             no_default_volume,
             nbd_tls_cert,
@@ -86,6 +108,8 @@ fn main() -> anyhow::Result<()> {
                 data,
                 capacity,
                 nbd,
+                iscsi: iscsi.0,
+                iqn,
                 volumes,
                 default_volume: !no_default_volume,
                 nbd_tls,

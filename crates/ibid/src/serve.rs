@@ -1,5 +1,6 @@
 //! `ibid serve`: open (or create) a pool and serve its volumes until SIGINT or SIGTERM.
 
+use crate::iscsi_luns::PoolLuns;
 use crate::nbd_exports::PoolExports;
 use crate::units::format_size;
 use anyhow::Context;
@@ -16,6 +17,10 @@ pub struct ServeOptions {
     pub capacity: Option<u64>,
     /// NBD listen address.
     pub nbd: SocketAddr,
+    /// iSCSI listen address (`None`: no iSCSI target).
+    pub iscsi: Option<SocketAddr>,
+    /// iSCSI target name.
+    pub iqn: String,
     /// Volumes to create if missing: (name, size).
     pub volumes: Vec<(String, u64)>,
     /// Create `disk0` (16 GiB, thin) in a new, empty pool.
@@ -61,7 +66,28 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listen for NBD on {}", opts.nbd))?;
     let nbd_addr = nbd_listener.local_addr()?;
-    print_banner(&pool, opts, nbd_addr);
+    let iscsi_listener = match opts.iscsi {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listen for iSCSI on {addr}"))?,
+        ),
+        None => None,
+    };
+    let iscsi_addr = iscsi_listener
+        .as_ref()
+        .map(|l| l.local_addr())
+        .transpose()?;
+    print_banner(&pool, opts, nbd_addr, iscsi_addr);
+    if let Some(listener) = iscsi_listener {
+        let luns = Arc::new(PoolLuns::new(pool.clone()));
+        let config = ibid_iscsi::TargetConfig::new(opts.iqn.clone());
+        tokio::spawn(async move {
+            if let Err(e) = ibid_iscsi::serve(listener, luns, config).await {
+                tracing::error!("iSCSI target stopped: {e}");
+            }
+        });
+    }
     let exports = Arc::new(PoolExports::new(pool));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
@@ -88,7 +114,7 @@ async fn shutdown_signal() {
     }
 }
 
-fn print_banner(pool: &Pool, opts: &ServeOptions, nbd: SocketAddr) {
+fn print_banner(pool: &Pool, opts: &ServeOptions, nbd: SocketAddr, iscsi: Option<SocketAddr>) {
     let stats = pool.stats();
     println!(
         "ibid serving pool {} ({} capacity, {} used)",
@@ -97,6 +123,12 @@ fn print_banner(pool: &Pool, opts: &ServeOptions, nbd: SocketAddr) {
         format_size(stats.used_bytes)
     );
     println!("  NBD   nbd://{nbd}/VOLUME");
+    if let Some(iscsi) = iscsi {
+        println!(
+            "  iSCSI iscsi://{iscsi}/{}/LUN   (target {}; LUN = volume id - 1)",
+            opts.iqn, opts.iqn
+        );
+    }
     let volumes = pool.list_volumes();
     if volumes.is_empty() {
         println!("  no volumes yet: restart with --volume NAME=SIZE (e.g. --volume vm1=50G)");

@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
+/// The target name `ibid serve` uses by default.
+pub const IQN: &str = "iqn.2026-11.org.ibid:pool";
+
 /// A running server.
 pub struct Server {
     child: Option<Child>,
@@ -15,6 +18,8 @@ pub struct Server {
     pub dir: tempfile::TempDir,
     /// NBD address, host:port.
     pub nbd: String,
+    /// iSCSI portal, host:port, if the target runs.
+    pub iscsi: Option<String>,
 }
 
 impl Server {
@@ -30,7 +35,7 @@ impl Server {
             .arg("serve")
             .arg("--data")
             .arg(dir.path().join("pool"))
-            .args(["--nbd", "127.0.0.1:0"])
+            .args(["--nbd", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
             .args(args)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
@@ -39,10 +44,14 @@ impl Server {
             .expect("start ibid serve");
         let stdout = child.stdout.take().expect("stdout");
         let mut nbd = None;
+        let mut iscsi = None;
         for line in BufReader::new(stdout).lines() {
             let line = line.expect("read banner");
             if let Some(rest) = line.trim().strip_prefix("NBD   nbd://") {
                 nbd = Some(rest.trim_end_matches("/VOLUME").to_string());
+            }
+            if let Some(rest) = line.trim().strip_prefix("iSCSI iscsi://") {
+                iscsi = rest.split('/').next().map(str::to_string);
             }
             if line.starts_with("Ctrl-C") {
                 break;
@@ -53,12 +62,21 @@ impl Server {
             child: Some(child),
             dir,
             nbd,
+            iscsi,
         }
     }
 
     /// `nbd://127.0.0.1:PORT/VOLUME`.
     pub fn url(&self, volume: &str) -> String {
         format!("nbd://{}/{}", self.nbd, volume)
+    }
+
+    /// `iscsi://127.0.0.1:PORT/IQN/LUN`.
+    pub fn iscsi_url(&self, lun: u64) -> String {
+        format!(
+            "iscsi://{}/{IQN}/{lun}",
+            self.iscsi.as_deref().expect("iSCSI target running")
+        )
     }
 
     /// The pool directory.
