@@ -595,6 +595,18 @@ impl Pool {
     }
 }
 
+impl Drop for Inner {
+    /// A pool dropped without [`Pool::close`] still commits what it can: dropping the last
+    /// handle should not behave like a crash.
+    fn drop(&mut self) {
+        if self.failed.lock().is_none() {
+            if let Err(e) = self.commit() {
+                tracing::error!("final commit of pool {}: {e}", self.dir.display());
+            }
+        }
+    }
+}
+
 pub(crate) fn new_volume_state(name: String, r: &VolumeRecord) -> VolumeState {
     VolumeState {
         name,
