@@ -254,3 +254,23 @@ fn unsent_write_data_is_bounded() {
     }
     tur_ok(&mut s, &mut sn);
 }
+
+/// Session reinstatement (same InitiatorName and ISID, TSIH 0) closes the old
+/// session's connection; a login naming an unknown TSIH is refused.
+#[test]
+fn session_reinstatement_and_unknown_tsih() {
+    let t = common::start();
+    let (mut old, _) = login(t.port);
+    let (mut new, mut sn) = login(t.port);
+    assert!(
+        closed(&mut old),
+        "reinstated session's old connection stays open"
+    );
+    tur_ok(&mut new, &mut sn);
+    let mut s = connect(t.port);
+    let mut p = login_pdu(common::IQN);
+    p.bhs[14..16].copy_from_slice(&0x7777u16.to_be_bytes());
+    send(&mut s, p);
+    let r = recv(&mut s).expect("login response");
+    assert_eq!(r.bhs[36], 2, "login into a nonexistent session accepted");
+}
