@@ -295,7 +295,8 @@ pub fn report_luns(target: &Target, select: u8, alloc: u32) -> Response {
     if alloc < 16 {
         return Sense::invalid_cdb(6).into();
     }
-    let luns = if select == 1 {
+    // 01h: well-known LUs; 10h/12h: administrative/subsidiary LUs: none here.
+    let luns = if matches!(select, 0x01 | 0x10 | 0x12) {
         Vec::new()
     } else {
         target.luns.list()
