@@ -38,6 +38,17 @@ pub async fn serve(
     luns: Arc<dyn Luns>,
     config: TargetConfig,
 ) -> std::io::Result<()> {
+    serve_until(listener, luns, config, std::future::pending()).await
+}
+
+/// Like [`serve`], but returns once `shutdown` completes, after telling
+/// every logged-in session's connection to close.
+pub async fn serve_until(
+    listener: TcpListener,
+    luns: Arc<dyn Luns>,
+    config: TargetConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
     let shared = Arc::new(connection::Shared {
         target: scsi::Target::new(luns, config.clone()),
         cfg: config,
@@ -45,8 +56,17 @@ pub async fn serve(
         conns: parking_lot::Mutex::new(Vec::new()),
     });
     info!(addr = ?listener.local_addr().ok(), target = %shared.cfg.target_name, "iSCSI target listening");
+    tokio::pin!(shutdown);
     loop {
-        let (sock, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            _ = &mut shutdown => {
+                info!("iSCSI target shutting down");
+                shared.registry.kill_all();
+                return Ok(());
+            }
+            a = listener.accept() => a,
+        };
+        let (sock, peer) = match accepted {
             Ok(x) => x,
             Err(e) if is_transient(&e) => {
                 warn!(error = %e, "accept failed; retrying");
