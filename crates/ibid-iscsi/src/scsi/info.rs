@@ -124,7 +124,7 @@ fn device_id(ctx: &Ctx) -> Vec<u8> {
 fn extended_inquiry() -> Vec<u8> {
     let mut d = vec![0u8; 0x3c];
     d[1] = 0x01; // SIMPSUP
-    d[2] = 0x02; // NV_SUP: a non-volatile cache exists (flush needed)
+    d[2] = 0x01; // V_SUP: a volatile write cache exists (SYNCHRONIZE CACHE flushes it)
     d
 }
 
