@@ -23,14 +23,15 @@ pub mod session;
 pub mod text;
 
 pub use backend::{Extent, Lun, LunError, LunInfo, Luns};
-pub use config::{ChapConfig, TargetConfig};
+pub use config::{ChapConfig, ConfigError, TargetConfig};
 pub use scsi::BLOCK_SIZE;
 
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-/// Serve the target on `listener` until the listener fails. Each accepted
+/// Serve the target on `listener` until the listener fails (or at once with
+/// `InvalidInput` if [`TargetConfig::validate`] rejects `config`). Each accepted
 /// connection runs in its own task; sessions share `luns` and the per-LUN
 /// reservation state.
 pub async fn serve(
@@ -49,6 +50,9 @@ pub async fn serve_until(
     config: TargetConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
+    config
+        .validate()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     let shared = Arc::new(connection::Shared {
         target: scsi::Target::new(luns, config.clone()),
         cfg: config,
