@@ -204,3 +204,22 @@ fn capacity_change_unit_attention() {
     assert_eq!(t.execute(&n, 0, &[0x00; 6], &[]).sense, Some(ua));
     assert_eq!(t.execute(&n, 0, &[0x00; 6], &[]).status, 0);
 }
+
+/// MODE SELECT accepts the current values back and refuses a change.
+#[test]
+fn mode_select_only_restates_current_values() {
+    let t = target();
+    let n = nexus("a");
+    let sense = t
+        .execute(&n, 0, &[0x1a, 0x08, 0x08, 0, 255, 0], &[])
+        .data_in;
+    let mut list = vec![0u8, 0, 0, 0];
+    list.extend_from_slice(&sense[4..]);
+    let cdb = [0x15, 0x10, 0, 0, list.len() as u8, 0];
+    assert_eq!(t.execute(&n, 0, &cdb, &list).status, 0);
+    list[6] &= !0x04; // clear WCE
+    assert_eq!(
+        t.execute(&n, 0, &cdb, &list).sense.map(|s| s.asc),
+        Some(0x26)
+    );
+}
