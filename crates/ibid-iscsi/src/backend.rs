@@ -101,4 +101,10 @@ pub trait Luns: Send + Sync + 'static {
     fn space_warning(&self) -> bool {
         false
     }
+    /// A counter bumped whenever LUNs are added or removed; a change raises
+    /// UNIT ATTENTION REPORTED LUNS DATA HAS CHANGED (3Fh/0Eh) so initiators
+    /// rescan. (A LUN's size change raises CAPACITY DATA HAS CHANGED by itself.)
+    fn generation(&self) -> u64 {
+        0
+    }
 }

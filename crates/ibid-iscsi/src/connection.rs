@@ -426,17 +426,11 @@ impl Conn {
         let mut cdb = [0u8; 16];
         cdb.copy_from_slice(&p.bhs[32..48]);
         if p.flags() & FLAG_WRITE == 0 {
-            self.execute(itt, p.lun_raw(), cdb, Vec::new(), edtl, p.flags());
+            self.execute(TaskInfo::of(&p), cdb, Vec::new());
             return Ok(Flow::Continue);
         }
         if edtl > MAX_WRITE_EDTL {
-            self.spawn_response(
-                itt,
-                p.lun_raw(),
-                Response::check(Sense::invalid_cdb(0)),
-                edtl,
-                p.flags(),
-            );
+            self.spawn_response(TaskInfo::of(&p), Response::check(Sense::invalid_cdb(0)));
             return Ok(Flow::Continue);
         }
         let buffered: u64 = self.pending.values().map(|w| w.edtl as u64).sum();
@@ -449,7 +443,7 @@ impl Conn {
                 data_in: Vec::new(),
                 data_out_len: None,
             };
-            self.spawn_response(itt, p.lun_raw(), full, edtl, p.flags());
+            self.spawn_response(TaskInfo::of(&p), full);
             return Ok(Flow::Continue);
         }
         let (is_final, flags, lun_raw) = (p.is_final(), p.flags(), p.lun_raw());
@@ -489,7 +483,14 @@ impl Conn {
         };
         if pw.buf.len() as u32 == pw.edtl {
             if let Some(pw) = self.pending.remove(&itt) {
-                self.execute(itt, pw.lun_raw, pw.cdb, pw.buf, pw.edtl, flags | FLAG_WRITE);
+                let task = TaskInfo {
+                    itt,
+                    lun_raw: pw.lun_raw,
+                    edtl: pw.edtl,
+                    flags: flags | FLAG_WRITE,
+                    r2ts: pw.r2tsn,
+                };
+                self.execute(task, pw.cdb, pw.buf);
             }
             return;
         }
@@ -535,7 +536,14 @@ impl Conn {
             debug!(itt, datasn, off, "Data-Out out of order; task failed");
             if let Some(pw) = self.pending.remove(&itt) {
                 let s = Sense::new(crate::sense::KEY_ABORTED_COMMAND, 0x4b, 0x00);
-                self.spawn_response(itt, pw.lun_raw, Response::check(s), pw.edtl, FLAG_WRITE);
+                let task = TaskInfo {
+                    itt,
+                    lun_raw: pw.lun_raw,
+                    edtl: pw.edtl,
+                    flags: FLAG_WRITE,
+                    r2ts: pw.r2tsn,
+                };
+                self.spawn_response(task, Response::check(s));
             }
             return Ok(Flow::Continue);
         }
@@ -568,9 +576,9 @@ impl Conn {
         Ok(Flow::Continue)
     }
 
-    fn execute(&self, itt: u32, lun_raw: u64, cdb: [u8; 16], data: Vec<u8>, edtl: u32, flags: u8) {
+    fn execute(&self, task: TaskInfo, cdb: [u8; 16], data: Vec<u8>) {
         let abort = Arc::new(AtomicU8::new(ABORT_NONE));
-        let lun = lun_from_wire(lun_raw);
+        let (itt, lun) = (task.itt, lun_from_wire(task.lun_raw));
         self.running.lock().insert(
             itt,
             Running {
@@ -588,10 +596,10 @@ impl Conn {
             max_burst: self.params.max_burst,
         };
         tokio::spawn(async move {
-            let task = tokio::task::spawn_blocking(move || {
+            let job = tokio::task::spawn_blocking(move || {
                 shared.target.execute(&nexus, lun, &cdb, &data)
             });
-            let resp = task
+            let resp = job
                 .await
                 .unwrap_or_else(|_| Response::check(Sense::new(0x4, 0x44, 0x00)));
             running.lock().remove(&itt);
@@ -606,13 +614,13 @@ impl Conn {
                 },
                 _ => return,
             };
-            for (p, status) in response_pdus(itt, lun_raw, resp, edtl, flags, limits) {
+            for (p, status) in response_pdus(&task, resp, limits) {
                 let _ = tx.send(Out::Pdu(p, status)).await;
             }
         });
     }
 
-    fn spawn_response(&self, itt: u32, lun_raw: u64, resp: Response, edtl: u32, flags: u8) {
+    fn spawn_response(&self, task: TaskInfo, resp: Response) {
         let tx = self.tx.clone();
         let window = self.window.clone();
         let limits = Limits {
@@ -621,7 +629,7 @@ impl Conn {
         };
         tokio::spawn(async move {
             window.end();
-            for (p, status) in response_pdus(itt, lun_raw, resp, edtl, flags, limits) {
+            for (p, status) in response_pdus(&task, resp, limits) {
                 let _ = tx.send(Out::Pdu(p, status)).await;
             }
         });
@@ -807,14 +815,14 @@ async fn keepalive(
 }
 
 /// Build the Data-In PDUs and final status for a finished command.
-fn response_pdus(
-    itt: u32,
-    lun_raw: u64,
-    resp: Response,
-    edtl: u32,
-    flags: u8,
-    limits: Limits,
-) -> Vec<(Pdu, bool)> {
+fn response_pdus(task: &TaskInfo, resp: Response, limits: Limits) -> Vec<(Pdu, bool)> {
+    let TaskInfo {
+        itt,
+        lun_raw,
+        edtl,
+        flags,
+        r2ts,
+    } = *task;
     let write = flags & FLAG_WRITE != 0;
     let mut out = Vec::new();
     let spdtl = match resp.data_out_len {
@@ -857,7 +865,7 @@ fn response_pdus(
     p.bhs[1] = FLAG_FINAL | rflag;
     p.bhs[3] = resp.status;
     p.set32(16, itt);
-    p.set32(36, n_chunks as u32);
+    p.set32(36, if write { r2ts } else { n_chunks as u32 });
     p.set32(44, residual);
     if let Some(s) = resp.sense {
         let sd = s.fixed();
@@ -866,6 +874,29 @@ fn response_pdus(
     }
     out.push((p, true));
     out
+}
+
+/// What the response to one command needs to know about it.
+#[derive(Debug, Clone, Copy)]
+struct TaskInfo {
+    itt: u32,
+    lun_raw: u64,
+    edtl: u32,
+    flags: u8,
+    /// R2Ts sent for it (reported as ExpDataSN for writes).
+    r2ts: u32,
+}
+
+impl TaskInfo {
+    fn of(p: &Pdu) -> Self {
+        TaskInfo {
+            itt: p.itt(),
+            lun_raw: p.lun_raw(),
+            edtl: p.field32(20),
+            flags: p.flags(),
+            r2ts: 0,
+        }
+    }
 }
 
 /// Negotiated sizes that shape Data-In.

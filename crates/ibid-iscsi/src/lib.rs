@@ -23,14 +23,15 @@ pub mod session;
 pub mod text;
 
 pub use backend::{Extent, Lun, LunError, LunInfo, Luns};
-pub use config::{ChapConfig, TargetConfig};
+pub use config::{ChapConfig, ConfigError, TargetConfig};
 pub use scsi::BLOCK_SIZE;
 
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-/// Serve the target on `listener` until the listener fails. Each accepted
+/// Serve the target on `listener` until the listener fails (or at once with
+/// `InvalidInput` if [`TargetConfig::validate`] rejects `config`). Each accepted
 /// connection runs in its own task; sessions share `luns` and the per-LUN
 /// reservation state.
 pub async fn serve(
@@ -38,6 +39,20 @@ pub async fn serve(
     luns: Arc<dyn Luns>,
     config: TargetConfig,
 ) -> std::io::Result<()> {
+    serve_until(listener, luns, config, std::future::pending()).await
+}
+
+/// Like [`serve`], but returns once `shutdown` completes, after telling
+/// every logged-in session's connection to close.
+pub async fn serve_until(
+    listener: TcpListener,
+    luns: Arc<dyn Luns>,
+    config: TargetConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    config
+        .validate()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     let shared = Arc::new(connection::Shared {
         target: scsi::Target::new(luns, config.clone()),
         cfg: config,
@@ -45,8 +60,17 @@ pub async fn serve(
         conns: parking_lot::Mutex::new(Vec::new()),
     });
     info!(addr = ?listener.local_addr().ok(), target = %shared.cfg.target_name, "iSCSI target listening");
+    tokio::pin!(shutdown);
     loop {
-        let (sock, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            _ = &mut shutdown => {
+                info!("iSCSI target shutting down");
+                shared.registry.kill_all();
+                return Ok(());
+            }
+            a = listener.accept() => a,
+        };
+        let (sock, peer) = match accepted {
             Ok(x) => x,
             Err(e) if is_transient(&e) => {
                 warn!(error = %e, "accept failed; retrying");

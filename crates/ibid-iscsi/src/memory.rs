@@ -40,7 +40,7 @@ impl MemPool {
 
 /// One in-memory LUN.
 pub struct MemLun {
-    size: u64,
+    size: AtomicU64,
     read_only: bool,
     id: [u8; 16],
     pool: Arc<MemPool>,
@@ -48,9 +48,14 @@ pub struct MemLun {
 }
 
 impl MemLun {
+    /// Change the size (data past a shrunk end stays allocated; tests only).
+    pub fn resize(&self, size: u64) {
+        self.size.store(size & !511, Ordering::SeqCst);
+    }
+
     fn check(&self, off: u64, len: u64) -> Result<(), LunError> {
         match off.checked_add(len) {
-            Some(end) if end <= self.size => Ok(()),
+            Some(end) if end <= self.size() => Ok(()),
             _ => Err(LunError::OutOfRange),
         }
     }
@@ -115,7 +120,7 @@ impl MemLun {
 
 impl Lun for MemLun {
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::SeqCst)
     }
     fn read_only(&self) -> bool {
         self.read_only
@@ -215,7 +220,7 @@ impl MemLuns {
         let mut id = *b"ibid-mem-lun\0\0\0\0";
         id[12..16].copy_from_slice(&(lun as u32).to_be_bytes());
         let l = Arc::new(MemLun {
-            size: size & !511,
+            size: AtomicU64::new(size & !511),
             read_only,
             id,
             pool: self.pool.clone(),

@@ -254,3 +254,63 @@ fn unsent_write_data_is_bounded() {
     }
     tur_ok(&mut s, &mut sn);
 }
+
+/// Session reinstatement (same InitiatorName and ISID, TSIH 0) closes the old
+/// session's connection; a login naming an unknown TSIH is refused.
+#[test]
+fn session_reinstatement_and_unknown_tsih() {
+    let t = common::start();
+    let (mut old, _) = login(t.port);
+    let (mut new, mut sn) = login(t.port);
+    assert!(
+        closed(&mut old),
+        "reinstated session's old connection stays open"
+    );
+    tur_ok(&mut new, &mut sn);
+    let mut s = connect(t.port);
+    let mut p = login_pdu(common::IQN);
+    p.bhs[14..16].copy_from_slice(&0x7777u16.to_be_bytes());
+    send(&mut s, p);
+    let r = recv(&mut s).expect("login response");
+    assert_eq!(r.bhs[36], 2, "login into a nonexistent session accepted");
+}
+
+/// `serve_until`: when the shutdown future completes the listener stops and
+/// logged-in sessions are closed.
+#[test]
+fn serve_until_shutdown_closes_sessions() {
+    use ibid_iscsi::memory::MemLuns;
+    let mut luns = MemLuns::new(1 << 30, 80);
+    luns.add(0, 1 << 20, false);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::from_std(listener).unwrap();
+            let cfg = ibid_iscsi::TargetConfig::new(common::IQN);
+            ibid_iscsi::serve_until(l, std::sync::Arc::new(luns), cfg, async {
+                let _ = stop_rx.await;
+            })
+            .await
+            .unwrap();
+            // Give the killed connections a moment to close before the runtime drops.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        });
+    });
+    let (mut s, mut sn) = login(port);
+    tur_ok(&mut s, &mut sn);
+    stop_tx.send(()).unwrap();
+    assert!(closed(&mut s), "session survived shutdown");
+    server.join().unwrap();
+    assert!(
+        TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "still listening after shutdown"
+    );
+}

@@ -150,3 +150,36 @@ fn chap_mutual() {
         &["alice", "secret-initiator", "target", "not-the-secret"]
     ));
 }
+
+/// SendTargets discovery through libiscsi's iscsi-ls: the target, its portal
+/// and every LUN are listed.
+#[test]
+fn sendtargets_discovery_lists_target_and_luns() {
+    common::require("iscsi-ls", "libiscsi-bin");
+    let t = common::start();
+    let out = Command::new("timeout")
+        .args(["30", "iscsi-ls", "-s"])
+        .arg(format!("iscsi://127.0.0.1:{}", t.port))
+        .output()
+        .expect("run iscsi-ls");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "iscsi-ls failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!(
+            "Target:{} Portal:127.0.0.1:{},1",
+            common::IQN,
+            t.port
+        )),
+        "{text}"
+    );
+    for lun in 0..3 {
+        assert!(
+            text.contains(&format!("Lun:{lun} ")),
+            "LUN {lun} missing: {text}"
+        );
+    }
+}

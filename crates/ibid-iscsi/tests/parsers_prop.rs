@@ -1,11 +1,11 @@
 //! Property tests: the pure parsers (PDU framing, CDBs, UNMAP and EXTENDED
-//! COPY parameter lists, text keys, the login state machine) never panic on
+//! COPY and MODE SELECT parameter lists, text keys, the login state machine) never panic on
 //! arbitrary bytes, and PDU encode/decode round-trips.
 
 use ibid_iscsi::config::TargetConfig;
 use ibid_iscsi::login::Login;
 use ibid_iscsi::pdu::Pdu;
-use ibid_iscsi::scsi::{block, cdb, xcopy};
+use ibid_iscsi::scsi::{block, cdb, info, xcopy};
 use ibid_iscsi::text;
 use proptest::prelude::*;
 
@@ -36,6 +36,8 @@ proptest! {
         let _ = block::parse_unmap(&p);
         let _ = xcopy::parse(&p);
         let _ = text::parse(&p);
+        let _ = info::check_mode_select(&p, false);
+        let _ = info::check_mode_select(&p, true);
     }
 
     #[test]

@@ -36,9 +36,9 @@ pub fn dispatch(ctx: &Ctx, op: Op) -> Response {
         Op::CompareAndWrite {
             lba,
             blocks,
-            fua: _,
+            fua,
             protect,
-        } => compare_and_write(ctx, lba, blocks, protect),
+        } => compare_and_write(ctx, lba, blocks, protect, fua),
         Op::GetLbaStatus { lba, alloc } => get_lba_status(ctx, lba, alloc),
         _ => Err(Sense::invalid_opcode()),
     };
@@ -283,9 +283,21 @@ fn unmap(ctx: &Ctx, anchor: bool, len: u32) -> Result<Response, Sense> {
     Ok(Response::good(Vec::new()))
 }
 
-fn compare_and_write(ctx: &Ctx, lba: u64, blocks: u8, protect: u8) -> Result<Response, Sense> {
+fn compare_and_write(
+    ctx: &Ctx,
+    lba: u64,
+    blocks: u8,
+    protect: u8,
+    fua: bool,
+) -> Result<Response, Sense> {
     let need = 2 * blocks as u64 * BLOCK_SIZE;
-    let r = caw_checked(ctx, lba, blocks, protect, need);
+    let r = caw_checked(ctx, lba, blocks, protect, need).and_then(|r| {
+        // The backend call has no FUA: make the written blocks durable here.
+        if fua && r.status == 0 {
+            ctx.dev.flush().map_err(|e| lun_error_sense(&e))?;
+        }
+        Ok(r)
+    });
     Ok(expect_out(r.unwrap_or_else(Response::check), need))
 }
 

@@ -124,7 +124,7 @@ fn device_id(ctx: &Ctx) -> Vec<u8> {
 fn extended_inquiry() -> Vec<u8> {
     let mut d = vec![0u8; 0x3c];
     d[1] = 0x01; // SIMPSUP
-    d[2] = 0x02; // NV_SUP: a non-volatile cache exists (flush needed)
+    d[2] = 0x01; // V_SUP: a volatile write cache exists (SYNCHRONIZE CACHE flushes it)
     d
 }
 
@@ -275,16 +275,66 @@ fn block_descriptor(blocks: u64, long: bool) -> Vec<u8> {
     v
 }
 
-/// MODE SELECT: nothing is changeable; an unchanged page list is accepted.
-pub fn mode_select(ctx: &Ctx, _ten: bool, pf: bool, sp: bool, len: u32) -> Response {
+/// MODE SELECT: nothing is changeable (the changeable-values masks are all
+/// zero), so a parameter list is accepted only if it restates the current
+/// values; any change is INVALID FIELD IN PARAMETER LIST.
+pub fn mode_select(ctx: &Ctx, ten: bool, pf: bool, sp: bool, len: u32) -> Response {
     if sp {
         return Sense::invalid_cdb(1).into();
     }
     if len > 0 && !pf {
         return Sense::invalid_cdb(1).into();
     }
-    let _ = ctx;
-    Response::good(Vec::new())
+    match check_mode_select(super::param_list(ctx, len), ten) {
+        Ok(()) => Response::good(Vec::new()),
+        Err(s) => s.into(),
+    }
+}
+
+/// Validate a MODE SELECT parameter list against the current values. Pure.
+pub fn check_mode_select(p: &[u8], ten: bool) -> Result<(), Sense> {
+    if p.is_empty() {
+        return Ok(());
+    }
+    let (hdr, bd_len) = match (ten, p.len()) {
+        (false, n) if n >= 4 => (4, p[3] as usize),
+        (true, n) if n >= 8 => (8, u16::from_be_bytes([p[6], p[7]]) as usize),
+        _ => return Err(Sense::param_list_length()),
+    };
+    let pages_at = hdr + bd_len;
+    if pages_at > p.len() {
+        return Err(Sense::param_list_length());
+    }
+    for d in p[hdr..pages_at].chunks(if bd_len == 16 { 16 } else { 8 }) {
+        // Only the current block length (or none) may be given.
+        let bl = &d[d.len().saturating_sub(3)..];
+        if d.len() < 8 || (bl != [0, 0, 0] && bl != [0, 2, 0]) {
+            return Err(Sense::invalid_param(hdr as u16));
+        }
+    }
+    check_pages(&p[pages_at..], pages_at)
+}
+
+fn check_pages(mut p: &[u8], mut at: usize) -> Result<(), Sense> {
+    while !p.is_empty() {
+        let spf = p[0] & 0x40 != 0;
+        let (head, body_len) = match (spf, p.len()) {
+            (false, n) if n >= 2 => (2, p[1] as usize),
+            (true, n) if n >= 4 => (4, u16::from_be_bytes([p[2], p[3]]) as usize),
+            _ => return Err(Sense::param_list_length()),
+        };
+        let Some(page) = p.get(..head + body_len) else {
+            return Err(Sense::param_list_length());
+        };
+        let current = if spf { None } else { mode_page(p[0] & 0x3f, 0) };
+        match current {
+            Some(cur) if cur.len() == page.len() && cur[2..] == page[2..] => {}
+            _ => return Err(Sense::invalid_param(at as u16)),
+        }
+        at += page.len();
+        p = &p[page.len()..];
+    }
+    Ok(())
 }
 
 /// REPORT LUNS.
@@ -295,7 +345,8 @@ pub fn report_luns(target: &Target, select: u8, alloc: u32) -> Response {
     if alloc < 16 {
         return Sense::invalid_cdb(6).into();
     }
-    let luns = if select == 1 {
+    // 01h: well-known LUs; 10h/12h: administrative/subsidiary LUs: none here.
+    let luns = if matches!(select, 0x01 | 0x10 | 0x12) {
         Vec::new()
     } else {
         target.luns.list()

@@ -125,8 +125,9 @@ pub struct LunState {
     pub pr: pr::PrState,
     /// Pending unit attentions per initiator port.
     pub ua: HashMap<String, VecDeque<Sense>>,
-    /// Initiator ports that have used this LUN (they get reset UAs).
-    pub ports: HashSet<String>,
+    /// Initiator ports that have used this LUN (they get reset UAs), with
+    /// the LUN-inventory generation and capacity each one last saw.
+    pub ports: HashMap<String, (u64, u64)>,
     /// Ports already told about the soft threshold.
     pub space_told: HashSet<String>,
     /// EXTENDED COPY results per (initiator port, list id).
@@ -137,7 +138,7 @@ impl LunState {
     /// A reset: SPC-2 reservations dropped, `ua` queued for every known port.
     fn reset(&mut self, ua: Sense) {
         self.reserved_by = None;
-        let ports: Vec<String> = self.ports.iter().cloned().collect();
+        let ports: Vec<String> = self.ports.keys().cloned().collect();
         self.ua_all_but(&ports, "", ua);
     }
 
@@ -248,10 +249,11 @@ impl Target {
             return None;
         }
         let warn = self.luns.space_warning();
+        let now = (self.luns.generation(), ctx.dev.size());
         let port = &ctx.nexus.port;
         ctx.with_state(|st| {
-            if !st.ports.contains(port) {
-                st.ports.insert(port.clone());
+            if let Some(s) = inventory_change(st.ports.insert(port.clone(), now), now) {
+                return Some(s.into());
             }
             if warn && st.space_told.insert(port.clone()) {
                 return Some(Sense::soft_threshold().into());
@@ -303,6 +305,19 @@ impl Target {
             st.reset(Sense::reset_occurred());
         }
     }
+}
+
+/// The UA for a change since a port last looked: REPORTED LUNS DATA HAS
+/// CHANGED (3Fh/0Eh) or CAPACITY DATA HAS CHANGED (2Ah/09h).
+fn inventory_change(before: Option<(u64, u64)>, now: (u64, u64)) -> Option<Sense> {
+    let (gen, size) = before?;
+    if gen != now.0 {
+        return Some(Sense::new(crate::sense::KEY_UNIT_ATTENTION, 0x3f, 0x0e));
+    }
+    if size != now.1 {
+        return Some(Sense::new(crate::sense::KEY_UNIT_ATTENTION, 0x2a, 0x09));
+    }
+    None
 }
 
 /// How a command is treated under reservations (SPC-4 5.13.1, table 66).

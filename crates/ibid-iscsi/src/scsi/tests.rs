@@ -190,3 +190,36 @@ fn get_lba_status_extents() {
     assert_eq!(desc(2).0, 24);
     assert_eq!(desc(2).2, 1);
 }
+
+/// A capacity change is reported once per nexus as UNIT ATTENTION 2Ah/09h.
+#[test]
+fn capacity_change_unit_attention() {
+    let mut luns = MemLuns::new(1 << 30, 80);
+    let l = luns.add(0, 1 << 20, false);
+    let t = Target::new(Arc::new(luns), TargetConfig::new("iqn.2026-11.org.ibid:t"));
+    let n = nexus("a");
+    assert_eq!(t.execute(&n, 0, &[0x00; 6], &[]).status, 0);
+    l.resize(2 << 20);
+    let ua = Sense::new(crate::sense::KEY_UNIT_ATTENTION, 0x2a, 0x09);
+    assert_eq!(t.execute(&n, 0, &[0x00; 6], &[]).sense, Some(ua));
+    assert_eq!(t.execute(&n, 0, &[0x00; 6], &[]).status, 0);
+}
+
+/// MODE SELECT accepts the current values back and refuses a change.
+#[test]
+fn mode_select_only_restates_current_values() {
+    let t = target();
+    let n = nexus("a");
+    let sense = t
+        .execute(&n, 0, &[0x1a, 0x08, 0x08, 0, 255, 0], &[])
+        .data_in;
+    let mut list = vec![0u8, 0, 0, 0];
+    list.extend_from_slice(&sense[4..]);
+    let cdb = [0x15, 0x10, 0, 0, list.len() as u8, 0];
+    assert_eq!(t.execute(&n, 0, &cdb, &list).status, 0);
+    list[6] &= !0x04; // clear WCE
+    assert_eq!(
+        t.execute(&n, 0, &cdb, &list).sense.map(|s| s.asc),
+        Some(0x26)
+    );
+}
