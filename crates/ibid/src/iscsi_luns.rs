@@ -85,6 +85,10 @@ impl Luns for PoolLuns {
     fn space_warning(&self) -> bool {
         self.pool.soft_threshold_exceeded()
     }
+
+    fn generation(&self) -> u64 {
+        self.pool.catalog_generation()
+    }
 }
 
 /// One volume as a LUN.

@@ -79,22 +79,38 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
         .map(|l| l.local_addr())
         .transpose()?;
     print_banner(&pool, opts, nbd_addr, iscsi_addr);
-    if let Some(listener) = iscsi_listener {
-        let luns = Arc::new(PoolLuns::new(pool.clone()));
-        let config = ibid_iscsi::TargetConfig::new(opts.iqn.clone());
-        tokio::spawn(async move {
-            if let Err(e) = ibid_iscsi::serve(listener, luns, config).await {
-                tracing::error!("iSCSI target stopped: {e}");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|&stop| stop).await;
+    };
+    let iscsi = async {
+        match iscsi_listener {
+            Some(listener) => {
+                let luns = Arc::new(PoolLuns::new(pool.clone()));
+                let config = ibid_iscsi::TargetConfig::new(opts.iqn.clone());
+                ibid_iscsi::serve_until(listener, luns, config, stopped(stop_rx.clone()))
+                    .await
+                    .context("iSCSI target")
             }
-        });
-    }
-    let exports = Arc::new(PoolExports::new(pool));
+            None => Ok(()),
+        }
+    };
+    let exports = Arc::new(PoolExports::new(pool.clone()));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
         ..ibid_nbd::ServerConfig::default()
     };
-    let nbd = ibid_nbd::serve_until(nbd_listener, exports, nbd_config, shutdown_signal());
-    nbd.await.context("NBD server")?;
+    let nbd = async {
+        ibid_nbd::serve_until(nbd_listener, exports, nbd_config, stopped(stop_rx.clone()))
+            .await
+            .context("NBD server")
+    };
+    // If either server fails, stop the other too: a half-serving array is worse than none.
+    tokio::try_join!(nbd, iscsi)?;
     tracing::info!("shutting down");
     Ok(())
 }
