@@ -18,7 +18,9 @@
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, SegmentUsage, VolumeRecord};
 use crate::meta;
-use crate::pool::{Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS};
+use crate::pool::{
+    CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
+};
 use redb::{ReadableTable, Table, WriteTransaction};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -58,6 +60,23 @@ impl Inner {
     pub(crate) fn commit(&self) -> Result<()> {
         self.check_failed()?;
         let mut cs = self.commit.lock();
+        self.commit_with(&mut cs)?;
+        drop(cs);
+        self.after_commit();
+        Ok(())
+    }
+
+    /// Bookkeeping after a commit, outside the commit lock.
+    fn after_commit(&self) {
+        self.check_soft_threshold();
+        let bloom = self.bloom();
+        if self.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
+            self.wake_background();
+        }
+    }
+
+    /// Commits with the commit lock already held (`cs` is its guard's content).
+    pub(crate) fn commit_with(&self, cs: &mut CommitState) -> Result<()> {
         self.check_failed()?;
         let batch = self.cut();
         if batch.is_empty() {
@@ -93,12 +112,6 @@ impl Inner {
         for seg in applied.dead_segments {
             self.segments.remove(seg)?;
         }
-        drop(cs);
-        self.check_soft_threshold();
-        let bloom = self.bloom();
-        if self.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
-            self.wake_background();
-        }
         Ok(())
     }
 
@@ -118,9 +131,9 @@ impl Inner {
             let record = VolumeRecord {
                 id: v.id,
                 size: map.size,
-                layer: v.layer,
                 mapped_blocks: map.mapped_blocks,
                 created_unix_s: v.created_unix_s,
+                layers: map.stack.clone(),
             };
             volumes.push((v.clone(), overlay, record));
         }
@@ -213,20 +226,37 @@ impl Inner {
             }
         }
         for (v, overlay, vrec) in &batch.volumes {
-            write_overlay(&mut map, v.layer, overlay)?;
+            write_overlay(&mut map, &vrec.layers, overlay)?;
             vols.insert(v.name.as_str(), vrec.encode().as_slice())?;
         }
+        let mut layers = txn.open_table(meta::LAYERS)?;
+        let mut snaps = txn.open_table(meta::SNAPSHOTS)?;
         for v in &batch.deleted {
-            write_overlay(&mut map, v.layer, &v.map.lock().committing.clone())?;
-            let (lo, hi) = (
-                format::map_key(v.layer, 0),
-                format::map_key(v.layer, u64::MAX),
-            );
-            for item in map.extract_from_if(lo..=hi, |_, _| true)? {
-                let (_, chunk) = item?;
-                *deltas.entry(chunk.value()).or_default() -= 1;
+            let (stack, committing) = {
+                let m = v.map.lock();
+                (m.stack.clone(), m.committing.clone())
+            };
+            write_overlay(&mut map, &stack, &committing)?;
+            for &layer in &stack {
+                let refs = layers.get(layer)?.map(|r| r.value()).unwrap_or(0);
+                if refs > 1 {
+                    layers.insert(layer, refs - 1)?;
+                    continue;
+                }
+                layers.remove(layer)?;
+                let (lo, hi) = (format::map_key(layer, 0), format::map_key(layer, u64::MAX));
+                for item in map.extract_from_if(lo..=hi, |_, _| true)? {
+                    let (_, chunk) = item?;
+                    if chunk.value() != format::ZERO_TOMBSTONE {
+                        *deltas.entry(chunk.value()).or_default() -= 1;
+                    }
+                }
             }
-            vols.remove(v.name.as_str())?;
+            if v.read_only {
+                snaps.remove(v.name.as_str())?;
+            } else {
+                vols.remove(v.name.as_str())?;
+            }
         }
         let mut applied = Applied::default();
         let mut zero_refs = Vec::new();
@@ -303,12 +333,18 @@ impl Inner {
     }
 }
 
-fn write_overlay(map: &mut Table<[u8; 16], u64>, layer: u64, overlay: &Overlay) -> Result<()> {
+/// Writes a volume's changes into its top layer. A zeroed block is removed when nothing lies
+/// below the top layer, and becomes a tombstone hiding the lower layers otherwise.
+fn write_overlay(map: &mut Table<[u8; 16], u64>, stack: &[u64], overlay: &Overlay) -> Result<()> {
+    let top = *stack.last().expect("a stack has a layer");
     for (&block, entry) in overlay {
-        let key = format::map_key(layer, block);
+        let key = format::map_key(top, block);
         match entry {
             Entry::Data(id) => {
                 map.insert(key, *id)?;
+            }
+            Entry::Zero if stack.len() > 1 => {
+                map.insert(key, format::ZERO_TOMBSTONE)?;
             }
             Entry::Zero => {
                 map.remove(key)?;

@@ -32,6 +32,9 @@ pub enum Error {
         /// Size of the volume in bytes.
         size: u64,
     },
+    /// The volume is a read-only snapshot.
+    #[error("{0} is a read-only snapshot")]
+    ReadOnly(String),
     /// Stored data or metadata failed its checksum or a structural check.
     #[error("corrupt data: {0}")]
     Corrupt(String),

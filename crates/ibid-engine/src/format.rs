@@ -189,63 +189,83 @@ impl ChunkRecord {
     }
 }
 
-/// A volume's persistent description: the value of the `volumes` table (key: volume name).
+/// A volume's or snapshot's persistent description: the value of the `volumes` table (key:
+/// volume name) and of the `snapshots` table (key: `VOLUME@SNAPSHOT`).
 ///
-/// Layout (40 bytes): id u64 | size u64 | layer u64 | mapped_blocks u64 | created_unix_s u64.
+/// Layout: id u64 | size u64 | mapped_blocks u64 | created_unix_s u64 | layer count u32 |
+/// layers (u64 each, bottom first). The last layer of a volume is its writable top layer; a
+/// snapshot's layers are all frozen.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeRecord {
-    /// Volume id, unique in the pool, never reused.
+    /// Volume id, unique in the pool, never reused (snapshots get ids from the same counter).
     pub id: u64,
     /// Size in bytes (a multiple of 512).
     pub size: u64,
-    /// The map layer holding this volume's blocks.
-    pub layer: u64,
     /// Number of blocks mapped to data (non-zero), as of this commit.
     pub mapped_blocks: u64,
     /// Creation time, seconds since the Unix epoch.
     pub created_unix_s: u64,
+    /// The stack of map layers, bottom first.
+    pub layers: Vec<u64>,
 }
 
-/// Encoded size of a [`VolumeRecord`].
-pub const VOLUME_RECORD_BYTES: usize = 40;
+/// Encoded size of a [`VolumeRecord`] without its layers.
+pub const VOLUME_RECORD_FIXED_BYTES: usize = 36;
+/// Most layers a stack may hold (clone and snapshot generations).
+pub const LAYERS_MAX: usize = 4096;
 
 impl VolumeRecord {
+    /// The writable (top) layer.
+    pub fn top(&self) -> u64 {
+        *self.layers.last().expect("a stack has at least one layer")
+    }
+
     /// Encodes the record.
-    pub fn encode(&self) -> [u8; VOLUME_RECORD_BYTES] {
-        let mut v = [0u8; VOLUME_RECORD_BYTES];
-        for (i, x) in [
-            self.id,
-            self.size,
-            self.layer,
-            self.mapped_blocks,
-            self.created_unix_s,
-        ]
-        .iter()
-        .enumerate()
-        {
-            v[i * 8..i * 8 + 8].copy_from_slice(&x.to_le_bytes());
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(VOLUME_RECORD_FIXED_BYTES + 8 * self.layers.len());
+        for x in [self.id, self.size, self.mapped_blocks, self.created_unix_s] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
+        for l in &self.layers {
+            v.extend_from_slice(&l.to_le_bytes());
         }
         v
     }
 
-    /// Decodes a `volumes` table value.
+    /// Decodes a `volumes` or `snapshots` table value.
     pub fn decode(v: &[u8]) -> Result<Self> {
-        if v.len() != VOLUME_RECORD_BYTES {
+        if v.len() < VOLUME_RECORD_FIXED_BYTES {
             return Err(Error::Corrupt(format!(
                 "volume record of {} bytes",
                 v.len()
             )));
         }
         let f = |i: usize| u64::from_le_bytes(v[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        let n = u32::from_le_bytes(v[32..36].try_into().expect("4 bytes")) as usize;
+        if n == 0 || n > LAYERS_MAX || v.len() != VOLUME_RECORD_FIXED_BYTES + 8 * n {
+            return Err(Error::Corrupt(format!(
+                "volume record with {n} layers in {} bytes",
+                v.len()
+            )));
+        }
+        let layers = v[36..]
+            .chunks(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
         Ok(VolumeRecord {
             id: f(0),
             size: f(1),
-            layer: f(2),
-            mapped_blocks: f(3),
-            created_unix_s: f(4),
+            mapped_blocks: f(2),
+            created_unix_s: f(3),
+            layers,
         })
     }
 }
+
+/// Map value meaning "this block reads as zeros" in an upper layer, hiding lower layers.
+/// Chunk ids are never 0 (sequences start at 1).
+pub const ZERO_TOMBSTONE: u64 = 0;
 
 /// Per-segment usage: the value of the `segments` table (key: segment id).
 ///

@@ -46,6 +46,9 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             tracing::error!("background commit: {e}");
             continue;
         }
+        if let Err(e) = inner.flatten_all() {
+            tracing::error!("flatten volume layers: {e}");
+        }
         let bloom = inner.bloom();
         if inner.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
             if let Err(e) = inner.rebuild_bloom() {

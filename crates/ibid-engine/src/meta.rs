@@ -9,6 +9,10 @@
 //! | `fps`      | BLAKE3 fingerprint (32 bytes)        | chunk id — the dedup index             |
 //! | `segments` | segment id                           | [`crate::format::SegmentUsage`]        |
 //! | `orphans`  | chunk id                             | () — chunks at zero refs kept alive    |
+//! | `snapshots`| `VOLUME@SNAPSHOT`                    | [`crate::format::VolumeRecord`]        |
+//! | `layers`   | layer id                             | stacks including it (refcount)         |
+//!
+//! A map value of [`crate::format::ZERO_TOMBSTONE`] (0) in an upper layer hides lower layers.
 //!
 //! Every table changes only inside the commit transaction, which is durable (fsync) when it
 //! returns. A chunk id is `(sequence << SHARD_BITS) | shard`, so its dedup shard is its low bits.
@@ -28,6 +32,10 @@ pub const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
 pub const FPS: TableDefinition<[u8; 32], u64> = TableDefinition::new("fps");
 /// Segment usage: id → (total, live) bytes.
 pub const SEGMENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("segments");
+/// Snapshots by `VOLUME@SNAPSHOT`.
+pub const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
+/// Map layers: id → number of stacks (volumes and snapshots) that include it.
+pub const LAYERS: TableDefinition<u64, u64> = TableDefinition::new("layers");
 /// Chunks whose refcount reached zero while a newer reference was still uncommitted.
 pub const ORPHANS: TableDefinition<u64, ()> = TableDefinition::new("orphans");
 

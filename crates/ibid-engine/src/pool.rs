@@ -42,16 +42,21 @@ pub(crate) type Overlay = BTreeMap<u64, Entry>;
 
 /// In-memory state of one volume.
 pub(crate) struct VolumeState {
+    /// Volume name, or `VOLUME@SNAPSHOT` for a snapshot.
     pub name: String,
     pub id: u64,
-    pub layer: u64,
     pub created_unix_s: u64,
+    /// Snapshots are read-only views of a frozen stack.
+    pub read_only: bool,
     pub map: Mutex<VolumeMap>,
     pub stripes: Vec<Mutex<()>>,
 }
 
 pub(crate) struct VolumeMap {
     pub size: u64,
+    /// Map layers, bottom first; the last is the writable top. Changes only with the gate held
+    /// exclusively and no uncommitted changes (see `snapshot.rs`).
+    pub stack: Vec<u64>,
     /// Changes since the last swap.
     pub dirty: Overlay,
     /// Changes being committed (readers see them until the commit is durable).
@@ -95,7 +100,9 @@ pub(crate) struct Inner {
     pub bloom: RwLock<Arc<Bloom>>,
     pub shards: Vec<Mutex<ShardState>>,
     pub volumes: RwLock<BTreeMap<String, Arc<VolumeState>>>,
-    /// Volumes deleted but not yet removed by a commit.
+    /// Snapshots by `VOLUME@SNAPSHOT`.
+    pub snapshots: RwLock<BTreeMap<String, Arc<VolumeState>>>,
+    /// Volumes and snapshots deleted but not yet removed by a commit.
     pub deleted: Mutex<Vec<Arc<VolumeState>>>,
     /// Writers hold it shared for a whole write; the committer takes it exclusively to cut a
     /// consistent batch. Order: gate, then stripes, then a volume map or a shard.
@@ -257,6 +264,8 @@ impl Pool {
             txn.open_table(meta::FPS)?;
             txn.open_table(meta::SEGMENTS)?;
             txn.open_table(meta::ORPHANS)?;
+            txn.open_table(meta::SNAPSHOTS)?;
+            txn.open_table(meta::LAYERS)?;
         }
         txn.commit()?;
         drop(db);
@@ -286,7 +295,7 @@ impl Pool {
 
     fn open_locked(dir: &Path, config: PoolConfig, lock: File) -> Result<Pool> {
         let db = Database::open(dir.join("meta.redb"))?;
-        let (record, volumes, segment_ids) = {
+        let (record, volumes, snapshots, segment_ids) = {
             let txn = db.begin_read()?;
             let pool_t = txn.open_table(meta::POOL)?;
             let raw = pool_t
@@ -298,11 +307,16 @@ impl Pool {
                 let (k, v) = item?;
                 volumes.insert(k.value().to_string(), VolumeRecord::decode(v.value())?);
             }
+            let mut snapshots = BTreeMap::new();
+            for item in txn.open_table(meta::SNAPSHOTS)?.iter()? {
+                let (k, v) = item?;
+                snapshots.insert(k.value().to_string(), VolumeRecord::decode(v.value())?);
+            }
             let mut segment_ids = HashSet::new();
             for item in txn.open_table(meta::SEGMENTS)?.iter()? {
                 segment_ids.insert(item?.0.value());
             }
-            (record, volumes, segment_ids)
+            (record, volumes, snapshots, segment_ids)
         };
         let (segments, found) = Segments::open(
             &dir.join("segments"),
@@ -327,7 +341,7 @@ impl Pool {
         let vols = volumes
             .into_iter()
             .map(|(name, r)| {
-                let state = new_volume_state(name.clone(), &r);
+                let state = new_volume_state(name.clone(), &r, false);
                 (name, Arc::new(state))
             })
             .collect();
@@ -339,6 +353,15 @@ impl Pool {
             bloom: RwLock::new(Arc::new(bloom)),
             shards,
             volumes: RwLock::new(vols),
+            snapshots: RwLock::new(
+                snapshots
+                    .into_iter()
+                    .map(|(name, r)| {
+                        let state = new_volume_state(name.clone(), &r, true);
+                        (name, Arc::new(state))
+                    })
+                    .collect(),
+            ),
             deleted: Mutex::new(Vec::new()),
             gate: RwLock::new(()),
             cut: AtomicU64::new(record.commits),
@@ -434,9 +457,9 @@ impl Pool {
         let record = VolumeRecord {
             id: cs.record.next_volume_id,
             size: size_bytes,
-            layer: cs.record.next_layer_id,
             mapped_blocks: 0,
             created_unix_s: now_unix_s(),
+            layers: vec![cs.record.next_layer_id],
         };
         let mut pool_rec = cs.record.clone();
         pool_rec.next_volume_id += 1;
@@ -445,12 +468,13 @@ impl Pool {
         {
             txn.open_table(meta::VOLUMES)?
                 .insert(name, record.encode().as_slice())?;
+            txn.open_table(meta::LAYERS)?.insert(record.top(), 1)?;
             txn.open_table(meta::POOL)?
                 .insert(meta::POOL_KEY, pool_rec.encode().as_slice())?;
         }
         txn.commit()?;
         cs.record = pool_rec;
-        let state = Arc::new(new_volume_state(name.to_string(), &record));
+        let state = Arc::new(new_volume_state(name.to_string(), &record, false));
         vols.insert(name.to_string(), state.clone());
         self.inner
             .catalog_generation
@@ -517,7 +541,8 @@ impl Pool {
         self.inner.commit()
     }
 
-    /// Deletes a volume. Its space comes back through the cleaner.
+    /// Deletes a volume and its snapshots (clones made from them live on). Space comes back
+    /// through the cleaner.
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         self.inner.check_failed()?;
         let state = {
@@ -531,7 +556,23 @@ impl Pool {
             state.map.lock().deleted = true;
             state
         };
-        self.inner.deleted.lock().push(state);
+        let prefix = format!("{name}@");
+        let snaps: Vec<Arc<VolumeState>> = {
+            let mut all = self.inner.snapshots.write();
+            let names: Vec<String> = all
+                .keys()
+                .filter(|k| k.starts_with(&prefix))
+                .cloned()
+                .collect();
+            names.iter().filter_map(|n| all.remove(n)).collect()
+        };
+        for snap in &snaps {
+            snap.map.lock().deleted = true;
+        }
+        let mut deleted = self.inner.deleted.lock();
+        deleted.push(state);
+        deleted.extend(snaps);
+        drop(deleted);
         self.inner
             .catalog_generation
             .fetch_add(1, Ordering::Relaxed);
@@ -566,6 +607,7 @@ impl Pool {
                 .segments
                 .seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
         }
+        self.inner.flatten_all()?;
         self.inner.commit()?;
         let mut cleaned = 0;
         while self.inner.clean_one(true)? {
@@ -607,14 +649,15 @@ impl Drop for Inner {
     }
 }
 
-pub(crate) fn new_volume_state(name: String, r: &VolumeRecord) -> VolumeState {
+pub(crate) fn new_volume_state(name: String, r: &VolumeRecord, read_only: bool) -> VolumeState {
     VolumeState {
         name,
         id: r.id,
-        layer: r.layer,
         created_unix_s: r.created_unix_s,
+        read_only,
         map: Mutex::new(VolumeMap {
             size: r.size,
+            stack: r.layers.clone(),
             dirty: Overlay::new(),
             committing: Arc::new(Overlay::new()),
             mapped_blocks: r.mapped_blocks,

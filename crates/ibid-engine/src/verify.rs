@@ -39,36 +39,62 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             .value(),
     )?;
     let mut report = VerifyReport::default();
-    let mut layers: BTreeMap<u64, (String, VolumeRecord)> = BTreeMap::new();
-    for item in txn.open_table(meta::VOLUMES)?.iter()? {
-        let (k, v) = item?;
-        let r = VolumeRecord::decode(v.value())?;
-        layers.insert(r.layer, (k.value().to_string(), r));
+    let mut stacks: Vec<(String, VolumeRecord)> = Vec::new();
+    for table in [meta::VOLUMES, meta::SNAPSHOTS] {
+        for item in txn.open_table(table)?.iter()? {
+            let (k, v) = item?;
+            stacks.push((k.value().to_string(), VolumeRecord::decode(v.value())?));
+        }
     }
-    report.volumes = layers.len() as u64;
+    report.volumes = stacks.len() as u64;
+    let mut expected_layer_refs: HashMap<u64, u64> = HashMap::new();
+    for (_, r) in &stacks {
+        for &l in &r.layers {
+            *expected_layer_refs.entry(l).or_default() += 1;
+        }
+    }
+    let mut layer_refs: HashMap<u64, u64> = HashMap::new();
+    for item in txn.open_table(meta::LAYERS)?.iter()? {
+        let (k, v) = item?;
+        layer_refs.insert(k.value(), v.value());
+    }
+    if layer_refs != expected_layer_refs {
+        return Err(fail(format!(
+            "layer refcounts {layer_refs:?}, stacks say {expected_layer_refs:?}"
+        )));
+    }
     let mut refs: HashMap<u64, u64> = HashMap::new();
-    let mut per_layer: HashMap<u64, u64> = HashMap::new();
+    let mut entries: HashMap<u64, BTreeMap<u64, u64>> = HashMap::new();
     for item in txn.open_table(meta::MAP)?.iter()? {
         let (k, v) = item?;
         let (layer, block) = format::decode_map_key(&k.value());
-        let (name, r) = layers
-            .get(&layer)
-            .ok_or_else(|| fail(format!("map entry for unknown layer {layer}")))?;
-        if (block + 1) * BLOCK_BYTES as u64 > r.size.next_multiple_of(BLOCK_BYTES as u64) {
-            return Err(fail(format!(
-                "volume {name}: block {block} beyond its size"
-            )));
+        if !layer_refs.contains_key(&layer) {
+            return Err(fail(format!("map entry for unreferenced layer {layer}")));
         }
-        *refs.entry(v.value()).or_default() += 1;
-        *per_layer.entry(layer).or_default() += 1;
+        if v.value() != format::ZERO_TOMBSTONE {
+            *refs.entry(v.value()).or_default() += 1;
+        }
+        entries.entry(layer).or_default().insert(block, v.value());
         report.map_entries += 1;
     }
-    for (layer, (name, r)) in &layers {
-        let n = per_layer.get(layer).copied().unwrap_or(0);
-        if n != r.mapped_blocks {
+    for (name, r) in &stacks {
+        let mut visible: BTreeMap<u64, u64> = BTreeMap::new();
+        for l in r.layers.iter().rev() {
+            for (&b, &id) in entries.get(l).into_iter().flatten() {
+                visible.entry(b).or_insert(id);
+            }
+        }
+        visible.retain(|_, id| *id != format::ZERO_TOMBSTONE);
+        if let Some((&b, _)) = visible.iter().next_back() {
+            if (b + 1) * BLOCK_BYTES as u64 > r.size.next_multiple_of(BLOCK_BYTES as u64) {
+                return Err(fail(format!("{name}: block {b} beyond its size")));
+            }
+        }
+        if visible.len() as u64 != r.mapped_blocks {
             return Err(fail(format!(
-                "volume {name}: record says {} mapped blocks, map has {n}",
-                r.mapped_blocks
+                "{name}: record says {} mapped blocks, map shows {}",
+                r.mapped_blocks,
+                visible.len()
             )));
         }
     }

@@ -106,8 +106,21 @@ impl Volume {
         self.inner.read_range(&self.state, offset, buf)
     }
 
+    /// Whether this handle is a read-only snapshot.
+    pub fn read_only(&self) -> bool {
+        self.state.read_only
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.state.read_only {
+            return Err(Error::ReadOnly(self.state.name.clone()));
+        }
+        Ok(())
+    }
+
     /// Writes `data` at `offset`. With `fua`, the data is durable when this returns.
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_writable()?;
         self.check_range(offset, data.len() as u64)?;
         self.inner.check_failed()?;
         if !data.is_empty() {
@@ -120,6 +133,7 @@ impl Volume {
     /// is proportional to the mapped blocks in the range, not its length. This is also unmap,
     /// trim and discard.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_writable()?;
         self.check_range(offset, len)?;
         self.inner.check_failed()?;
         let end = offset + len;
@@ -213,6 +227,7 @@ impl Volume {
                 "compare and write: buffers differ in length".into(),
             ));
         }
+        self.check_writable()?;
         self.check_range(offset, new.len() as u64)?;
         self.inner.check_failed()?;
         let outcome = self
@@ -241,6 +256,7 @@ impl Volume {
                 "copy between volumes of different pools".into(),
             ));
         }
+        self.check_writable()?;
         src.check_range(src_offset, len)?;
         self.check_range(dst_offset, len)?;
         self.inner.check_failed()?;
@@ -292,14 +308,16 @@ impl Volume {
     pub fn space(&self) -> Result<VolumeSpace> {
         self.inner.commit()?;
         let size = self.size();
-        let txn = self.inner.db.begin_read()?;
-        let map = txn.open_table(meta::MAP)?;
-        let chunks = txn.open_table(meta::CHUNKS)?;
-        let layer = self.state.layer;
         let mut counts: HashMap<u64, u64> = HashMap::new();
-        for item in map.range(format::map_key(layer, 0)..=format::map_key(layer, u64::MAX))? {
-            *counts.entry(item?.1.value()).or_default() += 1;
+        for id in self
+            .inner
+            .lookup_range(&self.state, 0, size.div_ceil(BLOCK))?
+            .into_values()
+        {
+            *counts.entry(id).or_default() += 1;
         }
+        let txn = self.inner.db.begin_read()?;
+        let chunks = txn.open_table(meta::CHUNKS)?;
         let mut s = VolumeSpace {
             size_bytes: size,
             distinct_chunks: counts.len() as u64,
@@ -559,7 +577,7 @@ impl Inner {
         b0: u64,
         b1: u64,
     ) -> Result<BTreeMap<u64, u64>> {
-        let overlay: Vec<(u64, Entry)> = {
+        let (stack, overlay): (Vec<u64>, Vec<(u64, Entry)>) = {
             let map = v.map.lock();
             if map.deleted {
                 return Err(Error::NotFound(v.name.clone()));
@@ -570,9 +588,10 @@ impl Inner {
                 .map(|(&b, &e)| (b, e))
                 .collect();
             o.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
-            o.into_iter().collect()
+            (map.stack.clone(), o.into_iter().collect())
         };
-        let mut out = self.stored_range(v.layer, b0, b1)?;
+        let mut out = self.stored_stack(&stack, b0, b1)?;
+        out.retain(|_, id| *id != format::ZERO_TOMBSTONE);
         for (b, e) in overlay {
             match e {
                 Entry::Data(id) => {
@@ -581,6 +600,18 @@ impl Inner {
                 Entry::Zero => {
                     out.remove(&b);
                 }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Committed entries visible through `stack` (top first wins) in `[b0, b1)`; tombstones
+    /// are kept (as [`format::ZERO_TOMBSTONE`]) so callers can tell "zero here" from "absent".
+    fn stored_stack(&self, stack: &[u64], b0: u64, b1: u64) -> Result<BTreeMap<u64, u64>> {
+        let mut out = BTreeMap::new();
+        for &layer in stack.iter().rev() {
+            for (b, id) in self.stored_range(layer, b0, b1)? {
+                out.entry(b).or_insert(id);
             }
         }
         Ok(out)
@@ -848,8 +879,13 @@ impl Inner {
         let _guards: Vec<MutexGuard<()>> = stripes.iter().map(|&s| v.stripes[s].lock()).collect();
         let mut released = Vec::new();
         loop {
-            let generation = v.map.lock().generation;
-            let stored = self.stored_range(v.layer, b0, b1)?;
+            let (generation, stack) = {
+                let m = v.map.lock();
+                (m.generation, m.stack.clone())
+            };
+            let (top, lower) = stack.split_last().expect("a stack has a layer");
+            let stored_top = self.stored_range(*top, b0, b1)?;
+            let stored_lower = self.stored_stack(lower, b0, b1)?;
             let mut map = v.map.lock();
             if map.deleted {
                 drop(map);
@@ -867,24 +903,31 @@ impl Inner {
             let mut mapped = map.mapped_blocks as i64;
             let mut added = 0u64;
             for p in &prepared {
-                let old = match map
+                // What the top layer holds (its references are ours to drop), and what the
+                // volume shows (for the mapped count, and whether a zero must hide a lower layer).
+                let top_old = match map
                     .dirty
                     .get(&p.block)
                     .or_else(|| map.committing.get(&p.block))
                 {
-                    Some(&e) => e,
-                    None => stored
-                        .get(&p.block)
-                        .map_or(Entry::Zero, |&id| Entry::Data(id)),
+                    Some(&e) => Some(e),
+                    None => stored_top.get(&p.block).map(|&id| entry_of(id)),
                 };
-                if let Entry::Data(id) = old {
+                let visible_old = top_old.unwrap_or_else(|| {
+                    stored_lower
+                        .get(&p.block)
+                        .map_or(Entry::Zero, |&id| entry_of(id))
+                });
+                if let Some(Entry::Data(id)) = top_old {
                     released.push(id);
+                }
+                if let Entry::Data(_) = visible_old {
                     mapped -= 1;
                 }
                 if let Entry::Data(_) = p.entry {
                     mapped += 1;
                 }
-                if old != Entry::Zero || p.entry != Entry::Zero {
+                if visible_old != Entry::Zero || p.entry != Entry::Zero {
                     map.dirty.insert(p.block, p.entry);
                     added += 1;
                 }
@@ -896,6 +939,11 @@ impl Inner {
         }
         self.release(&released);
         Ok(())
+    }
+
+    /// Drops one reference to each chunk (applied at the next commit).
+    pub(crate) fn release_refs(&self, ids: &[u64]) {
+        self.release(ids)
     }
 
     /// Drops one reference to each chunk (applied at the next commit).
@@ -921,8 +969,13 @@ impl Inner {
         let _guards: Vec<MutexGuard<()>> = v.stripes.iter().map(|s| s.lock()).collect();
         let mut released = Vec::new();
         loop {
-            let generation = v.map.lock().generation;
-            let stored = self.stored_range(v.layer, b0, b1)?;
+            let (generation, stack) = {
+                let m = v.map.lock();
+                (m.generation, m.stack.clone())
+            };
+            let (top, lower) = stack.split_last().expect("a stack has a layer");
+            let stored_top = self.stored_range(*top, b0, b1)?;
+            let stored_lower = self.stored_stack(lower, b0, b1)?;
             let mut map = v.map.lock();
             if map.deleted {
                 return Err(Error::NotFound(v.name.clone()));
@@ -930,27 +983,48 @@ impl Inner {
             if map.generation != generation {
                 continue;
             }
-            let mut current: BTreeMap<u64, Entry> = stored
-                .into_iter()
-                .map(|(b, id)| (b, Entry::Data(id)))
+            // The top layer's entries (ours to release) and what the volume shows.
+            let mut top_now: BTreeMap<u64, Entry> = stored_top
+                .iter()
+                .map(|(&b, &id)| (b, entry_of(id)))
                 .collect();
-            current.extend(map.committing.range(b0..b1).map(|(&b, &e)| (b, e)));
-            current.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
+            top_now.extend(map.committing.range(b0..b1).map(|(&b, &e)| (b, e)));
+            top_now.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
+            let mut visible: BTreeMap<u64, Entry> = stored_lower
+                .iter()
+                .map(|(&b, &id)| (b, entry_of(id)))
+                .collect();
+            visible.extend(top_now.iter().map(|(&b, &e)| (b, e)));
             let mut added = 0;
-            for (b, e) in current {
-                if let Entry::Data(id) = e {
-                    released.push(id);
+            let mut unmapped = 0;
+            for (b, e) in visible {
+                if let Entry::Data(_) = e {
                     map.dirty.insert(b, Entry::Zero);
                     added += 1;
+                    unmapped += 1;
                 }
             }
-            map.mapped_blocks -= released.len() as u64;
+            for e in top_now.values() {
+                if let Entry::Data(id) = e {
+                    released.push(*id);
+                }
+            }
+            map.mapped_blocks -= unmapped;
             drop(map);
             self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
             break;
         }
         self.release(&released);
         Ok(())
+    }
+}
+
+/// A committed map value as an entry.
+fn entry_of(id: u64) -> Entry {
+    if id == format::ZERO_TOMBSTONE {
+        Entry::Zero
+    } else {
+        Entry::Data(id)
     }
 }
 

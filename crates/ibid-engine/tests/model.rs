@@ -6,11 +6,15 @@ use ibid_engine::{Error, ExtentKind, Pool, PoolConfig};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashSet};
 
-const VOLUMES: [&str; 3] = ["alpha", "beta", "gamma"];
+const VOLUMES: [&str; 5] = ["alpha", "beta", "gamma", "c0", "c1"];
 const BLOCK: usize = 4096;
 const SECTOR: u64 = 512;
 /// Initial sizes: one a multiple of 4 KiB, one ending in a partial block, one larger.
-const SIZES: [u64; 3] = [8 << 20, (6 << 20) + 1536, 12 << 20];
+const SIZES: [u64; 5] = [8 << 20, (6 << 20) + 1536, 12 << 20, 4 << 20, 4 << 20];
+/// Volume slots that clones are made into.
+const CLONE_SLOTS: [usize; 2] = [3, 4];
+/// Snapshot names per volume.
+const SNAPSHOTS: [&str; 2] = ["s0", "s1"];
 const PATTERNS: usize = 5;
 
 #[derive(Debug, Clone)]
@@ -61,6 +65,25 @@ enum Op {
         sectors: u64,
         aligned: bool,
     },
+    Snapshot {
+        vol: usize,
+        snap: usize,
+    },
+    DeleteSnapshot {
+        vol: usize,
+        snap: usize,
+    },
+    ReadSnapshot {
+        vol: usize,
+        snap: usize,
+    },
+    /// Clone a volume (or, with `snap`, one of its snapshots) into a clone slot.
+    Clone {
+        src: usize,
+        snap: Option<usize>,
+        slot: usize,
+        full: bool,
+    },
     BlockStatus {
         vol: usize,
     },
@@ -102,6 +125,11 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         2 => (vol.clone(), any::<u64>(), len_strategy()).prop_map(|(vol, sector, sectors)| Op::WriteZeroes { vol, sector, sectors }),
         3 => (vol.clone(), any::<u64>(), len_strategy()).prop_map(|(vol, sector, sectors)| Op::Read { vol, sector, sectors }),
         1 => vol.clone().prop_map(|vol| Op::BlockStatus { vol }),
+        2 => (vol.clone(), 0..SNAPSHOTS.len()).prop_map(|(vol, snap)| Op::Snapshot { vol, snap }),
+        1 => (vol.clone(), 0..SNAPSHOTS.len()).prop_map(|(vol, snap)| Op::DeleteSnapshot { vol, snap }),
+        1 => (vol.clone(), 0..SNAPSHOTS.len()).prop_map(|(vol, snap)| Op::ReadSnapshot { vol, snap }),
+        2 => (vol.clone(), prop::option::of(0..SNAPSHOTS.len()), 0..CLONE_SLOTS.len(), any::<bool>())
+            .prop_map(|(src, snap, slot, full)| Op::Clone { src, snap, slot: CLONE_SLOTS[slot], full }),
         2 => (vol.clone(), any::<u64>(), 1u64..=32, data_strategy(), prop::option::weighted(0.3, any::<usize>()))
             .prop_map(|(vol, sector, sectors, data, flip)| Op::CompareAndWrite { vol, sector, sectors, data, flip }),
         3 => (vol.clone(), vol.clone(), any::<u64>(), any::<u64>(), len_strategy(), prop::bool::weighted(0.7))
@@ -164,6 +192,14 @@ struct Harness {
     config: PoolConfig,
     pool: Option<Pool>,
     model: BTreeMap<usize, Vec<u8>>,
+    snaps: BTreeMap<(usize, usize), Vec<u8>>,
+    /// Live volumes that took part in a layered clone (as source or clone): while two remain,
+    /// they may share map layers.
+    sharing: std::collections::HashSet<usize>,
+    /// Some volume may hold data only a shared or not-yet-flattened layer keeps alive, so the
+    /// pool may hold more chunks than the volumes and snapshots show (until a cleaner pass
+    /// after the sharing ends).
+    layered: bool,
 }
 
 impl Harness {
@@ -182,6 +218,9 @@ impl Harness {
             config,
             pool: Some(pool),
             model: BTreeMap::new(),
+            snaps: BTreeMap::new(),
+            sharing: Default::default(),
+            layered: false,
         };
         for v in 0..VOLUMES.len() {
             h.ensure(v);
@@ -312,6 +351,80 @@ impl Harness {
                     .copy_from_slice(&bytes);
                 self.check_read(*dst, dst_off, len);
             }
+            Op::Snapshot { vol, snap } => {
+                self.ensure(*vol);
+                let r = self.pool().create_snapshot(VOLUMES[*vol], SNAPSHOTS[*snap]);
+                if self.snaps.contains_key(&(*vol, *snap)) {
+                    assert!(matches!(r, Err(Error::AlreadyExists(_))), "{r:?}");
+                } else {
+                    let info = r.expect("snapshot");
+                    assert_eq!(info.size_bytes, self.model[vol].len() as u64);
+                    self.snaps.insert((*vol, *snap), self.model[vol].clone());
+                    self.layered = true;
+                    let s = self
+                        .pool()
+                        .snapshot(VOLUMES[*vol], SNAPSHOTS[*snap])
+                        .expect("open snapshot");
+                    assert!(matches!(
+                        s.write(0, &[1u8; 512], false),
+                        Err(Error::ReadOnly(_))
+                    ));
+                }
+            }
+            Op::DeleteSnapshot { vol, snap } => {
+                let r = self.pool().delete_snapshot(VOLUMES[*vol], SNAPSHOTS[*snap]);
+                match self.snaps.remove(&(*vol, *snap)) {
+                    Some(_) => r.expect("delete snapshot"),
+                    None => assert!(matches!(r, Err(Error::NotFound(_))), "{r:?}"),
+                }
+            }
+            Op::ReadSnapshot { vol, snap } => self.check_snapshot(*vol, *snap),
+            Op::Clone {
+                src,
+                snap,
+                slot,
+                full,
+            } => {
+                let content = match snap {
+                    Some(sn) => match self.snaps.get(&(*src, *sn)) {
+                        Some(c) => c.clone(),
+                        None => return self.check_mapped_counts(),
+                    },
+                    None => {
+                        self.ensure(*src);
+                        self.model[src].clone()
+                    }
+                };
+                if *src == *slot {
+                    return self.check_mapped_counts();
+                }
+                if self.model.remove(slot).is_some() {
+                    self.pool()
+                        .delete_volume(VOLUMES[*slot])
+                        .expect("delete clone slot");
+                    self.snaps.retain(|(v, _), _| v != slot);
+                    self.sharing.remove(slot);
+                }
+                if !*full {
+                    self.layered = true;
+                    self.sharing.insert(*src);
+                    self.sharing.insert(*slot);
+                }
+                let source = match snap {
+                    Some(sn) => format!("{}@{}", VOLUMES[*src], SNAPSHOTS[*sn]),
+                    None => VOLUMES[*src].to_string(),
+                };
+                let clone = if *full {
+                    self.pool().full_clone(&source, VOLUMES[*slot])
+                } else {
+                    self.pool().clone_volume(&source, VOLUMES[*slot])
+                }
+                .expect("clone");
+                assert_eq!(clone.size(), content.len() as u64);
+                self.model.insert(*slot, content);
+                let len = self.model[slot].len() as u64;
+                self.check_read(*slot, 0, len);
+            }
             Op::BlockStatus { vol } => {
                 self.ensure(*vol);
                 self.check_block_status(*vol);
@@ -339,6 +452,8 @@ impl Harness {
             Op::Delete { vol } => {
                 if self.model.remove(vol).is_some() {
                     self.pool().delete_volume(VOLUMES[*vol]).expect("delete");
+                    self.snaps.retain(|(v, _), _| v != vol);
+                    self.sharing.remove(vol);
                     assert!(matches!(
                         self.pool().volume(VOLUMES[*vol]),
                         Err(Error::NotFound(_))
@@ -355,13 +470,36 @@ impl Harness {
                     assert_eq!(self.pool().volume(VOLUMES[v]).expect("volume").size(), len);
                     self.check_read(v, 0, len);
                 }
+                for (v, sn) in self.snaps.keys().copied().collect::<Vec<_>>() {
+                    self.check_snapshot(v, sn);
+                }
             }
             Op::Gc => {
                 self.pool().gc_now().expect("gc");
+                if self.snaps.is_empty() && self.sharing.len() <= 1 {
+                    self.layered = false;
+                }
                 self.check_exact_accounting();
             }
         }
         self.check_mapped_counts();
+    }
+
+    fn check_snapshot(&self, v: usize, sn: usize) {
+        if let Some(want) = self.snaps.get(&(v, sn)) {
+            let s = self
+                .pool()
+                .snapshot(VOLUMES[v], SNAPSHOTS[sn])
+                .expect("snapshot");
+            let mut buf = vec![0u8; want.len()];
+            s.read(0, &mut buf).expect("read snapshot");
+            assert!(
+                buf == *want,
+                "snapshot {}@{} differs from the model",
+                VOLUMES[v],
+                SNAPSHOTS[sn]
+            );
+        }
     }
 
     fn check_read(&self, v: usize, off: u64, len: u64) {
@@ -438,16 +576,32 @@ impl Harness {
                 }
             }
         }
+        for content in self.snaps.values() {
+            for c in content.chunks(BLOCK) {
+                let mut b = c.to_vec();
+                b.resize(BLOCK, 0);
+                if b.iter().any(|&x| x != 0) {
+                    distinct.insert(b);
+                }
+            }
+        }
         assert_eq!(
             s.logical_written_bytes,
             mapped * BLOCK as u64,
             "logical written"
         );
-        assert_eq!(
-            s.unique_chunks,
-            distinct.len() as u64,
-            "unique chunks = distinct non-zero blocks"
-        );
+        if self.layered {
+            assert!(
+                s.unique_chunks >= distinct.len() as u64,
+                "chunks visible somewhere must be stored"
+            );
+        } else {
+            assert_eq!(
+                s.unique_chunks,
+                distinct.len() as u64,
+                "unique chunks = distinct non-zero blocks"
+            );
+        }
         assert_eq!(s.unique_bytes, s.unique_chunks * BLOCK as u64);
         assert!(
             s.physical_bytes <= s.unique_chunks * (BLOCK as u64 + 24),

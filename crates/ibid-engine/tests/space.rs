@@ -361,3 +361,80 @@ fn copy_by_reference_adds_no_space() {
     assert!(took.as_secs() < 10, "copy took {took:?}");
     pool.verify().expect("verify");
 }
+
+/// Snapshots and clones cost no data I/O and no space, clones survive their sources, a write
+/// to a clone breaks sharing for that block only, and deleting the last sharer releases space.
+#[test]
+fn snapshots_and_clones_share_everything_and_survive_their_sources() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(1 << 30)).expect("create");
+    let v = pool.create_volume("vm", 64 << 20).expect("vm");
+    for i in 0..4096u64 {
+        v.write(i * 4096, &random_block(i), false).expect("write");
+    }
+    pool.sync().expect("sync");
+    let before = pool.stats();
+    let segments_before = before.segment_file_bytes;
+    let t = std::time::Instant::now();
+    pool.create_snapshot("vm", "golden").expect("snapshot");
+    let mut names = Vec::new();
+    for gen in 0..20 {
+        let source = if gen == 0 {
+            "vm@golden".to_string()
+        } else {
+            format!("gen{}", gen - 1)
+        };
+        let name = format!("gen{gen}");
+        pool.clone_volume(&source, &name).expect("clone");
+        names.push(name);
+    }
+    let took = t.elapsed();
+    eprintln!("1 snapshot + 20 chained clones of 16 MiB of data: {took:?}");
+    pool.sync().expect("sync");
+    let after = pool.stats();
+    assert_eq!(
+        after.physical_bytes, before.physical_bytes,
+        "snapshots and clones added space"
+    );
+    assert_eq!(
+        after.segment_file_bytes, segments_before,
+        "snapshots and clones wrote data"
+    );
+    // Write to the deepest clone: only that block diverges.
+    let deep = pool.volume("gen19").expect("gen19");
+    deep.write(4096 * 10, &random_block(777_777), false)
+        .expect("write clone");
+    let mut buf = vec![0u8; 4096];
+    deep.read(4096 * 10, &mut buf).expect("read");
+    assert_eq!(buf, random_block(777_777));
+    v.read(4096 * 10, &mut buf).expect("read source");
+    assert_eq!(buf, random_block(10));
+    // Delete every source: the deepest clone still reads everything.
+    pool.delete_snapshot("vm", "golden")
+        .expect("delete snapshot");
+    drop(v);
+    pool.delete_volume("vm").expect("delete source");
+    for name in &names[..19] {
+        pool.delete_volume(name).expect("delete intermediate clone");
+    }
+    pool.gc_now().expect("gc");
+    for i in (0..4096u64).step_by(61) {
+        deep.read(i * 4096, &mut buf).expect("read");
+        let want = if i == 10 {
+            random_block(777_777)
+        } else {
+            random_block(i)
+        };
+        assert_eq!(buf, want, "block {i} of the surviving clone");
+    }
+    let space = deep.space().expect("space");
+    assert_eq!(space.mapped_blocks, 4096);
+    assert_eq!(
+        space.exclusive_blocks, 4096,
+        "with every sharer gone the clone holds its data alone"
+    );
+    // The overwritten block of the original is gone; everything else is still stored once.
+    let s = pool.stats();
+    assert_eq!(s.unique_chunks, 4096);
+    pool.verify().expect("verify");
+}

@@ -38,6 +38,7 @@ fn to_lun_error(e: Error) -> LunError {
         Error::NoSpace => LunError::NoSpace,
         Error::OutOfRange { .. } | Error::InvalidArgument(_) => LunError::OutOfRange,
         Error::NotFound(_) => LunError::NoSuchLun,
+        Error::ReadOnly(_) => LunError::ReadOnly,
         other => {
             tracing::error!("volume I/O: {other}");
             LunError::Io(other.to_string())

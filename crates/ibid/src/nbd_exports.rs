@@ -22,6 +22,14 @@ impl PoolExports {
 
 impl Exports for PoolExports {
     fn list(&self) -> Vec<ExportInfo> {
+        let snapshots = self
+            .pool
+            .list_snapshots(None)
+            .into_iter()
+            .map(|s| ExportInfo {
+                name: format!("{}@{}", s.volume, s.name),
+                description: format!("ibid snapshot, read-only, {} bytes", s.size_bytes),
+            });
         self.pool
             .list_volumes()
             .into_iter()
@@ -29,11 +37,16 @@ impl Exports for PoolExports {
                 description: format!("ibid volume, {} bytes", v.size_bytes),
                 name: v.name,
             })
+            .chain(snapshots)
             .collect()
     }
 
+    /// A volume by name, or a snapshot as `VOLUME@SNAPSHOT` (read-only).
     fn open(&self, name: &str) -> Option<Arc<dyn Export>> {
-        let volume = self.pool.volume(name).ok()?;
+        let volume = match name.split_once('@') {
+            Some((volume, snapshot)) => self.pool.snapshot(volume, snapshot).ok()?,
+            None => self.pool.volume(name).ok()?,
+        };
         Some(Arc::new(VolumeExport {
             size: volume.size(),
             volume,
@@ -51,6 +64,7 @@ fn to_export_error(e: Error) -> ExportError {
     match e {
         Error::NoSpace => ExportError::NoSpace,
         Error::OutOfRange { .. } | Error::InvalidArgument(_) => ExportError::OutOfRange,
+        Error::ReadOnly(_) => ExportError::ReadOnly,
         other => {
             tracing::error!("volume I/O: {other}");
             ExportError::Io(other.to_string())
@@ -68,7 +82,7 @@ impl Export for VolumeExport {
     }
 
     fn read_only(&self) -> bool {
-        false
+        self.volume.read_only()
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {

@@ -288,3 +288,54 @@ impl Drop for FsStack {
         }
     }
 }
+
+/// Snapshots are exported read-only as `VOLUME@SNAPSHOT`: listed, readable with the
+/// snapshot's content after the volume changed, and writes are refused (EPERM).
+#[test]
+fn snapshots_are_read_only_exports() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let pool = Pool::create(
+            dir.path().join("pool"),
+            PoolConfig {
+                background: false,
+                ..PoolConfig::default()
+            },
+        )
+        .expect("create");
+        let v = pool.create_volume("vm", 8 << 20).expect("vm");
+        v.write(0, &[0xa5; 1 << 20], false).expect("write");
+        pool.create_snapshot("vm", "before").expect("snapshot");
+        v.write(0, &[0x5a; 1 << 20], false).expect("overwrite");
+        drop(v);
+        pool.close().expect("close");
+    }
+    let srv = Server::start_in(dir, &["--no-default-volume"]);
+    let list = run("nbdinfo", &["--list", &format!("nbd://{}", srv.nbd)]);
+    assert!(list.contains("export=\"vm@before\""), "{list}");
+    let snap = srv.url("vm@before");
+    let info = run("nbdinfo", &[&snap]);
+    assert!(info.contains("is_read_only: true"), "{info}");
+    run(
+        "qemu-io",
+        &["-f", "raw", "-r", "-c", "read -P 0xa5 0 1M", &snap],
+    );
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0x5a 0 1M", &srv.url("vm")],
+    );
+    let write = output("qemu-io", &["-f", "raw", "-c", "write -P 1 0 4k", &snap]);
+    let text = String::from_utf8_lossy(&write.stdout).to_string()
+        + &String::from_utf8_lossy(&write.stderr);
+    assert!(
+        !write.status.success()
+            || text.contains("ermission")
+            || text.contains("read-only")
+            || text.contains("Read-only"),
+        "{text}"
+    );
+    run(
+        "qemu-io",
+        &["-f", "raw", "-r", "-c", "read -P 0xa5 0 1M", &snap],
+    );
+}

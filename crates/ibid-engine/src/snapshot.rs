@@ -1,0 +1,435 @@
+//! Snapshots and clones: metadata operations whose cost does not depend on the data size.
+//!
+//! A volume's map is a stack of layers; only the top one is written. A **snapshot** freezes
+//! the top layer (the snapshot's stack is the volume's stack as it was) and gives the volume a
+//! new, empty top layer. A **clone** is a new volume whose stack is its source's frozen stack
+//! plus a new top layer of its own. Layers are reference-counted by the stacks that include
+//! them (`layers` table); a layer no stack includes is deleted at the next commit, dropping its
+//! chunk references. Snapshot and clone change no chunk reference counts and touch no data.
+//!
+//! Freezing a live volume's top layer needs a moment with no uncommitted change to it: the
+//! operation commits, then takes the gate exclusively (no write in flight) and checks the
+//! volume has no dirty entries, retrying if a write slipped in between.
+
+use crate::error::{Error, Result};
+use crate::format::{self, VolumeRecord, LAYERS_MAX};
+use crate::meta;
+use crate::pool::{
+    new_volume_state, validate_volume_name, CommitState, Inner, Pool, VolumeMap, VolumeState,
+};
+use crate::volume::Volume;
+use redb::{ReadableDatabase, ReadableTable};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Attempts to catch a volume with no uncommitted changes before giving up.
+const QUIESCE_TRIES_MAX: usize = 64;
+
+/// Describes a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    /// The volume it was taken of.
+    pub volume: String,
+    /// Snapshot name (unique per volume).
+    pub name: String,
+    /// Id (from the same counter as volume ids).
+    pub id: u64,
+    /// Size of the volume when the snapshot was taken.
+    pub size_bytes: u64,
+    /// Blocks mapped to data in the snapshot.
+    pub mapped_blocks: u64,
+    /// Creation time, seconds since the Unix epoch.
+    pub created_unix_s: u64,
+}
+
+fn now_unix_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn snapshot_key(volume: &str, snapshot: &str) -> String {
+    format!("{volume}@{snapshot}")
+}
+
+fn snapshot_info(key: &str, v: &VolumeState) -> SnapshotInfo {
+    let (volume, name) = key.split_once('@').unwrap_or((key, ""));
+    let map = v.map.lock();
+    SnapshotInfo {
+        volume: volume.to_string(),
+        name: name.to_string(),
+        id: v.id,
+        size_bytes: map.size,
+        mapped_blocks: map.mapped_blocks,
+        created_unix_s: v.created_unix_s,
+    }
+}
+
+impl Inner {
+    /// Runs `f` with the commit lock, the gate held exclusively and `v`'s map locked, at a
+    /// moment when `v` has no uncommitted change.
+    fn with_quiesced<T>(
+        &self,
+        v: &VolumeState,
+        f: impl FnOnce(&Inner, &mut CommitState, &mut VolumeMap) -> Result<T>,
+    ) -> Result<T> {
+        let mut cs = self.commit.lock();
+        for _ in 0..QUIESCE_TRIES_MAX {
+            self.commit_with(&mut cs)?;
+            let _gate = self.gate.write();
+            let mut map = v.map.lock();
+            if map.deleted {
+                return Err(Error::NotFound(v.name.clone()));
+            }
+            if map.dirty.is_empty() && map.committing.is_empty() {
+                let out = f(self, &mut cs, &mut map)?;
+                map.generation += 1;
+                return Ok(out);
+            }
+        }
+        Err(Error::Metadata(format!(
+            "volume {} kept changing; try again",
+            v.name
+        )))
+    }
+
+    /// Writes records and layer refcount changes in one durable transaction.
+    fn write_catalog(
+        &self,
+        cs: &mut CommitState,
+        volumes: &[(&str, &VolumeRecord)],
+        snapshots: &[(&str, &VolumeRecord)],
+        layer_increments: &[u64],
+        new_layers: &[u64],
+        ids_used: u64,
+    ) -> Result<()> {
+        let mut pool_rec = cs.record.clone();
+        pool_rec.next_volume_id += ids_used;
+        pool_rec.next_layer_id += new_layers.len() as u64;
+        let txn = self.db.begin_write()?;
+        {
+            let mut vols = txn.open_table(meta::VOLUMES)?;
+            for (name, r) in volumes {
+                vols.insert(*name, r.encode().as_slice())?;
+            }
+            let mut snaps = txn.open_table(meta::SNAPSHOTS)?;
+            for (name, r) in snapshots {
+                snaps.insert(*name, r.encode().as_slice())?;
+            }
+            let mut layers = txn.open_table(meta::LAYERS)?;
+            for &l in layer_increments {
+                let refs = layers.get(l)?.map(|r| r.value()).unwrap_or(0);
+                if refs == 0 {
+                    return Err(Error::Corrupt(format!(
+                        "layer {l} is in a stack but has no refcount"
+                    )));
+                }
+                layers.insert(l, refs + 1)?;
+            }
+            for &l in new_layers {
+                layers.insert(l, 1)?;
+            }
+            txn.open_table(meta::POOL)?
+                .insert(meta::POOL_KEY, pool_rec.encode().as_slice())?;
+        }
+        txn.commit()?;
+        cs.record = pool_rec;
+        Ok(())
+    }
+}
+
+impl Pool {
+    fn live_state(&self, name: &str) -> Result<Arc<VolumeState>> {
+        self.inner
+            .volumes
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(name.to_string()))
+    }
+
+    fn snapshot_state(&self, key: &str) -> Result<Arc<VolumeState>> {
+        self.inner
+            .snapshots
+            .read()
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(key.to_string()))
+    }
+
+    /// Takes a read-only point-in-time snapshot of `volume`: O(1), no data I/O, no space.
+    pub fn create_snapshot(&self, volume: &str, snapshot: &str) -> Result<SnapshotInfo> {
+        validate_volume_name(snapshot)?;
+        self.inner.check_failed()?;
+        let key = snapshot_key(volume, snapshot);
+        let v = self.live_state(volume)?;
+        if self.inner.snapshots.read().contains_key(&key) {
+            return Err(Error::AlreadyExists(key));
+        }
+        let state = self.inner.with_quiesced(&v, |inner, cs, map| {
+            if map.stack.len() >= LAYERS_MAX {
+                return Err(Error::InvalidArgument(format!(
+                    "{volume} has {LAYERS_MAX} layers; delete snapshots first"
+                )));
+            }
+            let new_top = cs.record.next_layer_id;
+            let snap = VolumeRecord {
+                id: cs.record.next_volume_id,
+                size: map.size,
+                mapped_blocks: map.mapped_blocks,
+                created_unix_s: now_unix_s(),
+                layers: map.stack.clone(),
+            };
+            let mut stack = map.stack.clone();
+            stack.push(new_top);
+            let vol = VolumeRecord {
+                id: v.id,
+                size: map.size,
+                mapped_blocks: map.mapped_blocks,
+                created_unix_s: v.created_unix_s,
+                layers: stack.clone(),
+            };
+            inner.write_catalog(
+                cs,
+                &[(volume, &vol)],
+                &[(&key, &snap)],
+                &snap.layers,
+                &[new_top],
+                1,
+            )?;
+            map.stack = stack;
+            Ok(Arc::new(new_volume_state(key.clone(), &snap, true)))
+        })?;
+        let info = snapshot_info(&key, &state);
+        self.inner.snapshots.write().insert(key, state);
+        Ok(info)
+    }
+
+    /// Lists snapshots, of one volume or of all.
+    pub fn list_snapshots(&self, volume: Option<&str>) -> Vec<SnapshotInfo> {
+        self.inner
+            .snapshots
+            .read()
+            .iter()
+            .map(|(k, v)| snapshot_info(k, v))
+            .filter(|s| volume.is_none_or(|v| s.volume == v))
+            .collect()
+    }
+
+    /// A read-only handle on a snapshot.
+    pub fn snapshot(&self, volume: &str, snapshot: &str) -> Result<Volume> {
+        let state = self.snapshot_state(&snapshot_key(volume, snapshot))?;
+        Ok(Volume::new(self.inner.clone(), state))
+    }
+
+    /// Deletes a snapshot; clones made from it are not affected. Space only it held comes back
+    /// through the cleaner.
+    pub fn delete_snapshot(&self, volume: &str, snapshot: &str) -> Result<()> {
+        self.inner.check_failed()?;
+        let key = snapshot_key(volume, snapshot);
+        let state = {
+            let _gate = self.inner.gate.write();
+            let state = self
+                .inner
+                .snapshots
+                .write()
+                .remove(&key)
+                .ok_or_else(|| Error::NotFound(key.clone()))?;
+            state.map.lock().deleted = true;
+            state
+        };
+        self.inner.deleted.lock().push(state);
+        self.inner.commit()
+    }
+
+    /// Creates volume `new_name` as a writable clone of `source` — a volume name or
+    /// `VOLUME@SNAPSHOT` — sharing all its data: O(1), no data I/O, no space. Deleting the
+    /// source later does not affect the clone.
+    pub fn clone_volume(&self, source: &str, new_name: &str) -> Result<Volume> {
+        validate_volume_name(new_name)?;
+        self.inner.check_failed()?;
+        if self.inner.volumes.read().contains_key(new_name) {
+            return Err(Error::AlreadyExists(new_name.to_string()));
+        }
+        let record = if source.contains('@') {
+            let snap = self.snapshot_state(source)?;
+            let mut cs = self.inner.commit.lock();
+            let map = snap.map.lock();
+            let clone_top = cs.record.next_layer_id;
+            let mut layers = map.stack.clone();
+            layers.push(clone_top);
+            let rec = VolumeRecord {
+                id: cs.record.next_volume_id,
+                size: map.size,
+                mapped_blocks: map.mapped_blocks,
+                created_unix_s: now_unix_s(),
+                layers,
+            };
+            self.inner.write_catalog(
+                &mut cs,
+                &[(new_name, &rec)],
+                &[],
+                &map.stack,
+                &[clone_top],
+                1,
+            )?;
+            rec
+        } else {
+            let v = self.live_state(source)?;
+            self.inner.with_quiesced(&v, |inner, cs, map| {
+                if map.stack.len() >= LAYERS_MAX {
+                    return Err(Error::InvalidArgument(format!(
+                        "{source} has {LAYERS_MAX} layers"
+                    )));
+                }
+                let (vol_top, clone_top) = (cs.record.next_layer_id, cs.record.next_layer_id + 1);
+                let mut vol_stack = map.stack.clone();
+                vol_stack.push(vol_top);
+                let mut clone_stack = map.stack.clone();
+                clone_stack.push(clone_top);
+                let vol = VolumeRecord {
+                    id: v.id,
+                    size: map.size,
+                    mapped_blocks: map.mapped_blocks,
+                    created_unix_s: v.created_unix_s,
+                    layers: vol_stack.clone(),
+                };
+                let rec = VolumeRecord {
+                    id: cs.record.next_volume_id,
+                    size: map.size,
+                    mapped_blocks: map.mapped_blocks,
+                    created_unix_s: now_unix_s(),
+                    layers: clone_stack,
+                };
+                inner.write_catalog(
+                    cs,
+                    &[(source, &vol), (new_name, &rec)],
+                    &[],
+                    &map.stack,
+                    &[vol_top, clone_top],
+                    1,
+                )?;
+                map.stack = vol_stack;
+                Ok(rec)
+            })?
+        };
+        let state = Arc::new(new_volume_state(new_name.to_string(), &record, false));
+        self.inner
+            .volumes
+            .write()
+            .insert(new_name.to_string(), state.clone());
+        self.inner
+            .catalog_generation
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(Volume::new(self.inner.clone(), state))
+    }
+
+    /// Creates volume `new_name` as a full clone of `source` (a volume or `VOLUME@SNAPSHOT`):
+    /// its map refers to no other volume's layers, yet it still shares every chunk, so no data
+    /// is read or written and no space is added. Cost: proportional to the mapped blocks.
+    pub fn full_clone(&self, source: &str, new_name: &str) -> Result<Volume> {
+        let src = match source.split_once('@') {
+            Some((v, s)) => self.snapshot(v, s)?,
+            None => self.volume(source)?,
+        };
+        let dst = self.create_volume(new_name, src.size())?;
+        dst.copy_from(&src, 0, 0, src.size())?;
+        Ok(dst)
+    }
+}
+
+impl Inner {
+    /// Flattens every live volume's stack: a frozen layer that no other stack includes (its
+    /// snapshots and clones are gone) is merged into the layer above it, so reads stay shallow
+    /// and the data the upper layer hides is released. Returns the number of merges.
+    pub(crate) fn flatten_all(&self) -> Result<u64> {
+        let volumes: Vec<Arc<VolumeState>> = self.volumes.read().values().cloned().collect();
+        let mut merged = 0;
+        for v in volumes {
+            while self.flatten_one(&v)? {
+                merged += 1;
+            }
+        }
+        Ok(merged)
+    }
+
+    /// The lowest frozen layer of `stack` that only this stack includes.
+    fn private_frozen_layer(&self, stack: &[u64]) -> Result<Option<usize>> {
+        if stack.len() < 2 {
+            return Ok(None);
+        }
+        let txn = self.db.begin_read()?;
+        let layers = txn.open_table(meta::LAYERS)?;
+        for (i, &l) in stack[..stack.len() - 1].iter().enumerate() {
+            if layers.get(l)?.map(|r| r.value()) == Some(1) {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Merges one private frozen layer of `v` into the layer above it. Entries the upper layer
+    /// overrides are dropped (their references released at the next commit); the others move
+    /// up. Runs with the volume quiesced; cost is proportional to the merged layer's entries.
+    fn flatten_one(&self, v: &VolumeState) -> Result<bool> {
+        let stack = v.map.lock().stack.clone();
+        if self.private_frozen_layer(&stack)?.is_none() {
+            return Ok(false);
+        }
+        self.with_quiesced(v, |inner, cs, map| {
+            let Some(i) = inner.private_frozen_layer(&map.stack)? else {
+                return Ok(false);
+            };
+            let (lower, upper) = (map.stack[i], map.stack[i + 1]);
+            let mut released = Vec::new();
+            let mut stack = map.stack.clone();
+            stack.remove(i);
+            let record = VolumeRecord {
+                id: v.id,
+                size: map.size,
+                mapped_blocks: map.mapped_blocks,
+                created_unix_s: v.created_unix_s,
+                layers: stack.clone(),
+            };
+            let txn = inner.db.begin_write()?;
+            {
+                let mut table = txn.open_table(meta::MAP)?;
+                let (lo, hi) = (format::map_key(lower, 0), format::map_key(lower, u64::MAX));
+                let moved: Vec<(u64, u64)> = table
+                    .extract_from_if(lo..=hi, |_, _| true)?
+                    .map(|item| {
+                        item.map(|(k, val)| (format::decode_map_key(&k.value()).1, val.value()))
+                    })
+                    .collect::<Result<_, _>>()?;
+                for (block, id) in moved {
+                    let key = format::map_key(upper, block);
+                    if table.get(key)?.is_some() {
+                        if id != format::ZERO_TOMBSTONE {
+                            released.push(id);
+                        }
+                    } else if id != format::ZERO_TOMBSTONE || i > 0 {
+                        table.insert(key, id)?;
+                    }
+                }
+                if i == 0 {
+                    // The upper layer is now the bottom: its tombstones hide nothing.
+                    let (lo, hi) = (format::map_key(upper, 0), format::map_key(upper, u64::MAX));
+                    for item in
+                        table.extract_from_if(lo..=hi, |_, val| val == format::ZERO_TOMBSTONE)?
+                    {
+                        item?;
+                    }
+                }
+                txn.open_table(meta::LAYERS)?.remove(lower)?;
+                txn.open_table(meta::VOLUMES)?
+                    .insert(v.name.as_str(), record.encode().as_slice())?;
+            }
+            txn.commit()?;
+            let _ = cs;
+            map.stack = stack;
+            inner.release_refs(&released);
+            Ok(true)
+        })
+    }
+}
