@@ -1,0 +1,53 @@
+//! `ibid-bench engine --quick` runs and prints every row of its tables.
+
+use std::process::Command;
+
+#[test]
+fn engine_quick_prints_the_table() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = Command::new(env!("CARGO_BIN_EXE_ibid-bench"))
+        .args(["engine", "--quick", "--dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run ibid-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "ibid-bench failed:\n{stdout}\n{stderr}"
+    );
+    for row in [
+        "| test | MB/s | IOPS | p50 µs | p99 µs | CPU cores | MB per CPU-s | goal |",
+        "| seq write 1 MiB unique incompressible |",
+        "| seq write 1 MiB duplicate |",
+        "| seq write 1 MiB all-zero |",
+        "| rand write 4 KiB, N threads |",
+        "| seq read 1 MiB |",
+        "| rand read 4 KiB, N threads |",
+        "| rand read 4 KiB, QD1 |",
+        "| rand write 4 KiB, QD1 |",
+        "| write+flush 4 KiB, QD1 |",
+        "| dedup filter RAM (live pool) |",
+        "| process RSS growth while writing |",
+        "| dedup filter RAM after reopen |",
+        "open after crash: median",
+    ] {
+        assert!(stdout.contains(row), "missing {row:?} in:\n{stdout}");
+    }
+    // Every throughput row has a number in its MB/s and IOPS columns.
+    for line in stdout
+        .lines()
+        .filter(|l| l.starts_with("| seq") || l.starts_with("| rand") || l.starts_with("| write"))
+    {
+        let cols: Vec<&str> = line.split('|').map(str::trim).collect();
+        assert!(
+            cols[3]
+                .split(' ')
+                .next()
+                .unwrap_or("")
+                .parse::<f64>()
+                .is_ok(),
+            "IOPS not a number: {line}"
+        );
+    }
+}
