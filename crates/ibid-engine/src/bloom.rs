@@ -24,7 +24,7 @@ impl Bloom {
     /// A filter sized for `capacity` fingerprints.
     pub fn with_capacity(capacity: u64, ready: bool) -> Self {
         let capacity = capacity.max(1 << 16);
-        let bits = (capacity * BITS_PER_ENTRY).next_power_of_two();
+        let bits = (capacity * BITS_PER_ENTRY).next_multiple_of(64);
         let words = (0..bits / 64).map(|_| AtomicU64::new(0)).collect();
         Bloom {
             words,
@@ -52,8 +52,10 @@ impl Bloom {
     fn probes(&self, fp: &[u8; 32]) -> impl Iterator<Item = u64> + '_ {
         let h1 = u64::from_le_bytes(fp[0..8].try_into().expect("8 bytes"));
         let h2 = u64::from_le_bytes(fp[8..16].try_into().expect("8 bytes")) | 1;
-        let mask = self.bits - 1;
-        (0..HASHES as u64).map(move |i| h1.wrapping_add(i.wrapping_mul(h2)) & mask)
+        let bits = self.bits as u128;
+        // Multiply-shift maps a 64-bit hash onto [0, bits) without a power-of-two size.
+        (0..HASHES as u64)
+            .map(move |i| ((h1.wrapping_add(i.wrapping_mul(h2)) as u128 * bits) >> 64) as u64)
     }
 
     /// Adds a fingerprint.

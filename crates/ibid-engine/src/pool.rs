@@ -328,7 +328,7 @@ impl Pool {
             // Written after the last commit: nothing references it.
             segments.remove(*id)?;
         }
-        let bloom = Bloom::with_capacity(record.live_chunks.saturating_mul(2), false);
+        let bloom = Bloom::with_capacity(bloom_capacity(record.live_chunks), false);
         let shards = (0..SHARDS)
             .map(|_| {
                 Mutex::new(ShardState {
@@ -649,6 +649,13 @@ impl Drop for Inner {
     }
 }
 
+/// Fingerprints the dedup filter is sized for, given the chunks stored: 25 % headroom, so the
+/// filter costs about 1.25 × 10 bits ≈ 1.6 bytes per unique block, and is rebuilt larger when
+/// the pool outgrows it.
+fn bloom_capacity(live_chunks: u64) -> u64 {
+    live_chunks.saturating_add(live_chunks / 4)
+}
+
 pub(crate) fn new_volume_state(name: String, r: &VolumeRecord, read_only: bool) -> VolumeState {
     VolumeState {
         name,
@@ -707,7 +714,7 @@ impl Inner {
     /// index. New chunks go into the new filter as soon as it is installed; a commit right after
     /// makes sure every older chunk is in the index snapshot the scan reads.
     pub(crate) fn rebuild_bloom(&self) -> Result<()> {
-        let capacity = self.live_chunks.load(Ordering::Relaxed).saturating_mul(2);
+        let capacity = bloom_capacity(self.live_chunks.load(Ordering::Relaxed));
         let bloom = Arc::new(Bloom::with_capacity(capacity, false));
         *self.bloom.write() = bloom.clone();
         self.commit()?;

@@ -804,17 +804,26 @@ impl Inner {
         }
         let fp: [u8; 32] = *blake3::hash(block).as_bytes();
         let shard = fp[0] as usize % SHARDS;
-        let mut s = self.shards[shard].lock();
-        if let Some(id) = self.find_duplicate(&s, &fp)? {
-            *s.dirty.deltas.entry(id).or_default() += 1;
-            return Ok(Entry::Data(id));
+        {
+            let mut s = self.shards[shard].lock();
+            if let Some(id) = self.find_duplicate(&s, &fp)? {
+                *s.dirty.deltas.entry(id).or_default() += 1;
+                return Ok(Entry::Data(id));
+            }
         }
+        // A new block: compress without holding the shard, then look again in case another
+        // writer stored the same block meanwhile.
         let compressed = lz4_flex::block::compress(block);
         let (flags, payload) = if compressed.len() < BLOCK_BYTES {
             (RECORD_FLAG_LZ4, &compressed[..])
         } else {
             (0, block)
         };
+        let mut s = self.shards[shard].lock();
+        if let Some(id) = self.find_duplicate(&s, &fp)? {
+            *s.dirty.deltas.entry(id).or_default() += 1;
+            return Ok(Entry::Data(id));
+        }
         let physical = (RECORD_HEADER_BYTES + payload.len()) as u64;
         self.reserve_space(physical)?;
         let id = (self.chunk_seq.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | shard as u64;
