@@ -173,6 +173,7 @@ fn fio_nbd_verify_crc32c() {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            "--verify_state_save=0",
             &format!("--directory={}", work.path().display()),
             "--output-format=json",
         ],
