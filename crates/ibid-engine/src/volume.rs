@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
 use crate::meta;
 use crate::pool::{
-    Entry, Inner, ShardState, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
+    Entry, Inner, ShardState, VolumeMap, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
 };
 use crate::stats::VolumeSpace;
 use parking_lot::MutexGuard;
@@ -886,66 +886,55 @@ impl Inner {
         stripes.sort_unstable();
         stripes.dedup();
         let _guards: Vec<MutexGuard<()>> = stripes.iter().map(|&s| v.stripes[s].lock()).collect();
+        let (mut map, stored_top, stored_lower) = match self.lock_map_with_committed(v, b0, b1) {
+            Ok(locked) => locked,
+            Err(e) => {
+                // The entries will never be installed: give back the references they took.
+                self.release(
+                    &prepared
+                        .iter()
+                        .filter_map(Prepared::data)
+                        .collect::<Vec<_>>(),
+                );
+                return Err(e);
+            }
+        };
         let mut released = Vec::new();
-        loop {
-            let (generation, stack) = {
-                let m = v.map.lock();
-                (m.generation, m.stack.clone())
+        let mut mapped = map.mapped_blocks as i64;
+        let mut added = 0u64;
+        for p in &prepared {
+            // What the top layer holds (its references are ours to drop), and what the volume
+            // shows (for the mapped count, and whether a zero must hide a lower layer).
+            let top_old = match map
+                .dirty
+                .get(&p.block)
+                .or_else(|| map.committing.get(&p.block))
+            {
+                Some(&e) => Some(e),
+                None => stored_top.get(&p.block).map(|&id| entry_of(id)),
             };
-            let (top, lower) = stack.split_last().expect("a stack has a layer");
-            let stored_top = self.stored_range(*top, b0, b1)?;
-            let stored_lower = self.stored_stack(lower, b0, b1)?;
-            let mut map = v.map.lock();
-            if map.deleted {
-                drop(map);
-                for p in &prepared {
-                    if let Entry::Data(id) = p.entry {
-                        released.push(id);
-                    }
-                }
-                self.release(&released);
-                return Err(Error::NotFound(v.name.clone()));
-            }
-            if map.generation != generation {
-                continue;
-            }
-            let mut mapped = map.mapped_blocks as i64;
-            let mut added = 0u64;
-            for p in &prepared {
-                // What the top layer holds (its references are ours to drop), and what the
-                // volume shows (for the mapped count, and whether a zero must hide a lower layer).
-                let top_old = match map
-                    .dirty
+            let visible_old = top_old.unwrap_or_else(|| {
+                stored_lower
                     .get(&p.block)
-                    .or_else(|| map.committing.get(&p.block))
-                {
-                    Some(&e) => Some(e),
-                    None => stored_top.get(&p.block).map(|&id| entry_of(id)),
-                };
-                let visible_old = top_old.unwrap_or_else(|| {
-                    stored_lower
-                        .get(&p.block)
-                        .map_or(Entry::Zero, |&id| entry_of(id))
-                });
-                if let Some(Entry::Data(id)) = top_old {
-                    released.push(id);
-                }
-                if let Entry::Data(_) = visible_old {
-                    mapped -= 1;
-                }
-                if let Entry::Data(_) = p.entry {
-                    mapped += 1;
-                }
-                if visible_old != Entry::Zero || p.entry != Entry::Zero {
-                    map.dirty.insert(p.block, p.entry);
-                    added += 1;
-                }
+                    .map_or(Entry::Zero, |&id| entry_of(id))
+            });
+            if let Some(Entry::Data(id)) = top_old {
+                released.push(id);
             }
-            map.mapped_blocks = mapped as u64;
-            drop(map);
-            self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
-            break;
+            if let Entry::Data(_) = visible_old {
+                mapped -= 1;
+            }
+            if let Entry::Data(_) = p.entry {
+                mapped += 1;
+            }
+            if visible_old != Entry::Zero || p.entry != Entry::Zero {
+                map.dirty.insert(p.block, p.entry);
+                added += 1;
+            }
         }
+        map.mapped_blocks = mapped as u64;
+        drop(map);
+        self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
         self.release(&released);
         Ok(())
     }
@@ -976,7 +965,49 @@ impl Inner {
     /// [`Inner::zero_blocks`] for a caller that already holds the gate.
     fn zero_blocks_gated(&self, v: &VolumeState, b0: u64, b1: u64) -> Result<()> {
         let _guards: Vec<MutexGuard<()>> = v.stripes.iter().map(|s| s.lock()).collect();
-        let mut released = Vec::new();
+        let (mut map, stored_top, stored_lower) = self.lock_map_with_committed(v, b0, b1)?;
+        // The top layer's entries (ours to release) and what the volume shows.
+        let mut top_now: BTreeMap<u64, Entry> = stored_top
+            .iter()
+            .map(|(&b, &id)| (b, entry_of(id)))
+            .collect();
+        top_now.extend(map.committing.range(b0..b1).map(|(&b, &e)| (b, e)));
+        top_now.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
+        let mut visible: BTreeMap<u64, Entry> = stored_lower
+            .iter()
+            .map(|(&b, &id)| (b, entry_of(id)))
+            .collect();
+        visible.extend(top_now.iter().map(|(&b, &e)| (b, e)));
+        let mut unmapped = 0;
+        for (b, e) in visible {
+            if let Entry::Data(_) = e {
+                map.dirty.insert(b, Entry::Zero);
+                unmapped += 1;
+            }
+        }
+        map.mapped_blocks -= unmapped;
+        drop(map);
+        self.dirty_blocks.fetch_add(unmapped, Ordering::Relaxed);
+        let released: Vec<u64> = top_now
+            .values()
+            .filter_map(|e| match e {
+                Entry::Data(id) => Some(*id),
+                Entry::Zero => None,
+            })
+            .collect();
+        self.release(&released);
+        Ok(())
+    }
+
+    /// `v`'s map, locked, with the committed entries in `[b0, b1)` of its top layer and of the
+    /// layers below, read consistently with it: if a commit published between the read and the
+    /// lock (the map's generation moved), read again.
+    fn lock_map_with_committed<'a>(
+        &self,
+        v: &'a VolumeState,
+        b0: u64,
+        b1: u64,
+    ) -> Result<LockedMap<'a>> {
         loop {
             let (generation, stack) = {
                 let m = v.map.lock();
@@ -985,48 +1016,23 @@ impl Inner {
             let (top, lower) = stack.split_last().expect("a stack has a layer");
             let stored_top = self.stored_range(*top, b0, b1)?;
             let stored_lower = self.stored_stack(lower, b0, b1)?;
-            let mut map = v.map.lock();
+            let map = v.map.lock();
             if map.deleted {
                 return Err(Error::NotFound(v.name.clone()));
             }
-            if map.generation != generation {
-                continue;
+            if map.generation == generation {
+                return Ok((map, stored_top, stored_lower));
             }
-            // The top layer's entries (ours to release) and what the volume shows.
-            let mut top_now: BTreeMap<u64, Entry> = stored_top
-                .iter()
-                .map(|(&b, &id)| (b, entry_of(id)))
-                .collect();
-            top_now.extend(map.committing.range(b0..b1).map(|(&b, &e)| (b, e)));
-            top_now.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
-            let mut visible: BTreeMap<u64, Entry> = stored_lower
-                .iter()
-                .map(|(&b, &id)| (b, entry_of(id)))
-                .collect();
-            visible.extend(top_now.iter().map(|(&b, &e)| (b, e)));
-            let mut added = 0;
-            let mut unmapped = 0;
-            for (b, e) in visible {
-                if let Entry::Data(_) = e {
-                    map.dirty.insert(b, Entry::Zero);
-                    added += 1;
-                    unmapped += 1;
-                }
-            }
-            for e in top_now.values() {
-                if let Entry::Data(id) = e {
-                    released.push(*id);
-                }
-            }
-            map.mapped_blocks -= unmapped;
-            drop(map);
-            self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
-            break;
         }
-        self.release(&released);
-        Ok(())
     }
 }
+
+/// A volume's locked map with the committed entries of its top layer and of the layers below.
+type LockedMap<'a> = (
+    MutexGuard<'a, VolumeMap>,
+    BTreeMap<u64, u64>,
+    BTreeMap<u64, u64>,
+);
 
 /// A committed map value as an entry.
 fn entry_of(id: u64) -> Entry {
