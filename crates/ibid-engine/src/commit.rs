@@ -79,7 +79,9 @@ impl Inner {
     pub(crate) fn commit_with(&self, cs: &mut CommitState) -> Result<()> {
         self.check_failed()?;
         let batch = self.cut();
-        if batch.is_empty() {
+        // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
+        let orphans = self.orphans_pending.swap(false, Ordering::AcqRel);
+        if batch.is_empty() && !orphans {
             self.publish(&batch, &Applied::default());
             self.committed.store(batch.no, Ordering::Release);
             return Ok(());

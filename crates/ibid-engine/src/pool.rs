@@ -126,6 +126,8 @@ pub(crate) struct Inner {
     pub dirty_blocks: AtomicU64,
     pub failed: Mutex<Option<String>>,
     pub soft_warned: AtomicBool,
+    /// Orphan chunks may need freeing: the next commit runs even with nothing else to do.
+    pub orphans_pending: AtomicBool,
     /// Bumped whenever a volume is created or deleted.
     pub catalog_generation: AtomicU64,
     pub background: Mutex<Option<Background>>,
@@ -377,6 +379,7 @@ impl Pool {
             failed: Mutex::new(None),
             soft_warned: AtomicBool::new(false),
             catalog_generation: AtomicU64::new(0),
+            orphans_pending: AtomicBool::new(true),
             background: Mutex::new(None),
             bloom_thread: Mutex::new(None),
             wake: (Mutex::new(false), Condvar::new()),

@@ -424,11 +424,28 @@ impl Inner {
                 txn.open_table(meta::LAYERS)?.remove(lower)?;
                 txn.open_table(meta::VOLUMES)?
                     .insert(v.name.as_str(), record.encode().as_slice())?;
+                // Drop the overridden entries' references in the same transaction, so a crash
+                // never leaves a count too high; a chunk at zero becomes an orphan, which the
+                // next commit frees (or keeps, if a newer write references it again).
+                let mut chunks = txn.open_table(meta::CHUNKS)?;
+                let mut orphans = txn.open_table(meta::ORPHANS)?;
+                for id in released {
+                    let mut rec = crate::commit::load_chunk(&chunks, id)?;
+                    rec.refs = rec.refs.checked_sub(1).ok_or_else(|| {
+                        Error::Corrupt(format!(
+                            "chunk {id:#x}: refcount below zero while flattening"
+                        ))
+                    })?;
+                    chunks.insert(id, rec.encode().as_slice())?;
+                    if rec.refs == 0 {
+                        orphans.insert(id, ())?;
+                    }
+                }
             }
             txn.commit()?;
             let _ = cs;
             map.stack = stack;
-            inner.release_refs(&released);
+            inner.orphans_pending.store(true, Ordering::Release);
             Ok(true)
         })
     }

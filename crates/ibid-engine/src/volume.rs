@@ -940,11 +940,6 @@ impl Inner {
     }
 
     /// Drops one reference to each chunk (applied at the next commit).
-    pub(crate) fn release_refs(&self, ids: &[u64]) {
-        self.release(ids)
-    }
-
-    /// Drops one reference to each chunk (applied at the next commit).
     fn release(&self, ids: &[u64]) {
         for &id in ids {
             *self.shards[shard_of_chunk(id)]
