@@ -3,6 +3,10 @@
 //! consistency check, and every sector reads back either its last flushed content or the
 //! content of a write issued after that flush — never anything else, never another sector's.
 //!
+//! Snapshots and clones are taken and deleted along the way: each one that exists after a kill
+//! must hold exactly its source's content at the moment it was taken (taking one commits), and
+//! the cleaner flattens layers once their sharers are gone.
+//!
 //! Every sector written carries its own identity (volume, sector number, version) and a fill
 //! derived from it, so a sector showing another sector's or volume's data is caught.
 
@@ -87,6 +91,7 @@ fn crash_child() {
     let mut out = std::io::stdout().lock();
     // The test harness has printed "test crash_child ... " without a newline.
     writeln!(out).expect("stdout");
+    let mut made: Vec<(usize, u64)> = Vec::new();
     loop {
         version += 1;
         let vol = rng.random_range(0..VOLUMES.len());
@@ -94,15 +99,43 @@ fn crash_child() {
             .get(rng.random_range(0..6))
             .expect("len");
         let start = rng.random_range(0..VOLUME_SECTORS - sectors);
-        match rng.random_range(0..10) {
-            0 => {
+        match rng.random_range(0..40) {
+            36 | 37 => {
+                // Snapshot or clone of a live volume; printed once it exists (and is durable).
+                let n = version & 0xffff_ffff;
+                if rng.random_range(0..2) == 0 {
+                    pool.create_snapshot(VOLUMES[vol], &format!("s{seed}-{n}"))
+                        .expect("snapshot");
+                    writeln!(out, "S {vol} s{seed}-{n}").expect("stdout");
+                } else {
+                    pool.clone_volume(VOLUMES[vol], &format!("c{seed}-{n}"))
+                        .expect("clone");
+                    writeln!(out, "C {vol} c{seed}-{n}").expect("stdout");
+                }
+                out.flush().expect("stdout");
+                made.push((vol, n));
+            }
+            38 if !made.is_empty() => {
+                // Delete one made in this round (it may survive the kill, or not).
+                let (v, n) = made.swap_remove(rng.random_range(0..made.len()));
+                writeln!(out, "X {v} {n}").expect("stdout");
+                out.flush().expect("stdout");
+                if pool
+                    .delete_snapshot(VOLUMES[v], &format!("s{seed}-{n}"))
+                    .is_err()
+                {
+                    pool.delete_volume(&format!("c{seed}-{n}"))
+                        .expect("delete clone");
+                }
+            }
+            0..=3 => {
                 writeln!(out, "Z {vol} {start} {sectors}").expect("stdout");
                 out.flush().expect("stdout");
                 vols[vol]
                     .write_zeroes(start * 512, sectors * 512, false)
                     .expect("zero");
             }
-            1 => {
+            4..=7 => {
                 vols[vol].flush().expect("flush");
                 writeln!(out, "F").expect("stdout");
                 out.flush().expect("stdout");
@@ -144,6 +177,9 @@ fn crash_recovers_every_flushed_sector() {
     let exe = std::env::current_exe().expect("test binary");
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x1b1d);
     let mut gc_rounds = 0;
+    // Snapshots and clones that must exist: name → (source volume, is snapshot, versions).
+    let mut copies: HashMap<String, (usize, bool, Vec<u64>)> = HashMap::new();
+    let mut copies_checked = 0usize;
     let (mut ops_total, mut flushes_total) = (0usize, 0usize);
     for round in 0..ROUNDS {
         let seed = round as u64 + 1;
@@ -168,16 +204,36 @@ fn crash_recovers_every_flushed_sector() {
         let lines: Vec<String> = BufReader::new(child.stdout.take().expect("stdout"))
             .lines()
             .map_while(Result::ok)
-            .filter(|l| l.starts_with(['W', 'Z', 'F']))
+            .filter(|l| l.starts_with(['W', 'Z', 'F', 'S', 'C', 'X']))
             .collect();
-        ops_total += lines.iter().filter(|l| *l != "F").count();
+        ops_total += lines.iter().filter(|l| l.starts_with(['W', 'Z'])).count();
         flushes_total += lines.iter().filter(|l| *l == "F").count();
         // Apply everything up to the last flush to the durable state; remember what follows.
-        let last_flush = lines.iter().rposition(|l| l == "F");
+        let last_flush = lines
+            .iter()
+            .rposition(|l| l == "F" || l.starts_with(['S', 'C']));
         let mut maybe: HashMap<(usize, u64), Vec<u64>> = HashMap::new();
         for (i, line) in lines.iter().enumerate() {
             let f: Vec<&str> = line.split(' ').collect();
             if f[0] == "F" {
+                continue;
+            }
+            if f[0] == "S" || f[0] == "C" {
+                // Everything before is durable: the copy holds exactly that.
+                let vol: usize = f[1].parse().expect("vol");
+                let content: Vec<u64> = (0..VOLUME_SECTORS)
+                    .map(|s| durable.get(&(vol, s)).copied().unwrap_or(0))
+                    .collect();
+                copies.insert(f[2].to_string(), (vol, f[0] == "S", content));
+                continue;
+            }
+            if f[0] == "X" {
+                let (vol, n) = (f[1], f[2]);
+                copies.retain(|name, (v, _, _)| {
+                    !(name.ends_with(&format!("-{n}"))
+                        && v.to_string() == vol
+                        && name[1..].starts_with(&format!("{seed}-")))
+                });
                 continue;
             }
             let vol: usize = f[1].parse().expect("vol");
@@ -217,8 +273,31 @@ fn crash_recovers_every_flushed_sector() {
                 durable.insert((vi, s), got);
             }
         }
+        for (name, (vi, is_snapshot, want)) in &copies {
+            let handle = if *is_snapshot {
+                pool.snapshot(VOLUMES[*vi], name)
+                    .unwrap_or_else(|e| panic!("round {round}: snapshot {name}: {e}"))
+            } else {
+                pool.volume(name)
+                    .unwrap_or_else(|e| panic!("round {round}: clone {name}: {e}"))
+            };
+            let mut buf = vec![0u8; (VOLUME_SECTORS as usize) * SECTOR];
+            handle.read(0, &mut buf).expect("read copy");
+            for s in 0..VOLUME_SECTORS {
+                let got =
+                    decode_sector(*vi, s, &buf[s as usize * SECTOR..(s as usize + 1) * SECTOR])
+                        .unwrap_or_else(|e| panic!("round {round}: {name}: {e}"));
+                assert_eq!(got, want[s as usize], "round {round}: {name} sector {s}");
+            }
+            copies_checked += 1;
+        }
         pool.close().expect("close");
     }
+    eprintln!("crash test: {copies_checked} snapshot/clone checks");
+    assert!(
+        copies_checked >= ROUNDS,
+        "too few snapshots and clones checked: {copies_checked}"
+    );
     assert!(gc_rounds >= 10, "rounds with the cleaner running flat out");
     // The test only means something if the children got real work done before each kill.
     assert!(
