@@ -1,5 +1,6 @@
 //! The `ibid` command: runs the storage server and (later) manages it.
 
+mod api;
 mod iscsi_luns;
 mod nbd_exports;
 mod serve;
@@ -33,6 +34,9 @@ enum Command {
         /// iSCSI listen address; `off` disables the target.
         #[arg(long, default_value = "127.0.0.1:3260", value_parser = parse_optional_addr)]
         iscsi: OptionalAddr,
+        /// HTTP API listen address (loopback only for now); `off` disables the API.
+        #[arg(long, default_value = "127.0.0.1:7800", value_parser = parse_optional_addr)]
+        http: OptionalAddr,
         /// iSCSI target name (IQN).
         #[arg(long, default_value = "iqn.2026-11.org.ibid:pool")]
         iqn: String,
@@ -89,6 +93,7 @@ fn main() -> anyhow::Result<()> {
             nbd,
             iscsi,
             iqn,
+            http,
             volumes,
             no_default_volume,
             nbd_tls_cert,
@@ -110,6 +115,7 @@ fn main() -> anyhow::Result<()> {
                 nbd,
                 iscsi: iscsi.0,
                 iqn,
+                http: http.0,
                 volumes,
                 default_volume: !no_default_volume,
                 nbd_tls,

@@ -21,6 +21,8 @@ pub struct ServeOptions {
     pub iscsi: Option<SocketAddr>,
     /// iSCSI target name.
     pub iqn: String,
+    /// HTTP API listen address (`None`: no API).
+    pub http: Option<SocketAddr>,
     /// Volumes to create if missing: (name, size).
     pub volumes: Vec<(String, u64)>,
     /// Create `disk0` (16 GiB, thin) in a new, empty pool.
@@ -78,7 +80,23 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
         .as_ref()
         .map(|l| l.local_addr())
         .transpose()?;
-    print_banner(&pool, opts, nbd_addr, iscsi_addr);
+    let http_listener = match opts.http {
+        Some(addr) => {
+            if !addr.ip().is_loopback() {
+                anyhow::bail!(
+                    "the API has no authentication yet: listen on a loopback address, not {addr}"
+                );
+            }
+            Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("listen for HTTP on {addr}"))?,
+            )
+        }
+        None => None,
+    };
+    let http_addr = http_listener.as_ref().map(|l| l.local_addr()).transpose()?;
+    print_banner(&pool, opts, nbd_addr, iscsi_addr, http_addr);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -109,8 +127,17 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
             .await
             .context("NBD server")
     };
-    // If either server fails, stop the other too: a half-serving array is worse than none.
-    tokio::try_join!(nbd, iscsi)?;
+    let http = async {
+        match http_listener {
+            Some(listener) => axum::serve(listener, crate::api::router(pool.clone()))
+                .with_graceful_shutdown(stopped(stop_rx.clone()))
+                .await
+                .context("HTTP API"),
+            None => Ok(()),
+        }
+    };
+    // If any server fails, stop the others too: a half-serving array is worse than none.
+    tokio::try_join!(nbd, iscsi, http)?;
     tracing::info!("shutting down");
     Ok(())
 }
@@ -130,7 +157,13 @@ async fn shutdown_signal() {
     }
 }
 
-fn print_banner(pool: &Pool, opts: &ServeOptions, nbd: SocketAddr, iscsi: Option<SocketAddr>) {
+fn print_banner(
+    pool: &Pool,
+    opts: &ServeOptions,
+    nbd: SocketAddr,
+    iscsi: Option<SocketAddr>,
+    http: Option<SocketAddr>,
+) {
     let stats = pool.stats();
     println!(
         "ibid serving pool {} ({} capacity, {} used)",
@@ -139,6 +172,9 @@ fn print_banner(pool: &Pool, opts: &ServeOptions, nbd: SocketAddr, iscsi: Option
         format_size(stats.used_bytes)
     );
     println!("  NBD   nbd://{nbd}/VOLUME");
+    if let Some(http) = http {
+        println!("  API   http://{http}/api/v1/   e.g.  curl http://{http}/api/v1/pool");
+    }
     if let Some(iscsi) = iscsi {
         println!(
             "  iSCSI iscsi://{iscsi}/{}/LUN   (target {}; LUN = volume id - 1)",

@@ -20,6 +20,8 @@ pub struct Server {
     pub nbd: String,
     /// iSCSI portal, host:port, if the target runs.
     pub iscsi: Option<String>,
+    /// HTTP API address, host:port.
+    pub http: Option<String>,
 }
 
 impl Server {
@@ -35,7 +37,14 @@ impl Server {
             .arg("serve")
             .arg("--data")
             .arg(dir.path().join("pool"))
-            .args(["--nbd", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+            .args([
+                "--nbd",
+                "127.0.0.1:0",
+                "--iscsi",
+                "127.0.0.1:0",
+                "--http",
+                "127.0.0.1:0",
+            ])
             .args(args)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
@@ -45,6 +54,7 @@ impl Server {
         let stdout = child.stdout.take().expect("stdout");
         let mut nbd = None;
         let mut iscsi = None;
+        let mut http = None;
         for line in BufReader::new(stdout).lines() {
             let line = line.expect("read banner");
             if let Some(rest) = line.trim().strip_prefix("NBD   nbd://") {
@@ -52,6 +62,9 @@ impl Server {
             }
             if let Some(rest) = line.trim().strip_prefix("iSCSI iscsi://") {
                 iscsi = rest.split('/').next().map(str::to_string);
+            }
+            if let Some(rest) = line.trim().strip_prefix("API   http://") {
+                http = rest.split('/').next().map(str::to_string);
             }
             if line.starts_with("Ctrl-C") {
                 break;
@@ -63,6 +76,7 @@ impl Server {
             dir,
             nbd,
             iscsi,
+            http,
         }
     }
 
