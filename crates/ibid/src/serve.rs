@@ -187,9 +187,10 @@ fn print_banner(
     }
     for v in &volumes {
         println!(
-            "  volume {:<20} {:>10}   e.g.  nbdinfo nbd://{nbd}/{}",
+            "  volume {:<20} {:>10}  iSCSI LUN {:<4}  e.g.  nbdinfo nbd://{nbd}/{}",
             v.name,
             format_size(v.size_bytes),
+            v.id - 1,
             v.name
         );
     }
