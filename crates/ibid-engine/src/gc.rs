@@ -145,13 +145,14 @@ impl Inner {
                     continue;
                 };
                 let mut rec = ChunkRecord::decode(&v)?;
-                let u = usage.entry(placed.segment).or_insert_with(|| {
-                    segs.get(placed.segment)
-                        .ok()
-                        .flatten()
-                        .and_then(|v| SegmentUsage::decode(v.value()).ok())
-                        .unwrap_or_default()
-                });
+                if !usage.contains_key(&placed.segment) {
+                    let known = match segs.get(placed.segment)? {
+                        Some(v) => SegmentUsage::decode(v.value())?,
+                        None => SegmentUsage::default(),
+                    };
+                    usage.insert(placed.segment, known);
+                }
+                let u = usage.get_mut(&placed.segment).expect("inserted above");
                 u.total_bytes += rec.physical_bytes();
                 if rec.segment == seg && rec.offset == old_offset {
                     u.live_bytes += rec.physical_bytes();
