@@ -1,4 +1,5 @@
-//! `ibid-bench`: measures the engine through its public API against the goals of issue 2.
+//! `ibid-bench`: measures the engine through its public API against the goals of issue 2
+//! (`engine`) and issue 3 (`sharing`: snapshots, clones, range copy).
 //!
 //! `ibid-bench engine` prints one Markdown table: for each measurement the median of `--runs`
 //! runs and the spread (min–max), next to the goal. `--quick` shrinks every size so the whole
@@ -12,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+mod sharing;
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * 1024;
@@ -28,6 +31,8 @@ struct Cli {
 enum Cmd {
     /// Benchmarks the engine API (issue 2, "Measure it").
     Engine(EngineArgs),
+    /// Benchmarks snapshots, clones and range copy (issue 3, "Measure it").
+    Sharing(sharing::SharingArgs),
     /// Internal: writes to a pool until killed (the crash-recovery measurement).
     #[command(hide = true)]
     CrashChild {
@@ -113,6 +118,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Engine(a) => engine(&a),
+        Cmd::Sharing(a) => sharing::sharing(&a),
         Cmd::CrashChild { dir, seed } => crash_child(&dir, seed),
     }
 }
