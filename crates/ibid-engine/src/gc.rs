@@ -145,14 +145,15 @@ impl Inner {
                     continue;
                 };
                 let mut rec = ChunkRecord::decode(&v)?;
-                if !usage.contains_key(&placed.segment) {
-                    let known = match segs.get(placed.segment)? {
-                        Some(v) => SegmentUsage::decode(v.value())?,
-                        None => SegmentUsage::default(),
-                    };
-                    usage.insert(placed.segment, known);
-                }
-                let u = usage.get_mut(&placed.segment).expect("inserted above");
+                let u = match usage.entry(placed.segment) {
+                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::btree_map::Entry::Vacant(e) => {
+                        e.insert(match segs.get(placed.segment)? {
+                            Some(v) => SegmentUsage::decode(v.value())?,
+                            None => SegmentUsage::default(),
+                        })
+                    }
+                };
                 u.total_bytes += rec.physical_bytes();
                 if rec.segment == seg && rec.offset == old_offset {
                     u.live_bytes += rec.physical_bytes();
