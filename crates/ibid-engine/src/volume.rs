@@ -609,9 +609,16 @@ impl Inner {
     /// are kept (as [`format::ZERO_TOMBSTONE`]) so callers can tell "zero here" from "absent".
     fn stored_stack(&self, stack: &[u64], b0: u64, b1: u64) -> Result<BTreeMap<u64, u64>> {
         let mut out = BTreeMap::new();
+        if stack.is_empty() {
+            return Ok(out);
+        }
+        // One read transaction for the whole walk; stop once every block has an entry.
+        let txn = self.db.begin_read()?;
+        let map = txn.open_table(meta::MAP)?;
         for &layer in stack.iter().rev() {
-            for (b, id) in self.stored_range(layer, b0, b1)? {
-                out.entry(b).or_insert(id);
+            scan_layer(&map, layer, b0, b1, &mut out)?;
+            if out.len() as u64 == b1 - b0 {
+                break;
             }
         }
         Ok(out)
@@ -622,16 +629,7 @@ impl Inner {
         let txn = self.db.begin_read()?;
         let map = txn.open_table(meta::MAP)?;
         let mut out = BTreeMap::new();
-        if b1 == b0 + 1 {
-            if let Some(v) = map.get(format::map_key(layer, b0))? {
-                out.insert(b0, v.value());
-            }
-            return Ok(out);
-        }
-        for item in map.range(format::map_key(layer, b0)..format::map_key(layer, b1))? {
-            let (k, v) = item?;
-            out.insert(format::decode_map_key(&k.value()).1, v.value());
-        }
+        scan_layer(&map, layer, b0, b1, &mut out)?;
         Ok(out)
     }
 
@@ -1028,6 +1026,29 @@ type LockedMap<'a> = (
     BTreeMap<u64, u64>,
     BTreeMap<u64, u64>,
 );
+
+/// Adds `layer`'s committed entries in `[b0, b1)` to `out`, keeping entries already there
+/// (those of higher layers).
+fn scan_layer(
+    map: &redb::ReadOnlyTable<[u8; 16], u64>,
+    layer: u64,
+    b0: u64,
+    b1: u64,
+    out: &mut BTreeMap<u64, u64>,
+) -> Result<()> {
+    if b1 == b0 + 1 {
+        if let Some(v) = map.get(format::map_key(layer, b0))? {
+            out.entry(b0).or_insert(v.value());
+        }
+        return Ok(());
+    }
+    for item in map.range(format::map_key(layer, b0)..format::map_key(layer, b1))? {
+        let (k, v) = item?;
+        out.entry(format::decode_map_key(&k.value()).1)
+            .or_insert(v.value());
+    }
+    Ok(())
+}
 
 /// A committed map value as an entry.
 fn entry_of(id: u64) -> Entry {
