@@ -223,6 +223,16 @@ async fn list_volumes(State(pool): State<Pool>) -> Json<Vec<VolumeView>> {
     )
 }
 
+/// The `201 Created` answer describing a volume just made.
+fn created(pool: &Pool, name: &str) -> ApiResult<(StatusCode, Json<VolumeView>)> {
+    let info = pool
+        .list_volumes()
+        .into_iter()
+        .find(|v| v.name == name)
+        .ok_or_else(|| Error::NotFound(name.to_string()))?;
+    Ok((StatusCode::CREATED, Json(VolumeView::from(info))))
+}
+
 async fn create_volume(
     State(pool): State<Pool>,
     req: Body<CreateVolume>,
@@ -231,12 +241,7 @@ async fn create_volume(
     let size = req.size.bytes()?;
     blocking(move || {
         pool.create_volume(&req.name, size)?;
-        let info = pool
-            .list_volumes()
-            .into_iter()
-            .find(|v| v.name == req.name)
-            .ok_or_else(|| Error::NotFound(req.name.clone()))?;
-        Ok((StatusCode::CREATED, Json(VolumeView::from(info))))
+        created(&pool, &req.name)
     })
     .await
 }
@@ -305,12 +310,7 @@ async fn clone_volume(
         } else {
             pool.clone_volume(&source, &req.name)?;
         }
-        let info = pool
-            .list_volumes()
-            .into_iter()
-            .find(|v| v.name == req.name)
-            .ok_or_else(|| Error::NotFound(req.name.clone()))?;
-        Ok((StatusCode::CREATED, Json(VolumeView::from(info))))
+        created(&pool, &req.name)
     })
     .await
 }
