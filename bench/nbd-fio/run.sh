@@ -4,12 +4,15 @@
 #
 # usage: bench/nbd-fio/run.sh [--quick] [--reps N] [--out DIR] [--scratch DIR]
 #                             [--systems "ibid qemu-raw qemu-qcow2 nbdkit-file"]
-#                             [--ibid PATH] [--port-base N] [--perf]
+#                             [--ibid PATH] [--port-base N] [--perf] [--jobs "JOB ..."]
 #
 #   --quick     smoke test: 256 MiB sequential jobs, 3 s random jobs, 2 s QD1 jobs, 1 repetition
 #   --reps N    repetitions (default 3); every repetition starts every system on fresh storage
 #   --out DIR   results directory (default bench/nbd-fio/results/<UTC timestamp>)
 #   --scratch   where the pool / image files go (default: a fresh dir under /var/tmp)
+#   --jobs      run only these jobs (default: all, in order: seq-unique seq-reducible randwrite
+#               randread qd1-write-flush qd1-write-fua write-zeroes; later jobs use the data the
+#               sequential jobs wrote)
 #   --perf      also run `perf record` on the ibid process during each ibid job (costs CPU:
 #               do not use for the measured runs on a small box)
 #
@@ -21,6 +24,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 
+ARGS="$*"
 QUICK=0
 REPS=3
 OUT=""
@@ -29,6 +33,7 @@ SYSTEMS="ibid qemu-raw qemu-qcow2 nbdkit-file"
 IBID="$REPO/target/release/ibid"
 PORT_BASE=10850
 PERF=0
+JOBS="seq-unique seq-reducible randwrite randread qd1-write-flush qd1-write-fua write-zeroes"
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -40,7 +45,8 @@ while [ $# -gt 0 ]; do
         --ibid) IBID=$2; shift ;;
         --port-base) PORT_BASE=$2; shift ;;
         --perf) PERF=1 ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        --jobs) JOBS=$2; shift ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
     shift
@@ -218,13 +224,12 @@ run_job() {
     echo "  $tag: done ($(echo "$t1 - $t0" | bc | cut -c1-6) s, load $load)"
 }
 
-JOBS="seq-unique seq-reducible randwrite randread qd1-write-flush qd1-write-fua write-zeroes"
 
 # ---------------------------------------------------------------- environment record
 {
     echo "date_utc: $(date -u +%FT%TZ)"
-    echo "command: $0 $*"
-    echo "quick: $QUICK reps: $REPS systems: $SYSTEMS"
+    echo "command: $0 $ARGS"
+    echo "quick: $QUICK reps: $REPS systems: $SYSTEMS jobs: $JOBS"
     echo "seq_size: $SEQ_SIZE rand_region: $RAND_REGION rand_runtime: $RAND_RUNTIME ramp: $RAMP qd1_runtime: $QD1_RUNTIME zero: $ZERO_SIZE in $ZERO_CHUNK requests"
     echo "uptime: $(uptime)"
     echo "nproc: $(nproc)"

@@ -44,8 +44,10 @@ def load(sys_, rep, job):
     o = os.path.join(OUT, "ops", tag + ".json")
     if os.path.exists(f):
         txt = open(f).read()
-        txt = txt[txt.index("{"):]  # fio may print notes before the JSON
-        j = json.loads(txt)["jobs"][0]
+        try:
+            j = json.loads(txt[txt.index("{"):])["jobs"][0]  # fio may print notes first
+        except ValueError:
+            return None  # unfinished or failed run
         if j.get("error"):
             return None
         d = j["read"] if job == "randread" else j["write"]
@@ -155,7 +157,7 @@ for job, desc, prim in JOBS:
 
 sp = os.path.join(OUT, "space_after_seq_kib.tsv")
 if os.path.exists(sp):
-    print("\nSpace used on the backing filesystem after the two sequential jobs (median KiB):\n")
+    print("\nSpace used on the backing filesystem after the two sequential jobs (median):\n")
     rows = {}
     for line in open(sp):
         s, r, k = line.split()
