@@ -1,0 +1,3 @@
+# started on Sun Nov 22 05:02:58 2026
+
+478747,,context-switches,21447772257,100.00,,
