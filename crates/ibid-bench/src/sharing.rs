@@ -182,20 +182,7 @@ fn timed_meta(
     let ms = ms_since(t0);
     let (p1, s1) = space(pool)?;
     t.add(&format!("{what}: time"), "ms", 2, Goal::Max(10.0), ms);
-    t.add(
-        &format!("{what}: physical bytes added"),
-        "B",
-        0,
-        Goal::Zero,
-        delta(p1, p0),
-    );
-    t.add(
-        &format!("{what}: segment-file bytes added"),
-        "B",
-        0,
-        Goal::Zero,
-        delta(s1, s0),
-    );
+    add_space_rows(t, what, (p0, s0), (p1, s1));
     Ok(())
 }
 
@@ -424,20 +411,7 @@ fn copy_rows(
         Goal::None,
         p0 as f64 / MIB as f64,
     );
-    t.add(
-        &format!("{what}: physical bytes added"),
-        "B",
-        0,
-        Goal::Zero,
-        delta(p1, p0),
-    );
-    t.add(
-        &format!("{what}: segment-file bytes added"),
-        "B",
-        0,
-        Goal::Zero,
-        delta(s1, s0),
-    );
+    add_space_rows(t, what, (p0, s0), (p1, s1));
     Ok(())
 }
 
@@ -617,4 +591,22 @@ fn first_write(
         );
     }
     Ok(())
+}
+
+/// The two "nothing added" rows: physical bytes and segment-file bytes, before → after.
+fn add_space_rows(t: &mut Table, what: &str, (p0, s0): (u64, u64), (p1, s1): (u64, u64)) {
+    t.add(
+        &format!("{what}: physical bytes added"),
+        "B",
+        0,
+        Goal::Zero,
+        delta(p1, p0),
+    );
+    t.add(
+        &format!("{what}: segment-file bytes added"),
+        "B",
+        0,
+        Goal::Zero,
+        delta(s1, s0),
+    );
 }
