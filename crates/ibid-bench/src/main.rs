@@ -1,5 +1,6 @@
 //! `ibid-bench`: measures the engine through its public API against the goals of issue 2
-//! (`engine`) and issue 3 (`sharing`: snapshots, clones, range copy).
+//! (`engine`), issue 3 (`sharing`: snapshots, clones, range copy) and issue 5 (`formats`:
+//! creating and converting thin and thick volumes).
 //!
 //! `ibid-bench engine` prints one Markdown table: for each measurement the median of `--runs`
 //! runs and the spread (min–max), next to the goal. `--quick` shrinks every size so the whole
@@ -14,6 +15,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+mod formats;
 mod sharing;
 
 const KIB: u64 = 1024;
@@ -33,6 +35,8 @@ enum Cmd {
     Engine(EngineArgs),
     /// Benchmarks snapshots, clones and range copy (issue 3, "Measure it").
     Sharing(sharing::SharingArgs),
+    /// Benchmarks volume creation and format conversion (issue 5, "Measure it").
+    Formats(formats::FormatsArgs),
     /// Internal: writes to a pool until killed (the crash-recovery measurement).
     #[command(hide = true)]
     CrashChild {
@@ -119,6 +123,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Engine(a) => engine(&a),
         Cmd::Sharing(a) => sharing::sharing(&a),
+        Cmd::Formats(a) => formats::formats(&a),
         Cmd::CrashChild { dir, seed } => crash_child(&dir, seed),
     }
 }

@@ -829,7 +829,6 @@ impl Inner {
             mapped += m.mapped_blocks;
         }
         let reserved = self.reserved_bytes();
-        let meta_reserve = self.metadata_reserve();
         let segment_file_bytes: u64 = self
             .segments
             .ids()
@@ -842,11 +841,7 @@ impl Inner {
         PoolStats {
             capacity_bytes: capacity,
             soft_threshold_pct: soft_pct as u8,
-            soft_threshold_exceeded: past_threshold(
-                used + reserved + meta_reserve,
-                capacity,
-                soft_pct,
-            ),
+            soft_threshold_exceeded: past_threshold(used + reserved, capacity, soft_pct),
             volumes: volumes.len() as u64,
             provisioned_bytes: provisioned,
             thick_provisioned_bytes: thick,
@@ -857,8 +852,7 @@ impl Inner {
             metadata_bytes: meta_bytes,
             used_bytes: used,
             reserved_bytes: reserved,
-            metadata_reserve_bytes: meta_reserve,
-            free_bytes: capacity.saturating_sub(used + reserved + meta_reserve),
+            free_bytes: capacity.saturating_sub(used + reserved),
             segment_file_bytes,
             garbage_bytes: segment_file_bytes.saturating_sub(physical),
             data_reduction_ratio: if physical == 0 {
@@ -879,29 +873,13 @@ impl Inner {
         used.max(0) as u64
     }
 
-    /// Fails with `NoSpace` if `bytes` more would not fit: a thin volume may not use what thick
-    /// volumes keep reserved; a thick volume draws on the reservations.
-    pub(crate) fn reserve_space(&self, bytes: u64, thick: bool) -> Result<()> {
-        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
-        let reserved = if thick {
-            0
-        } else {
-            self.reserved_bytes() + self.metadata_reserve()
-        };
-        if self.used_now() + reserved + bytes > capacity {
-            return Err(Error::NoSpace);
-        }
-        Ok(())
-    }
-
     /// Logs the soft threshold crossing once, and its clearing; cheap (atomics only), run
     /// after every commit.
     pub(crate) fn check_soft_threshold(&self) {
         let capacity = self.capacity_bytes.load(Ordering::Relaxed);
         let used = self.live_bytes.load(Ordering::Relaxed)
             + self.meta_bytes.load(Ordering::Relaxed)
-            + self.reserved_bytes()
-            + self.metadata_reserve();
+            + self.reserved_bytes();
         let pct = self.soft_threshold_pct.load(Ordering::Relaxed);
         if past_threshold(used, capacity, pct) {
             if !self.soft_warned.swap(true, Ordering::Relaxed) {

@@ -13,11 +13,11 @@
 //!   volumes did to the pool. The pool counts reservations with one atomic,
 //!   `Inner::thick_unwritten_blocks`, changed under the volume's map lock together with its
 //!   mapped count.
-//! - **Metadata growth.** The metadata store's file grows in steps (it doubles while small, then
-//!   grows by regions of up to 4 GiB), after the writes that caused it. While any thick volume
-//!   holds a reservation, thin writes also leave a metadata reserve free: the size of the next
-//!   step (the current metadata size, at most [`METADATA_RESERVE_MAX`]), so a step taken after
-//!   thin writes cannot eat into the thick volumes' reservations.
+//! - **Admission.** A write to a thick volume that still has blocks without data is always
+//!   admitted: the space was promised when the reservation was taken. The metadata store's file
+//!   grows in steps (doubling while small, then by regions of up to 4 GiB) after the writes
+//!   that caused it, so a step taken after thin writes filled the pool may push `used` past
+//!   the nominal capacity by part of a step; the reservation still holds.
 //! - **Limits of the promise**, as in any array that shares data: the reservation covers one
 //!   copy of every block. Overwriting a block whose old data something else still references
 //!   (a snapshot, a clone, a duplicate elsewhere) needs new space the reservation did not set
@@ -35,10 +35,6 @@ use std::sync::atomic::Ordering;
 
 /// Metadata a stored block may add (map entry, chunk record, fingerprint index, B-tree slack).
 const METADATA_BYTES_PER_BLOCK: u64 = 256;
-
-/// Largest metadata reserve kept for thick volumes (a region step of the metadata store,
-/// twice over).
-pub const METADATA_RESERVE_MAX: u64 = 8 << 30;
 
 /// Pool space a thick volume reserves for each block that holds no data: an incompressible
 /// 4 KiB block's record in a segment file, plus its metadata.
@@ -64,20 +60,23 @@ impl Inner {
         blocks * RESERVED_BYTES_PER_BLOCK
     }
 
-    /// Space thin writes leave free for the metadata store's next growth step while thick
-    /// volumes hold reservations (0 otherwise).
-    pub(crate) fn metadata_reserve(&self) -> u64 {
-        if self.thick_unwritten_blocks.load(Ordering::Relaxed) > 0 {
-            self.next_metadata_step()
-        } else {
-            0
+    /// Fails with `NoSpace` if `bytes` more for volume `v` would not fit: a thin volume may not
+    /// use what thick volumes keep reserved; a thick volume may, and is always admitted while
+    /// it has blocks without data (its reservation covers them).
+    pub(crate) fn reserve_space(&self, bytes: u64, v: &VolumeState) -> Result<()> {
+        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
+        let thick = v.format().is_thick();
+        let reserved = if thick { 0 } else { self.reserved_bytes() };
+        if self.used_now() + reserved + bytes <= capacity {
+            return Ok(());
         }
-    }
-
-    fn next_metadata_step(&self) -> u64 {
-        self.meta_bytes
-            .load(Ordering::Relaxed)
-            .min(METADATA_RESERVE_MAX)
+        if thick {
+            let map = v.map.lock();
+            if unwritten_blocks(map.size, map.mapped_blocks) > 0 {
+                return Ok(());
+            }
+        }
+        Err(Error::NoSpace)
     }
 
     /// Records that `v`'s mapped count changed by `delta` (call with its map locked).
@@ -94,8 +93,7 @@ impl Inner {
     pub(crate) fn check_reservation(&self, blocks: u64) -> Result<()> {
         let needed = blocks.saturating_mul(RESERVED_BYTES_PER_BLOCK);
         let capacity = self.capacity_bytes.load(Ordering::Relaxed);
-        let taken = self.used_now() + self.reserved_bytes() + self.next_metadata_step();
-        let available = capacity.saturating_sub(taken);
+        let available = capacity.saturating_sub(self.used_now() + self.reserved_bytes());
         if needed > available {
             return Err(Error::CannotReserve { needed, available });
         }
@@ -154,8 +152,7 @@ impl Pool {
     pub fn set_capacity(&self, capacity_bytes: u64) -> Result<()> {
         self.inner.check_failed()?;
         let _reserving = self.inner.reserve_lock.lock();
-        let needed =
-            self.inner.used_now() + self.inner.reserved_bytes() + self.inner.metadata_reserve();
+        let needed = self.inner.used_now() + self.inner.reserved_bytes();
         if capacity_bytes < needed {
             return Err(Error::CannotReserve {
                 needed,

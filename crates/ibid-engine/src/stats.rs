@@ -3,7 +3,7 @@
 /// Where the pool's space went, exact as of the last commit.
 ///
 /// Sums that hold (checked by the tests): `used = physical + metadata`,
-/// `free = capacity - used - reserved - metadata_reserve` (floored at zero), `logical_written = Σ volumes' mapped blocks × 4 KiB`,
+/// `free = capacity - used - reserved` (floored at zero), `logical_written = Σ volumes' mapped blocks × 4 KiB`,
 /// `garbage = segment files - physical`, and `physical` is the sum of the live records' sizes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolStats {
@@ -11,7 +11,7 @@ pub struct PoolStats {
     pub capacity_bytes: u64,
     /// Soft threshold in percent of capacity.
     pub soft_threshold_pct: u8,
-    /// `used + reserved + metadata_reserve` has reached the soft threshold.
+    /// `used + reserved` has reached the soft threshold.
     pub soft_threshold_exceeded: bool,
     /// Number of volumes.
     pub volumes: u64,
@@ -33,10 +33,7 @@ pub struct PoolStats {
     pub used_bytes: u64,
     /// Space thick volumes keep reserved for their blocks that hold no data yet.
     pub reserved_bytes: u64,
-    /// Space kept free for the metadata store's next growth step while thick volumes hold
-    /// reservations (see `provision.rs`).
-    pub metadata_reserve_bytes: u64,
-    /// `capacity - used - reserved - metadata_reserve`: what thin volumes may still take.
+    /// `capacity - used - reserved`: what thin volumes may still take.
     pub free_bytes: u64,
     /// Bytes of all segment files.
     pub segment_file_bytes: u64,

@@ -304,29 +304,53 @@ impl Volume {
         Ok(out)
     }
 
-    /// Where this volume's space went: walks its committed map (commits first).
+    /// Where this volume's space went: walks its committed map (commits first). A block is
+    /// exclusive when nothing else can reach its data: its map layer belongs to this volume
+    /// alone (not shared with a clone or snapshot) and its chunk has no other reference (no
+    /// duplicate elsewhere, no hidden entry in a layer awaiting flattening).
     pub fn space(&self) -> Result<VolumeSpace> {
         self.inner.commit()?;
         let size = self.size();
-        let mut counts: HashMap<u64, u64> = HashMap::new();
-        for id in self
-            .inner
-            .lookup_range(&self.state, 0, size.div_ceil(BLOCK))?
-            .into_values()
-        {
-            *counts.entry(id).or_default() += 1;
-        }
+        let stack = {
+            let map = self.state.map.lock();
+            if map.deleted {
+                return Err(Error::NotFound(self.state.name.clone()));
+            }
+            map.stack.clone()
+        };
         let txn = self.inner.db.begin_read()?;
+        let map_t = txn.open_table(meta::MAP)?;
+        let layers_t = txn.open_table(meta::LAYERS)?;
+        // Visible block -> (chunk, whether its layer is shared), top layer first.
+        let mut visible: BTreeMap<u64, (u64, bool)> = BTreeMap::new();
+        for &layer in stack.iter().rev() {
+            let shared = layers_t.get(layer)?.map_or(0, |r| r.value()) > 1;
+            let mut entries = BTreeMap::new();
+            scan_layer(&map_t, layer, 0, size.div_ceil(BLOCK), &mut entries)?;
+            for (b, id) in entries {
+                visible.entry(b).or_insert((id, shared));
+            }
+        }
+        // Chunk -> (blocks of this volume showing it, whether any is in a shared layer).
+        let mut counts: HashMap<u64, (u64, bool)> = HashMap::new();
+        for (id, shared) in visible.into_values() {
+            if id == format::ZERO_TOMBSTONE {
+                continue;
+            }
+            let c = counts.entry(id).or_default();
+            c.0 += 1;
+            c.1 |= shared;
+        }
         let chunks = txn.open_table(meta::CHUNKS)?;
         let mut s = VolumeSpace {
             size_bytes: size,
             distinct_chunks: counts.len() as u64,
             ..Default::default()
         };
-        for (&id, &n) in &counts {
+        for (&id, &(n, in_shared_layer)) in &counts {
             let rec = crate::commit::load_chunk(&chunks, id)?;
             s.mapped_blocks += n;
-            if rec.refs == n {
+            if rec.refs == n && !in_shared_layer {
                 s.exclusive_blocks += n;
                 s.exclusive_physical_bytes += rec.physical_bytes();
             } else {
@@ -823,7 +847,7 @@ impl Inner {
             return Ok(Entry::Data(id));
         }
         let physical = (RECORD_HEADER_BYTES + payload.len()) as u64;
-        self.reserve_space(physical, v.format().is_thick())?;
+        self.reserve_space(physical, v)?;
         let id = (self.chunk_seq.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | shard as u64;
         let placed = self
             .segments

@@ -650,7 +650,7 @@ impl Harness {
         assert_eq!(s.used_bytes, s.physical_bytes + s.metadata_bytes);
         assert_eq!(
             s.free_bytes,
-            s.capacity_bytes - s.used_bytes - s.reserved_bytes - s.metadata_reserve_bytes
+            s.capacity_bytes - s.used_bytes - s.reserved_bytes
         );
         assert_eq!(
             s.provisioned_bytes,

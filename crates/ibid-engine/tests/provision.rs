@@ -73,7 +73,7 @@ fn every_format_creates_a_petabyte_volume_as_metadata() {
     assert_eq!(s.reserved_bytes, 2 * blocks * RESERVED_BYTES_PER_BLOCK);
     assert_eq!(
         s.free_bytes,
-        s.capacity_bytes - s.used_bytes - s.reserved_bytes - s.metadata_reserve_bytes
+        s.capacity_bytes - s.used_bytes - s.reserved_bytes
     );
     // A write consumes the block's reservation; zeroing it gives the reservation back.
     let v = pool.volume("lazyzeroedthick").expect("open");
@@ -101,8 +101,7 @@ fn thick_creation_and_growth_beyond_the_pool_are_refused() {
     {
         Error::CannotReserve { needed, available } => {
             assert_eq!(needed, (64 << 20) / BLOCK * RESERVED_BYTES_PER_BLOCK);
-            // Free space, less a step of metadata growth kept for thick volumes.
-            assert_eq!(available, before.free_bytes - before.metadata_bytes);
+            assert_eq!(available, before.free_bytes);
         }
         e => panic!("expected CannotReserve, got {e:?}"),
     }
@@ -269,8 +268,7 @@ fn capacity_and_soft_threshold_are_adjustable_within_the_promises() {
     pool.create_volume_with_format("t", 16 << 20, VolumeFormat::EagerZeroedThick)
         .expect("thick");
     let s = pool.stats();
-    let floor = s.used_bytes + s.reserved_bytes + s.metadata_reserve_bytes;
-    assert_eq!(s.metadata_reserve_bytes, s.metadata_bytes);
+    let floor = s.used_bytes + s.reserved_bytes;
     let err = pool
         .set_capacity(floor - 1)
         .expect_err("below the reservations");

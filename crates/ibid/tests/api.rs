@@ -6,31 +6,8 @@ mod common;
 use common::{run, Server};
 use serde_json::Value;
 
-/// Sends a request; returns (HTTP status, parsed JSON body or Null).
 fn call(srv: &Server, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-    let url = format!("http://{}{path}", srv.http.as_deref().expect("API running"));
-    let mut args = vec![
-        "-s",
-        "-S",
-        "-X",
-        method,
-        "-w",
-        "\n%{http_code}",
-        "-H",
-        "content-type: application/json",
-    ];
-    if let Some(b) = body {
-        args.extend(["-d", b]);
-    }
-    args.push(&url);
-    let out = run("curl", &args);
-    let (json, status) = out.rsplit_once('\n').expect("status line");
-    let value = if json.trim().is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_str(json).expect("JSON body")
-    };
-    (status.trim().parse().expect("status"), value)
+    common::api_call(srv, method, path, body)
 }
 
 #[test]

@@ -136,6 +136,54 @@ extern "C" {
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
+/// Sends an API request with curl (and a bearer token, if given); returns (HTTP status, parsed
+/// JSON body or Null).
+pub fn api_call_as(
+    srv: &Server,
+    token: Option<&str>,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let url = format!("http://{}{path}", srv.http.as_deref().expect("API running"));
+    let auth = token.map(|t| format!("authorization: Bearer {t}"));
+    let mut args = vec![
+        "-s",
+        "-S",
+        "-X",
+        method,
+        "-w",
+        "\n%{http_code}",
+        "-H",
+        "content-type: application/json",
+    ];
+    if let Some(a) = &auth {
+        args.extend(["-H", a]);
+    }
+    if let Some(b) = body {
+        args.extend(["-d", b]);
+    }
+    args.push(&url);
+    let out = run("curl", &args);
+    let (json, status) = out.rsplit_once('\n').expect("status line");
+    let value = if json.trim().is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("JSON body ({e}): {json}"))
+    };
+    (status.trim().parse().expect("status"), value)
+}
+
+/// [`api_call_as`] without a token.
+pub fn api_call(
+    srv: &Server,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    api_call_as(srv, None, method, path, body)
+}
+
 /// Fails the test with a clear message if a required client is missing (the test script
 /// installs them; a missing one is a broken machine, not a reason to skip).
 pub fn require(tool: &str) {
