@@ -187,6 +187,7 @@ fn snapshot_json(s: &SnapshotInfo) -> Value {
 /// The API's routes over `pool`.
 pub fn router(pool: Pool) -> Router {
     Router::new()
+        .route("/metrics", get(crate::metrics::scrape))
         .route("/api/v1/pool", get(pool_stats))
         .route("/api/v1/volumes", get(list_volumes).post(create_volume))
         .route(
