@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{run, Server};
+use common::{output, run, Server};
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
@@ -339,9 +339,9 @@ fn iscsi_io_is_counted_under_its_protocol() {
     assert!(!page.any(REQUESTS, &[("protocol", "nbd")]));
 }
 
-/// Writes `len` bytes that neither deduplicate nor compress.
-fn random_file(path: &std::path::Path, len: usize) {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+/// Writes `len` bytes that neither deduplicate nor compress (nor match another seed's).
+fn random_file(path: &std::path::Path, len: usize, seed: u64) {
+    let mut x = seed | 1;
     let data: Vec<u8> = (0..len / 8)
         .flat_map(|_| {
             x ^= x << 13;
@@ -353,8 +353,9 @@ fn random_file(path: &std::path::Path, len: usize) {
     std::fs::write(path, data).expect("write random file");
 }
 
-/// A small pool filled past 80 % shows the soft threshold in the metrics and the API; deleting
-/// the volume clears it, and the deleted volume's series leave the page.
+/// A small pool filled past 80 % shows the soft threshold in the metrics and the API; a write
+/// that does not fit counts as one failed request; deleting the volume clears the threshold,
+/// and the deleted volume's series leave the page.
 #[test]
 fn soft_threshold_shows_and_clears() {
     let srv = Server::start(&[
@@ -372,7 +373,7 @@ fn soft_threshold_shows_and_clears() {
     let fill = ((free - 0.1 * capacity) as usize) & !0xfffff;
     let work = tempfile::tempdir().expect("tempdir");
     let image = work.path().join("random.raw");
-    random_file(&image, fill);
+    random_file(&image, fill, 0x9e37_79b9_7f4a_7c15);
     run(
         "qemu-img",
         &[
@@ -397,6 +398,29 @@ fn soft_threshold_shows_and_clears() {
         "every byte written counted once"
     );
     assert_eq!(api_pool(&srv)["soft_threshold_exceeded"], true);
+    // 8 MiB more unique data than is free: one NBD write that fails with ENOSPC.
+    let (requests, bytes, errors) = io(&page, "fill", "nbd", "write");
+    assert_eq!(errors, 0.0);
+    let extra = work.path().join("extra.raw");
+    random_file(&extra, 8 << 20, 0x2545_f491_4f6c_dd1d);
+    let out = output(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            &format!("write -s {} 32M 8M", extra.to_str().expect("utf8")),
+            &srv.url("fill"),
+        ],
+    );
+    let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("No space left"), "{said}");
+    let page = scrape(&srv);
+    assert_eq!(
+        io(&page, "fill", "nbd", "write"),
+        (requests + 1.0, bytes, 1.0),
+        "one more request, failed, no bytes"
+    );
     let url = format!(
         "http://{}/api/v1/volumes/fill",
         srv.http.as_deref().expect("API")
