@@ -5,7 +5,9 @@
 //! - **I/O**, recorded by the front ends' adapters (`nbd_exports.rs`, `iscsi_luns.rs`): per
 //!   volume and protocol, requests, bytes, errors and a latency histogram per kind of request.
 //!   Each (volume, protocol) has one [`VolumeIo`] of plain atomics; an adapter looks it up when
-//!   it opens the volume and keeps the `Arc`, so recording a request takes no lock.
+//!   it opens the volume and keeps the `Arc`, so recording a request takes no lock. (NBD opens
+//!   once per connection; the iSCSI target opens the LUN per command, so there the lookup, a
+//!   shared read lock, is per command, next to the engine's own volume lookup.)
 //! - **Space**, read from the engine at scrape time ([`Pool::stats`], [`Pool::list_volumes`]):
 //!   figures exact as of the last commit (at most about a second old). A scrape never forces a
 //!   commit.
@@ -173,10 +175,19 @@ impl Metrics {
     /// Forgets the counters of volumes that no longer exist and that no connection holds, so
     /// deleted volumes leave the page.
     fn prune(&self, existing: &HashSet<String>) {
+        let stale = |name: &String, io: &Arc<VolumeIo>| {
+            !existing.contains(name) && Arc::strong_count(io) == 1
+        };
         for map in &self.volumes {
+            // Look first under the read lock: the write lock would stall every iSCSI command.
+            let read = map.read().unwrap_or_else(|e| e.into_inner());
+            if !read.iter().any(|(name, io)| stale(name, io)) {
+                continue;
+            }
+            drop(read);
             let mut map = map.write().unwrap_or_else(|e| e.into_inner());
             // Under the write lock nobody can take a new reference: a count of 1 is final.
-            map.retain(|name, io| existing.contains(name) || Arc::strong_count(io) > 1);
+            map.retain(|name, io| !stale(name, io));
         }
     }
 
