@@ -316,6 +316,7 @@ async fn authorize(State(access): State<Access>, req: Request, next: Next) -> Re
 /// The API's routes over `pool`, guarded by `access`.
 pub fn router(pool: Pool, access: Access) -> Router {
     Router::new()
+        .route("/metrics", get(crate::metrics::scrape))
         .route("/api/v1/openapi.json", get(openapi))
         .route("/api/v1/pool", get(pool_stats).patch(update_pool))
         .route("/api/v1/volumes", get(list_volumes).post(create_volume))

@@ -1,6 +1,8 @@
 //! The iSCSI target's view of the pool: one LUN per volume. A volume's LUN number is its
 //! volume id minus one, so it never changes while the volume exists and is never reused.
+//! Every command that reaches a volume is counted in its [`VolumeIo`] (`protocol="iscsi"`).
 
+use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
 use ibid_iscsi::{Extent, Lun, LunError, LunInfo, Luns};
 use std::sync::Arc;
@@ -15,16 +17,18 @@ pub struct PoolLuns {
     pool: Pool,
     /// Mixed into every LUN's identity so two pools never report the same NAA designator.
     pool_identity: [u8; 32],
+    metrics: Arc<Metrics>,
 }
 
 impl PoolLuns {
-    /// Exports every volume of `pool`.
-    pub fn new(pool: Pool) -> Self {
+    /// Exports every volume of `pool`, counting I/O in `metrics`.
+    pub fn new(pool: Pool, metrics: Arc<Metrics>) -> Self {
         let dir = std::fs::canonicalize(pool.dir()).unwrap_or_else(|_| pool.dir().to_path_buf());
         let pool_identity = *blake3::hash(dir.as_os_str().as_encoded_bytes()).as_bytes();
         PoolLuns {
             pool,
             pool_identity,
+            metrics,
         }
     }
 
@@ -65,7 +69,10 @@ impl Luns for PoolLuns {
         h.update(&self.pool_identity);
         h.update(&volume.id().to_le_bytes());
         let id: [u8; 16] = h.finalize().as_bytes()[..16].try_into().expect("16 bytes");
-        Some(Arc::new(VolumeLun { volume, id }))
+        // The target opens the LUN for every command: this lookup is one shared lock, like
+        // the engine's volume lookup just above.
+        let io = self.metrics.volume(volume.name(), Protocol::Iscsi);
+        Some(Arc::new(VolumeLun { volume, id, io }))
     }
 
     fn copy_range(
@@ -78,7 +85,9 @@ impl Luns for PoolLuns {
     ) -> Result<(), LunError> {
         let src = self.volume_by_lun(src_lun).ok_or(LunError::NoSuchLun)?;
         let dst = self.volume_by_lun(dst_lun).ok_or(LunError::NoSuchLun)?;
-        dst.copy_from(&src, src_off, dst_off, len)
+        self.metrics
+            .volume(dst.name(), Protocol::Iscsi)
+            .record(Op::Copy, len, || dst.copy_from(&src, src_off, dst_off, len))
             .map(|_| ())
             .map_err(to_lun_error)
     }
@@ -96,6 +105,7 @@ impl Luns for PoolLuns {
 struct VolumeLun {
     volume: Volume,
     id: [u8; 16],
+    io: Arc<VolumeIo>,
 }
 
 impl Lun for VolumeLun {
@@ -112,21 +122,32 @@ impl Lun for VolumeLun {
     }
 
     fn read(&self, off: u64, buf: &mut [u8]) -> Result<(), LunError> {
-        self.volume.read(off, buf).map_err(to_lun_error)
+        let len = buf.len() as u64;
+        self.io
+            .record(Op::Read, len, || self.volume.read(off, buf))
+            .map_err(to_lun_error)
     }
 
     fn write(&self, off: u64, data: &[u8], fua: bool) -> Result<(), LunError> {
-        self.volume.write(off, data, fua).map_err(to_lun_error)
+        self.io
+            .record(Op::Write, data.len() as u64, || {
+                self.volume.write(off, data, fua)
+            })
+            .map_err(to_lun_error)
     }
 
     fn write_zeroes(&self, off: u64, len: u64) -> Result<(), LunError> {
-        self.volume
-            .write_zeroes(off, len, false)
+        self.io
+            .record(Op::WriteZeroes, len, || {
+                self.volume.write_zeroes(off, len, false)
+            })
             .map_err(to_lun_error)
     }
 
     fn flush(&self) -> Result<(), LunError> {
-        self.volume.flush().map_err(to_lun_error)
+        self.io
+            .record(Op::Flush, 0, || self.volume.flush())
+            .map_err(to_lun_error)
     }
 
     fn compare_and_write(
@@ -135,8 +156,10 @@ impl Lun for VolumeLun {
         expected: &[u8],
         new: &[u8],
     ) -> Result<Option<u64>, LunError> {
-        self.volume
-            .compare_and_write(off, expected, new, false)
+        self.io
+            .record(Op::CompareAndWrite, new.len() as u64, || {
+                self.volume.compare_and_write(off, expected, new, false)
+            })
             .map_err(to_lun_error)
     }
 

@@ -2,6 +2,7 @@
 
 mod api;
 mod iscsi_luns;
+mod metrics;
 mod nbd_exports;
 mod serve;
 mod units;

@@ -1,5 +1,7 @@
-//! The NBD server's view of the pool: every volume is an export named after it.
+//! The NBD server's view of the pool: every volume is an export named after it. Every request
+//! is counted in the volume's [`VolumeIo`] (`protocol="nbd"`).
 
+use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
 use ibid_nbd::{Export, ExportError, ExportInfo, Exports, Extent};
 use std::sync::Arc;
@@ -11,12 +13,13 @@ const BLOCK_STATUS_EXTENTS_MAX: usize = 64;
 /// All volumes of a pool, as NBD exports.
 pub struct PoolExports {
     pool: Pool,
+    metrics: Arc<Metrics>,
 }
 
 impl PoolExports {
-    /// Exports every volume of `pool`.
-    pub fn new(pool: Pool) -> Self {
-        PoolExports { pool }
+    /// Exports every volume of `pool`, counting I/O in `metrics`.
+    pub fn new(pool: Pool, metrics: Arc<Metrics>) -> Self {
+        PoolExports { pool, metrics }
     }
 }
 
@@ -49,6 +52,7 @@ impl Exports for PoolExports {
         };
         Some(Arc::new(VolumeExport {
             size: volume.size(),
+            io: self.metrics.volume(name, Protocol::Nbd),
             volume,
         }))
     }
@@ -58,6 +62,7 @@ impl Exports for PoolExports {
 struct VolumeExport {
     volume: Volume,
     size: u64,
+    io: Arc<VolumeIo>,
 }
 
 fn to_export_error(e: Error) -> ExportError {
@@ -86,29 +91,40 @@ impl Export for VolumeExport {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
-        self.volume.read(offset, buf).map_err(to_export_error)
+        let len = buf.len() as u64;
+        self.io
+            .record(Op::Read, len, || self.volume.read(offset, buf))
+            .map_err(to_export_error)
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
-        self.volume
-            .write(offset, data, fua)
+        self.io
+            .record(Op::Write, data.len() as u64, || {
+                self.volume.write(offset, data, fua)
+            })
             .map_err(to_export_error)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
-        self.volume
-            .write_zeroes(offset, len, fua)
+        self.io
+            .record(Op::WriteZeroes, len, || {
+                self.volume.write_zeroes(offset, len, fua)
+            })
             .map_err(to_export_error)
     }
 
     fn trim(&self, offset: u64, len: u64) -> Result<(), ExportError> {
-        self.volume
-            .write_zeroes(offset, len, false)
+        self.io
+            .record(Op::WriteZeroes, len, || {
+                self.volume.write_zeroes(offset, len, false)
+            })
             .map_err(to_export_error)
     }
 
     fn flush(&self) -> Result<(), ExportError> {
-        self.volume.flush().map_err(to_export_error)
+        self.io
+            .record(Op::Flush, 0, || self.volume.flush())
+            .map_err(to_export_error)
     }
 
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, ExportError> {

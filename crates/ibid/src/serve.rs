@@ -1,6 +1,7 @@
 //! `ibid serve`: open (or create) a pool and serve its volumes until SIGINT or SIGTERM.
 
 use crate::iscsi_luns::PoolLuns;
+use crate::metrics::Metrics;
 use crate::nbd_exports::PoolExports;
 use crate::units::format_size;
 use anyhow::Context;
@@ -100,6 +101,7 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
     };
     let http_addr = http_listener.as_ref().map(|l| l.local_addr()).transpose()?;
     print_banner(&pool, opts, nbd_addr, iscsi_addr, http_addr);
+    let metrics = Arc::new(Metrics::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -111,7 +113,7 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
     let iscsi = async {
         match iscsi_listener {
             Some(listener) => {
-                let luns = Arc::new(PoolLuns::new(pool.clone()));
+                let luns = Arc::new(PoolLuns::new(pool.clone(), metrics.clone()));
                 let config = ibid_iscsi::TargetConfig::new(opts.iqn.clone());
                 ibid_iscsi::serve_until(listener, luns, config, stopped(stop_rx.clone()))
                     .await
@@ -120,7 +122,7 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
             None => Ok(()),
         }
     };
-    let exports = Arc::new(PoolExports::new(pool.clone()));
+    let exports = Arc::new(PoolExports::new(pool.clone(), metrics.clone()));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
         ..ibid_nbd::ServerConfig::default()
@@ -136,10 +138,14 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
     };
     let http = async {
         match http_listener {
-            Some(listener) => axum::serve(listener, crate::api::router(pool.clone(), access))
-                .with_graceful_shutdown(stopped(stop_rx.clone()))
-                .await
-                .context("HTTP API"),
+            Some(listener) => {
+                let app = crate::api::router(pool.clone(), access)
+                    .layer(axum::Extension(metrics.clone()));
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(stopped(stop_rx.clone()))
+                    .await
+                    .context("HTTP API")
+            }
             None => Ok(()),
         }
     };
@@ -181,6 +187,7 @@ fn print_banner(
     println!("  NBD   nbd://{nbd}/VOLUME");
     if let Some(http) = http {
         println!("  API   http://{http}/api/v1/   e.g.  curl http://{http}/api/v1/pool");
+        println!("  metrics http://{http}/metrics   (Prometheus)");
     }
     if let Some(iscsi) = iscsi {
         println!(

@@ -1,0 +1,548 @@
+//! Prometheus metrics (issue 5), served as `GET /metrics` on the API's HTTP server in the
+//! text exposition format 0.0.4. Names, labels and meanings: `docs/METRICS.md`.
+//!
+//! Two sources:
+//! - **I/O**, recorded by the front ends' adapters (`nbd_exports.rs`, `iscsi_luns.rs`): per
+//!   volume and protocol, requests, bytes, errors and a latency histogram per kind of request.
+//!   Each (volume, protocol) has one [`VolumeIo`] of plain atomics; an adapter looks it up when
+//!   it opens the volume and keeps the `Arc`, so recording a request takes no lock. (NBD opens
+//!   once per connection; the iSCSI target opens the LUN per command, so there the lookup, a
+//!   shared read lock, is per command, next to the engine's own volume lookup.)
+//! - **Space**, read from the engine at scrape time ([`Pool::stats`], [`Pool::list_volumes`]):
+//!   figures exact as of the last commit (at most about a second old). A scrape never forces a
+//!   commit.
+//!
+//! Written by hand rather than with `prometheus-client`: the format is a few lines of text per
+//! sample, the space figures are computed at scrape time (a custom collector either way), and
+//! that crate's `Histogram::observe` takes a mutex per observation, which the I/O path must
+//! not. The page is checked by a parser in `tests/metrics.rs`.
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use ibid_engine::Pool;
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::{Display, Write};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+/// Upper bounds of the latency histogram buckets, in seconds (`+Inf` follows).
+const LATENCY_BUCKETS_S: [f64; 17] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+];
+const BUCKET_COUNT: usize = LATENCY_BUCKETS_S.len() + 1;
+
+/// Content type of the text exposition format.
+const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The front end a request came through (label `protocol`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// `ibid-nbd`.
+    Nbd,
+    /// `ibid-iscsi`.
+    Iscsi,
+}
+
+impl Protocol {
+    const ALL: [Protocol; 2] = [Protocol::Nbd, Protocol::Iscsi];
+
+    fn label(self) -> &'static str {
+        match self {
+            Protocol::Nbd => "nbd",
+            Protocol::Iscsi => "iscsi",
+        }
+    }
+}
+
+/// A kind of request (label `op`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Read.
+    Read,
+    /// Write (with or without FUA).
+    Write,
+    /// Write zeroes, trim/discard, WRITE SAME, UNMAP: the engine does the same for all.
+    WriteZeroes,
+    /// Flush / SYNCHRONIZE CACHE.
+    Flush,
+    /// COMPARE AND WRITE (bytes: the data written).
+    CompareAndWrite,
+    /// EXTENDED COPY segment, counted on the destination volume (bytes: the length copied).
+    Copy,
+}
+
+impl Op {
+    const ALL: [Op; 6] = [
+        Op::Read,
+        Op::Write,
+        Op::WriteZeroes,
+        Op::Flush,
+        Op::CompareAndWrite,
+        Op::Copy,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::WriteZeroes => "write_zeroes",
+            Op::Flush => "flush",
+            Op::CompareAndWrite => "compare_and_write",
+            Op::Copy => "copy",
+        }
+    }
+}
+
+/// Counters of one kind of request. Aligned so that two kinds never share a cache line.
+#[derive(Default)]
+#[repr(align(64))]
+struct OpStats {
+    /// Requests per latency bucket, not cumulative; the last is `+Inf`. Their sum is the
+    /// request count, so the page's `+Inf` bucket always equals its `_count`.
+    buckets: [AtomicU64; BUCKET_COUNT],
+    latency_ns_sum: AtomicU64,
+    /// Bytes of successful requests.
+    bytes: AtomicU64,
+    errors: AtomicU64,
+}
+
+impl OpStats {
+    fn observe(&self, latency: Duration) {
+        let s = latency.as_secs_f64();
+        let i = LATENCY_BUCKETS_S
+            .iter()
+            .position(|&le| s <= le)
+            .unwrap_or(BUCKET_COUNT - 1);
+        self.buckets[i].fetch_add(1, Relaxed);
+        let ns = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
+        self.latency_ns_sum.fetch_add(ns, Relaxed);
+    }
+}
+
+/// One volume's I/O through one protocol, shared by all its connections: atomics only.
+#[derive(Default)]
+pub struct VolumeIo {
+    ops: [OpStats; Op::ALL.len()],
+}
+
+impl VolumeIo {
+    /// Runs `f`, one request of kind `op` moving `bytes`, and records it: its latency, then
+    /// its bytes if it succeeded or an error if it failed.
+    pub fn record<T, E>(
+        &self,
+        op: Op,
+        bytes: u64,
+        f: impl FnOnce() -> Result<T, E>,
+    ) -> Result<T, E> {
+        let start = Instant::now();
+        let result = f();
+        let stats = &self.ops[op as usize];
+        stats.observe(start.elapsed());
+        match &result {
+            Ok(_) => stats.bytes.fetch_add(bytes, Relaxed),
+            Err(_) => stats.errors.fetch_add(1, Relaxed),
+        };
+        result
+    }
+}
+
+/// Every volume's I/O counters, by protocol and volume name (snapshots as `VOLUME@SNAPSHOT`).
+#[derive(Default)]
+pub struct Metrics {
+    /// Indexed by `Protocol as usize`.
+    volumes: [RwLock<BTreeMap<String, Arc<VolumeIo>>>; Protocol::ALL.len()],
+}
+
+impl Metrics {
+    /// The counters of volume `name` through `protocol`, created at zero on first use. Call
+    /// it when opening the volume and keep the result: it takes a lock.
+    pub fn volume(&self, name: &str, protocol: Protocol) -> Arc<VolumeIo> {
+        let map = &self.volumes[protocol as usize];
+        if let Some(io) = map.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+            return io.clone();
+        }
+        map.write()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Forgets the counters of volumes that no longer exist and that no connection holds, so
+    /// deleted volumes leave the page.
+    fn prune(&self, existing: &HashSet<String>) {
+        let stale = |name: &String, io: &Arc<VolumeIo>| {
+            !existing.contains(name) && Arc::strong_count(io) == 1
+        };
+        for map in &self.volumes {
+            // Look first under the read lock: the write lock would stall every iSCSI command.
+            let read = map.read().unwrap_or_else(|e| e.into_inner());
+            if !read.iter().any(|(name, io)| stale(name, io)) {
+                continue;
+            }
+            drop(read);
+            let mut map = map.write().unwrap_or_else(|e| e.into_inner());
+            // Under the write lock nobody can take a new reference: a count of 1 is final.
+            map.retain(|name, io| !stale(name, io));
+        }
+    }
+
+    /// Every (protocol, volume, counters), in page order.
+    fn entries(&self) -> Vec<(Protocol, String, Arc<VolumeIo>)> {
+        let mut out = Vec::new();
+        for p in Protocol::ALL {
+            let map = self.volumes[p as usize]
+                .read()
+                .unwrap_or_else(|e| e.into_inner());
+            out.extend(map.iter().map(|(n, io)| (p, n.clone(), io.clone())));
+        }
+        out
+    }
+
+    /// The whole exposition page for `pool`.
+    pub fn render(&self, pool: &Pool) -> String {
+        let volumes = pool.list_volumes();
+        let mut existing: HashSet<String> = volumes.iter().map(|v| v.name.clone()).collect();
+        existing.extend(
+            pool.list_snapshots(None)
+                .into_iter()
+                .map(|s| format!("{}@{}", s.volume, s.name)),
+        );
+        self.prune(&existing);
+        let mut page = Page::default();
+        render_pool(&mut page, pool);
+        page.family(
+            "ibid_volume_size_bytes",
+            "gauge",
+            "Size of the volume as seen by clients.",
+        );
+        for v in &volumes {
+            page.sample(
+                "ibid_volume_size_bytes",
+                &[("volume", &v.name)],
+                v.size_bytes,
+            );
+        }
+        page.family(
+            "ibid_volume_mapped_blocks",
+            "gauge",
+            "4 KiB blocks of the volume mapped to data, as of the last commit.",
+        );
+        for v in &volumes {
+            page.sample(
+                "ibid_volume_mapped_blocks",
+                &[("volume", &v.name)],
+                v.mapped_blocks,
+            );
+        }
+        page.family(
+            "ibid_volume_tbz_blocks",
+            "gauge",
+            "Lazy-zeroed thick volumes: 4 KiB blocks never written (to be zeroed); else 0.",
+        );
+        for v in &volumes {
+            page.sample(
+                "ibid_volume_tbz_blocks",
+                &[("volume", &v.name), ("format", v.format.as_str())],
+                v.tbz_blocks,
+            );
+        }
+        page.family(
+            "ibid_volume_reserved_bytes",
+            "gauge",
+            "Pool space a thick volume keeps reserved for its blocks without data.",
+        );
+        for v in &volumes {
+            page.sample(
+                "ibid_volume_reserved_bytes",
+                &[("volume", &v.name), ("format", v.format.as_str())],
+                v.reserved_bytes,
+            );
+        }
+        render_io(&mut page, &self.entries());
+        page.text
+    }
+}
+
+/// Pool-wide figures from [`Pool::stats`].
+fn render_pool(page: &mut Page, pool: &Pool) {
+    let s = pool.stats();
+    let gauges: [(&str, &str, f64); 18] = [
+        (
+            "capacity_bytes",
+            "Capacity of the pool.",
+            s.capacity_bytes as f64,
+        ),
+        (
+            "used_bytes",
+            "Space counted against capacity: physical plus metadata.",
+            s.used_bytes as f64,
+        ),
+        ("free_bytes", "Capacity minus used.", s.free_bytes as f64),
+        (
+            "physical_bytes",
+            "Bytes the live chunks occupy in segment files, after compression.",
+            s.physical_bytes as f64,
+        ),
+        (
+            "metadata_bytes",
+            "Size of the metadata store.",
+            s.metadata_bytes as f64,
+        ),
+        (
+            "logical_written_bytes",
+            "Non-zero data the volumes hold as seen by clients (mapped blocks x 4 KiB).",
+            s.logical_written_bytes as f64,
+        ),
+        (
+            "unique_bytes",
+            "Distinct non-zero blocks stored, before compression (unique chunks x 4 KiB).",
+            s.unique_bytes as f64,
+        ),
+        (
+            "unique_chunks",
+            "Distinct chunks stored.",
+            s.unique_chunks as f64,
+        ),
+        (
+            "garbage_bytes",
+            "Dead bytes in segment files, awaiting the cleaner.",
+            s.garbage_bytes as f64,
+        ),
+        (
+            "segment_file_bytes",
+            "Bytes of all segment files.",
+            s.segment_file_bytes as f64,
+        ),
+        (
+            "provisioned_bytes",
+            "Sum of the volumes' sizes (thin: may exceed capacity).",
+            s.provisioned_bytes as f64,
+        ),
+        (
+            "thick_provisioned_bytes",
+            "Sum of the thick volumes' sizes.",
+            s.thick_provisioned_bytes as f64,
+        ),
+        (
+            "reserved_bytes",
+            "Space thick volumes keep reserved for their blocks without data.",
+            s.reserved_bytes as f64,
+        ),
+        (
+            "data_reduction_ratio",
+            "Logical written bytes per physical byte (1 for an empty pool).",
+            s.data_reduction_ratio,
+        ),
+        (
+            "soft_threshold_ratio",
+            "Soft threshold, as a fraction of capacity.",
+            f64::from(s.soft_threshold_pct) / 100.0,
+        ),
+        (
+            "soft_threshold_exceeded",
+            "1 while used + reserved has reached the soft threshold, else 0.",
+            f64::from(u8::from(s.soft_threshold_exceeded)),
+        ),
+        ("volumes", "Number of volumes.", s.volumes as f64),
+        (
+            "dedup_filter_ram_bytes",
+            "RAM of the dedup filter.",
+            s.dedup_filter_ram_bytes as f64,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let name = format!("ibid_pool_{name}");
+        page.family(&name, "gauge", help);
+        page.sample(&name, &[], Float(value));
+    }
+    page.family(
+        "ibid_pool_commits_total",
+        "counter",
+        "Metadata commits since the pool was opened.",
+    );
+    page.sample("ibid_pool_commits_total", &[], s.committed_batches);
+}
+
+/// Per-volume, per-protocol request counters and latency histograms.
+fn render_io(page: &mut Page, entries: &[(Protocol, String, Arc<VolumeIo>)]) {
+    type Counter = fn(&OpStats) -> u64;
+    let counters: [(&str, &str, Counter, &[Op]); 3] = [
+        (
+            "ibid_volume_requests_total",
+            "Requests handed to the engine, failed ones included.",
+            |s| s.buckets.iter().map(|b| b.load(Relaxed)).sum(),
+            &Op::ALL,
+        ),
+        (
+            "ibid_volume_bytes_total",
+            "Bytes read, written, zeroed or copied by successful requests.",
+            |s| s.bytes.load(Relaxed),
+            &[
+                Op::Read,
+                Op::Write,
+                Op::WriteZeroes,
+                Op::CompareAndWrite,
+                Op::Copy,
+            ],
+        ),
+        (
+            "ibid_volume_errors_total",
+            "Requests that failed.",
+            |s| s.errors.load(Relaxed),
+            &Op::ALL,
+        ),
+    ];
+    for (name, help, get, ops) in counters {
+        page.family(name, "counter", help);
+        for (p, volume, io) in entries {
+            for &op in ops {
+                let l = io_labels(*p, op, volume);
+                page.sample(name, &l, get(&io.ops[op as usize]));
+            }
+        }
+    }
+    let name = "ibid_volume_request_duration_seconds";
+    page.family(
+        name,
+        "histogram",
+        "Time from the adapter's call into the engine to its return.",
+    );
+    for (p, volume, io) in entries {
+        for op in Op::ALL {
+            let stats = &io.ops[op as usize];
+            let l = io_labels(*p, op, volume);
+            let mut cumulative = 0u64;
+            for (i, bucket) in stats.buckets.iter().enumerate() {
+                cumulative += bucket.load(Relaxed);
+                let le = LATENCY_BUCKETS_S
+                    .get(i)
+                    .map_or_else(|| "+Inf".to_string(), |b| b.to_string());
+                let [v, p, o] = l;
+                page.sample(
+                    &format!("{name}_bucket"),
+                    &[v, p, o, ("le", &le)],
+                    cumulative,
+                );
+            }
+            let sum_s = stats.latency_ns_sum.load(Relaxed) as f64 / 1e9;
+            page.sample(&format!("{name}_sum"), &l, Float(sum_s));
+            page.sample(&format!("{name}_count"), &l, cumulative);
+        }
+    }
+}
+
+/// The labels of one (volume, protocol, op) series.
+fn io_labels(p: Protocol, op: Op, volume: &str) -> [(&'static str, &str); 3] {
+    [
+        ("volume", volume),
+        ("protocol", p.label()),
+        ("op", op.label()),
+    ]
+}
+
+/// A sample value that is a float: Prometheus spells infinities `+Inf`/`-Inf`.
+struct Float(f64);
+
+impl Display for Float {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            v if v.is_nan() => f.write_str("NaN"),
+            v if v == f64::INFINITY => f.write_str("+Inf"),
+            v if v == f64::NEG_INFINITY => f.write_str("-Inf"),
+            v => write!(f, "{v}"),
+        }
+    }
+}
+
+/// An exposition page being written.
+#[derive(Default)]
+struct Page {
+    text: String,
+}
+
+impl Page {
+    /// The `# HELP` and `# TYPE` lines that open a metric family.
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.text, "# HELP {name} {help}");
+        let _ = writeln!(self.text, "# TYPE {name} {kind}");
+    }
+
+    /// One sample line: `name{label="value",...} value`.
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl Display) {
+        self.text.push_str(name);
+        if !labels.is_empty() {
+            self.text.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.text.push(',');
+                }
+                let _ = write!(self.text, "{k}=\"{}\"", escape_label(v));
+            }
+            self.text.push('}');
+        }
+        let _ = writeln!(self.text, " {value}");
+    }
+}
+
+/// Escapes a label value: backslash, double quote and newline.
+fn escape_label(v: &str) -> String {
+    v.replace('\\', r"\\")
+        .replace('"', "\\\"")
+        .replace('\n', r"\n")
+}
+
+/// `GET /metrics`: the exposition page. Needs the [`Metrics`] as a request extension.
+pub async fn scrape(
+    State(pool): State<Pool>,
+    Extension(metrics): Extension<Arc<Metrics>>,
+) -> Response {
+    // Engine calls may wait on the pool's locks: keep them off the async workers.
+    match tokio::task::spawn_blocking(move || metrics.render(&pool)).await {
+        Ok(page) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], page).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("render metrics: {e}"),
+        )
+            .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Latencies land in the first bucket whose bound holds them; errors and bytes split.
+    #[test]
+    fn record_buckets_bytes_and_errors() {
+        let io = VolumeIo::default();
+        let ok: Result<(), ()> = io.record(Op::Write, 4096, || Ok(()));
+        assert!(ok.is_ok());
+        let err: Result<(), ()> = io.record(Op::Write, 4096, || Err(()));
+        assert!(err.is_err());
+        let w = &io.ops[Op::Write as usize];
+        assert_eq!(w.bytes.load(Relaxed), 4096);
+        assert_eq!(w.errors.load(Relaxed), 1);
+        assert_eq!(w.buckets.iter().map(|b| b.load(Relaxed)).sum::<u64>(), 2);
+        let s = OpStats::default();
+        s.observe(Duration::from_micros(50));
+        s.observe(Duration::from_micros(51));
+        s.observe(Duration::from_secs(11));
+        assert_eq!(s.buckets[0].load(Relaxed), 1);
+        assert_eq!(s.buckets[1].load(Relaxed), 1);
+        assert_eq!(s.buckets[BUCKET_COUNT - 1].load(Relaxed), 1);
+    }
+
+    /// Label values are escaped; floats use Prometheus spellings.
+    #[test]
+    fn sample_lines() {
+        let mut page = Page::default();
+        page.sample("m", &[("a", "x\"y\\z\n")], Float(f64::INFINITY));
+        page.sample("n", &[], Float(0.5));
+        assert_eq!(page.text, "m{a=\"x\\\"y\\\\z\\n\"} +Inf\nn 0.5\n");
+    }
+}
