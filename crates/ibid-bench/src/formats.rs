@@ -3,8 +3,9 @@
 //!
 //! Each measurement is repeated `--runs` times on one pool (capacity set high enough for the
 //! reservations; capacity is an accounting figure, not disk space) and reported as the median
-//! and spread, next to the goal (< 10 ms, flat in size). Creation and conversion must write no
-//! data: the segment files' size is checked before and after.
+//! and spread, next to the goal (< 10 ms, flat in size). The verdict is on the median and says
+//! when every run met it: each run includes a metadata fsync, which stalls under load.
+//! Creation and conversion must write no data: the segment files' size is checked.
 
 use super::{fresh_pool, median, uptime, MIB};
 use anyhow::{ensure, Result};
@@ -41,8 +42,9 @@ fn row(what: &str, ms: &[f64]) {
     let lo = ms.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = ms.iter().copied().fold(0.0, f64::max);
     let med = median(ms.to_vec());
-    let verdict = if hi < 10.0 { "met" } else { "missed" };
-    println!("| {what} | {med:.3} ({lo:.3}–{hi:.3}) | < 10 ms: {verdict} |");
+    let verdict = if med < 10.0 { "met" } else { "missed" };
+    let all = if hi < 10.0 { ", every run" } else { "" };
+    println!("| {what} | {med:.3} ({lo:.3}–{hi:.3}) | < 10 ms: {verdict}{all} |");
 }
 
 fn human(size: u64) -> &'static str {
