@@ -10,7 +10,7 @@
 //! Every sector written carries its own identity (volume, sector number, version) and a fill
 //! derived from it, so a sector showing another sector's or volume's data is caught.
 
-use ibid_engine::{Pool, PoolConfig};
+use ibid_engine::{Pool, PoolConfig, VolumeFormat};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -127,6 +127,13 @@ fn crash_child() {
                     pool.delete_volume(&format!("c{seed}-{n}"))
                         .expect("delete clone");
                 }
+            }
+            39 => {
+                // A format change (a reservation moves): `verify` after the kill checks the
+                // pool's reservation count against the durable records.
+                let format = VolumeFormat::ALL[rng.random_range(0..VolumeFormat::ALL.len())];
+                pool.set_volume_format(VOLUMES[vol], format)
+                    .expect("set format");
             }
             0..=3 => {
                 writeln!(out, "Z {vol} {start} {sectors}").expect("stdout");
