@@ -10,7 +10,6 @@ pub mod progress;
 pub mod snapshot;
 pub mod volume;
 
-use crate::units::parse_size;
 use clap::{Args, Subcommand};
 use client::Client;
 use error::{CliError, Exit};
@@ -95,11 +94,6 @@ pub fn parse_format(s: &str) -> Result<String, String> {
     s.parse::<ibid_engine::VolumeFormat>()
         .map(|f| f.as_str().to_string())
         .map_err(|e| e.to_string())
-}
-
-/// Parses a size with human units, e.g. `50G`, `1.5TiB`.
-pub fn parse_size_arg(s: &str) -> Result<u64, String> {
-    parse_size(s)
 }
 
 /// Splits `VOLUME@SNAPSHOT`; `None` for the snapshot when there is no `@`.

@@ -2,7 +2,8 @@
 
 use super::error::CliError;
 use super::output::{print_fields, print_json, size, u64_field};
-use super::{parse_size_arg, Ctx};
+use super::Ctx;
+use crate::units::parse_size;
 use clap::Subcommand;
 use serde_json::{json, Value};
 
@@ -14,7 +15,7 @@ pub enum PoolCmd {
     /// Change the pool's capacity or soft threshold, e.g. `--capacity 1T --soft-threshold 85`.
     Set {
         /// New capacity with a unit, e.g. 1T.
-        #[arg(long, value_parser = parse_size_arg)]
+        #[arg(long, value_parser = parse_size)]
         capacity: Option<u64>,
         /// Use (percent of capacity) above which the pool warns.
         #[arg(long, value_parser = clap::value_parser!(u8).range(1..=100))]

@@ -5,8 +5,10 @@ use super::client::segment;
 use super::error::CliError;
 use super::output::{
     array, blocks, print_fields, print_json, print_table, size, str_field, timestamp, u64_field,
+    BLOCK_BYTES,
 };
-use super::{parse_format, parse_size_arg, split_snapshot, Ctx};
+use super::{parse_format, split_snapshot, Ctx};
+use crate::units::parse_size;
 use clap::Subcommand;
 use serde_json::{json, Map, Value};
 
@@ -18,7 +20,7 @@ pub enum VolumeCmd {
         /// Volume name: letters, digits, '.', '_' and '-'.
         name: String,
         /// Size with a unit (powers of 1024): 512M, 50G, 1.5TiB.
-        #[arg(long, value_parser = parse_size_arg)]
+        #[arg(long, value_parser = parse_size)]
         size: u64,
         /// thin (default), lazyzeroedthick (zeroedthick) or eagerzeroedthick.
         #[arg(long, value_parser = parse_format)]
@@ -37,10 +39,10 @@ pub enum VolumeCmd {
         /// Volume name.
         name: String,
         /// New size with a unit, e.g. 100G.
-        #[arg(long, value_parser = parse_size_arg)]
+        #[arg(long, value_parser = parse_size)]
         size: u64,
     },
-    /// Delete a volume (its snapshots must be deleted first).
+    /// Delete a volume and its snapshots (clones keep their data).
     Delete {
         /// Volume name.
         name: String,
@@ -88,13 +90,13 @@ pub enum VolumeCmd {
         /// Destination volume.
         destination: String,
         /// Offset in the source, e.g. 1M (default 0).
-        #[arg(long, value_parser = parse_size_arg)]
+        #[arg(long, value_parser = parse_size)]
         source_offset: Option<u64>,
         /// Offset in the destination (default 0).
-        #[arg(long, value_parser = parse_size_arg)]
+        #[arg(long, value_parser = parse_size)]
         offset: Option<u64>,
         /// Bytes to copy (default: the rest of the source).
-        #[arg(long, value_parser = parse_size_arg)]
+        #[arg(long, value_parser = parse_size)]
         length: Option<u64>,
     },
 }
@@ -157,8 +159,8 @@ fn list(ctx: &Ctx) -> Result<(), CliError> {
             str_field(vol, "name")?.to_string(),
             str_field(vol, "format")?.to_string(),
             size(u64_field(vol, "size_bytes")?),
-            size(u64_field(vol, "mapped_blocks")? * super::output::BLOCK_BYTES),
-            size(u64_field(vol, "tbz_blocks")? * super::output::BLOCK_BYTES),
+            size(u64_field(vol, "mapped_blocks")? * BLOCK_BYTES),
+            size(u64_field(vol, "tbz_blocks")? * BLOCK_BYTES),
             size(u64_field(vol, "reserved_bytes")?),
         ]);
     }
@@ -186,7 +188,7 @@ fn describe(ctx: &Ctx, name: &str) -> Result<(), CliError> {
             Ok(format!(
                 "{} ({} mapped, {})",
                 str_field(s, "name")?,
-                size(u64_field(s, "mapped_blocks")? * super::output::BLOCK_BYTES),
+                size(u64_field(s, "mapped_blocks")? * BLOCK_BYTES),
                 timestamp(u64_field(s, "created_unix_s")?)
             ))
         })
