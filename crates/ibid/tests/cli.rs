@@ -509,3 +509,54 @@ fn a_slow_call_shows_a_spinner_on_a_terminal_only() {
     assert!(out.stderr.is_empty(), "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("NAME"));
 }
+
+#[test]
+fn a_full_pool_exits_5() {
+    // 40 MiB of incompressible data in a 64 MiB pool; an unaligned copy must write it all again.
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--capacity",
+        "64M",
+        "--volume",
+        "a=48M",
+        "--volume",
+        "b=48M",
+    ]);
+    let image = srv.dir.path().join("random.img");
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let data: Vec<u8> = (0..40 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
+        })
+        .collect();
+    std::fs::write(&image, data).expect("write image");
+    let image = image.to_str().expect("utf-8 path");
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            &format!("write -s {image} 0 40M"),
+            &srv.url("a"),
+        ],
+    );
+    fails(
+        &srv,
+        &[
+            "volume",
+            "copy",
+            "a",
+            "b",
+            "--source-offset",
+            "512",
+            "--length",
+            "40M",
+        ],
+        5,
+        "no_space",
+    );
+}
