@@ -109,6 +109,9 @@ impl Client {
             ureq::Error::BadUri(_) | ureq::Error::Http(_) => {
                 CliError::usage(format!("bad server URL {:?}: {e}", self.base))
             }
+            ureq::Error::BodyExceedsLimit(_) => CliError::bad_response(format!(
+                "the answer is larger than {ANSWER_BYTES_MAX} bytes"
+            )),
             _ => CliError::cannot_connect(&self.base, e),
         }
     }
