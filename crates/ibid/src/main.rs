@@ -1,19 +1,22 @@
-//! The `ibid` command: runs the storage server and (later) manages it.
+//! The `ibid` command: runs the storage server (`serve`) and manages a running one through its
+//! HTTP API (`volume`, `snapshot`, `pool`).
 
 mod api;
+mod cli;
 mod iscsi_luns;
 mod metrics;
 mod nbd_exports;
 mod serve;
 mod units;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 /// ibid: an all-flash storage array in software.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version, about, after_help = cli::error::EXIT_CODES_HELP)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -22,44 +25,50 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve a pool's volumes over NBD (creating the pool if needed).
-    Serve {
-        /// Pool directory.
-        #[arg(long, default_value = "ibid-data", env = "IBID_DATA")]
-        data: PathBuf,
-        /// Capacity of a new pool, e.g. 100G (default: the filesystem's free space).
-        #[arg(long, value_parser = units::parse_size)]
-        capacity: Option<u64>,
-        /// NBD listen address.
-        #[arg(long, default_value = "127.0.0.1:10809")]
-        nbd: SocketAddr,
-        /// iSCSI listen address; `off` disables the target.
-        #[arg(long, default_value = "127.0.0.1:3260", value_parser = parse_optional_addr)]
-        iscsi: OptionalAddr,
-        /// HTTP API listen address; `off` disables the API. Off loopback, --api-token is required.
-        #[arg(long, default_value = "127.0.0.1:7800", value_parser = parse_optional_addr)]
-        http: OptionalAddr,
-        /// Bearer token the HTTP API requires (`Authorization: Bearer TOKEN`).
-        #[arg(long, env = "IBID_API_TOKEN", hide_env_values = true)]
-        api_token: Option<String>,
-        /// iSCSI target name (IQN).
-        #[arg(long, default_value = "iqn.2026-11.org.ibid:pool")]
-        iqn: String,
-        /// Create this volume if it does not exist: NAME=SIZE, e.g. vm1=50G (repeatable).
-        #[arg(long = "volume", value_parser = parse_volume_arg)]
-        volumes: Vec<(String, u64)>,
-        /// Don't create the default volume (disk0, 16 GiB thin) in a new pool.
-        #[arg(long)]
-        no_default_volume: bool,
-        /// Certificate (PEM) for NBD TLS; with --nbd-tls-key, enables STARTTLS.
-        #[arg(long, requires = "nbd_tls_key")]
-        nbd_tls_cert: Option<PathBuf>,
-        /// Private key (PEM) for NBD TLS.
-        #[arg(long, requires = "nbd_tls_cert")]
-        nbd_tls_key: Option<PathBuf>,
-        /// Refuse NBD clients that do not use TLS.
-        #[arg(long, requires = "nbd_tls_cert")]
-        nbd_tls_required: bool,
-    },
+    Serve(ServeArgs),
+    #[command(flatten)]
+    Client(cli::ClientCommand),
+}
+
+/// Options of `ibid serve`.
+#[derive(Args)]
+struct ServeArgs {
+    /// Pool directory.
+    #[arg(long, default_value = "ibid-data", env = "IBID_DATA")]
+    data: PathBuf,
+    /// Capacity of a new pool, e.g. 100G (default: the filesystem's free space).
+    #[arg(long, value_parser = units::parse_size)]
+    capacity: Option<u64>,
+    /// NBD listen address.
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    nbd: SocketAddr,
+    /// iSCSI listen address; `off` disables the target.
+    #[arg(long, default_value = "127.0.0.1:3260", value_parser = parse_optional_addr)]
+    iscsi: OptionalAddr,
+    /// HTTP API listen address; `off` disables the API. Off loopback, --api-token is required.
+    #[arg(long, default_value = "127.0.0.1:7800", value_parser = parse_optional_addr)]
+    http: OptionalAddr,
+    /// Bearer token the HTTP API requires (`Authorization: Bearer TOKEN`).
+    #[arg(long, env = "IBID_API_TOKEN", hide_env_values = true)]
+    api_token: Option<String>,
+    /// iSCSI target name (IQN).
+    #[arg(long, default_value = "iqn.2026-11.org.ibid:pool")]
+    iqn: String,
+    /// Create this volume if it does not exist: NAME=SIZE, e.g. vm1=50G (repeatable).
+    #[arg(long = "volume", value_parser = parse_volume_arg)]
+    volumes: Vec<(String, u64)>,
+    /// Don't create the default volume (disk0, 16 GiB thin) in a new pool.
+    #[arg(long)]
+    no_default_volume: bool,
+    /// Certificate (PEM) for NBD TLS; with --nbd-tls-key, enables STARTTLS.
+    #[arg(long, requires = "nbd_tls_key")]
+    nbd_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) for NBD TLS.
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_key: Option<PathBuf>,
+    /// Refuse NBD clients that do not use TLS.
+    #[arg(long, requires = "nbd_tls_cert")]
+    nbd_tls_required: bool,
 }
 
 /// A listen address, or `off`.
@@ -83,49 +92,60 @@ fn parse_volume_arg(s: &str) -> Result<(String, u64), String> {
     Ok((name.to_string(), units::parse_size(size)?))
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Client(command) => cli::run(command),
+        Command::Serve(args) => match run_serve(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("Error: {e:?}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+/// Runs `ibid serve` with logging to stderr.
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
-        Command::Serve {
-            data,
-            capacity,
-            nbd,
-            iscsi,
-            iqn,
-            http,
-            api_token,
-            volumes,
-            no_default_volume,
-            nbd_tls_cert,
-            nbd_tls_key,
-            nbd_tls_required,
-        } => {
-            let nbd_tls = match (nbd_tls_cert, nbd_tls_key) {
-                (Some(cert), Some(key)) => Some(ibid_nbd::TlsConfig {
-                    cert_chain_pem: cert,
-                    private_key_pem: key,
-                    client_ca_pem: None,
-                    required: nbd_tls_required,
-                }),
-                _ => None,
-            };
-            serve::run(serve::ServeOptions {
-                data,
-                capacity,
-                nbd,
-                iscsi: iscsi.0,
-                iqn,
-                http: http.0,
-                api_token,
-                volumes,
-                default_volume: !no_default_volume,
-                nbd_tls,
-            })
-        }
-    }
+    let ServeArgs {
+        data,
+        capacity,
+        nbd,
+        iscsi,
+        iqn,
+        http,
+        api_token,
+        volumes,
+        no_default_volume,
+        nbd_tls_cert,
+        nbd_tls_key,
+        nbd_tls_required,
+    } = args;
+    let nbd_tls = match (nbd_tls_cert, nbd_tls_key) {
+        (Some(cert), Some(key)) => Some(ibid_nbd::TlsConfig {
+            cert_chain_pem: cert,
+            private_key_pem: key,
+            client_ca_pem: None,
+            required: nbd_tls_required,
+        }),
+        _ => None,
+    };
+    serve::run(serve::ServeOptions {
+        data,
+        capacity,
+        nbd,
+        iscsi: iscsi.0,
+        iqn,
+        http: http.0,
+        api_token,
+        volumes,
+        default_volume: !no_default_volume,
+        nbd_tls,
+    })
 }

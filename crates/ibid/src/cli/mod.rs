@@ -1,0 +1,106 @@
+//! The client commands of `ibid` (`volume`, `snapshot`, `pool`): a command-line client of the
+//! HTTP API of a running `ibid serve`. Human output by default, the API's JSON with `--json`, and
+//! exit codes that follow the API's stable error codes ([`error::Exit`]).
+
+pub mod client;
+pub mod error;
+pub mod output;
+pub mod pool;
+pub mod progress;
+pub mod snapshot;
+pub mod volume;
+
+use clap::{Args, Subcommand};
+use client::Client;
+use error::{CliError, Exit};
+use std::process::ExitCode;
+
+/// Where `ibid serve`'s API listens by default.
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7800";
+
+/// How to reach the server and how to print; accepted anywhere after the command group.
+#[derive(Args, Clone)]
+pub struct ClientOpts {
+    /// URL of the ibid HTTP API (`http://HOST:PORT` or `HOST:PORT`).
+    #[arg(long, global = true, env = "IBID_SERVER", default_value = DEFAULT_SERVER)]
+    pub server: String,
+    /// Bearer token the API requires (`ibid serve --api-token`).
+    #[arg(long, global = true, env = "IBID_API_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Print the API's JSON answer (pretty) for scripts instead of human output.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// The client command groups, flattened into `ibid`'s command list.
+#[derive(Subcommand)]
+pub enum ClientCommand {
+    /// Manage volumes: create, list, describe, resize, delete, convert, clone, copy.
+    Volume {
+        #[command(flatten)]
+        opts: ClientOpts,
+        #[command(subcommand)]
+        cmd: volume::VolumeCmd,
+    },
+    /// Manage snapshots: create, list, delete.
+    Snapshot {
+        #[command(flatten)]
+        opts: ClientOpts,
+        #[command(subcommand)]
+        cmd: snapshot::SnapshotCmd,
+    },
+    /// Pool statistics and settings.
+    Pool {
+        #[command(flatten)]
+        opts: ClientOpts,
+        #[command(subcommand)]
+        cmd: pool::PoolCmd,
+    },
+}
+
+/// What a command handler needs: the connection and the output mode.
+pub struct Ctx {
+    /// The API client.
+    pub client: Client,
+    /// `--json`: print the API's JSON instead of human output.
+    pub json: bool,
+}
+
+/// Runs a client command; errors are printed as `ibid: MESSAGE (CODE)` on stderr.
+pub fn run(command: ClientCommand) -> ExitCode {
+    let result = match command {
+        ClientCommand::Volume { opts, cmd } => volume::run(&ctx(&opts), cmd),
+        ClientCommand::Snapshot { opts, cmd } => snapshot::run(&ctx(&opts), cmd),
+        ClientCommand::Pool { opts, cmd } => pool::run(&ctx(&opts), cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::from(Exit::Ok as u8),
+        Err(e) => {
+            eprintln!("ibid: {e}");
+            ExitCode::from(e.exit as u8)
+        }
+    }
+}
+
+fn ctx(opts: &ClientOpts) -> Ctx {
+    Ctx {
+        client: Client::new(&opts.server, opts.token.clone(), !opts.json),
+        json: opts.json,
+    }
+}
+
+/// Parses a volume format name (local check: a typo is a usage error, exit 2).
+pub fn parse_format(s: &str) -> Result<String, String> {
+    s.parse::<ibid_engine::VolumeFormat>()
+        .map(|f| f.as_str().to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// Splits `VOLUME@SNAPSHOT`; `None` for the snapshot when there is no `@`.
+pub fn split_snapshot(s: &str) -> Result<(&str, Option<&str>), CliError> {
+    match s.split_once('@') {
+        Some((v, snap)) if !v.is_empty() && !snap.is_empty() => Ok((v, Some(snap))),
+        Some(_) => Err(CliError::usage(format!("{s:?}: expected VOLUME@SNAPSHOT"))),
+        None => Ok((s, None)),
+    }
+}

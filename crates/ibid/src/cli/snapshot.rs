@@ -1,0 +1,122 @@
+//! `ibid snapshot ...`: create, list and delete a volume's snapshots. A snapshot is named
+//! `VOLUME SNAPSHOT` or `VOLUME@SNAPSHOT`, as NBD exports and clone sources name it.
+
+use super::client::segment;
+use super::error::CliError;
+use super::output::{
+    array, print_json, print_table, size, str_field, timestamp, u64_field, BLOCK_BYTES,
+};
+use super::{split_snapshot, Ctx};
+use clap::Subcommand;
+use serde_json::{json, Value};
+
+/// Snapshot commands.
+#[derive(Subcommand)]
+pub enum SnapshotCmd {
+    /// Snapshot a volume: `ibid snapshot create vm1 golden` (or `vm1@golden`).
+    Create {
+        /// Volume (or VOLUME@SNAPSHOT).
+        volume: String,
+        /// Snapshot name.
+        name: Option<String>,
+    },
+    /// List the snapshots of a volume, or of every volume.
+    List {
+        /// Volume (default: all volumes).
+        volume: Option<String>,
+    },
+    /// Delete a snapshot: `ibid snapshot delete vm1 golden` (or `vm1@golden`).
+    Delete {
+        /// Volume (or VOLUME@SNAPSHOT).
+        volume: String,
+        /// Snapshot name.
+        name: Option<String>,
+    },
+}
+
+/// Runs a snapshot command.
+pub fn run(ctx: &Ctx, cmd: SnapshotCmd) -> Result<(), CliError> {
+    match cmd {
+        SnapshotCmd::Create { volume, name } => {
+            let (volume, name) = names(&volume, name.as_deref())?;
+            let s = ctx.client.post(
+                &format!("/volumes/{}/snapshots", segment(volume)),
+                json!({ "name": name }),
+                &format!("snapshotting {volume} as {name}"),
+            )?;
+            print_snapshots(ctx, &s, std::slice::from_ref(&s))
+        }
+        SnapshotCmd::List { volume } => {
+            let list = match volume {
+                Some(v) => ctx.client.get(
+                    &format!("/volumes/{}/snapshots", segment(&v)),
+                    "listing snapshots",
+                )?,
+                None => all_snapshots(ctx)?,
+            };
+            print_snapshots(ctx, &list, array(&list, "")?)
+        }
+        SnapshotCmd::Delete { volume, name } => {
+            let (volume, name) = names(&volume, name.as_deref())?;
+            ctx.client.delete(
+                &format!("/volumes/{}/snapshots/{}", segment(volume), segment(name)),
+                &format!("deleting {volume}@{name}"),
+            )?;
+            if ctx.json {
+                // The API answers 204 with no body; scripts still get one JSON document.
+                print_json(&json!({ "deleted": format!("{volume}@{name}") }));
+            } else {
+                println!("deleted snapshot {volume}@{name}");
+            }
+            Ok(())
+        }
+    }
+}
+
+/// (volume, snapshot) from `VOLUME SNAPSHOT` or `VOLUME@SNAPSHOT`.
+fn names<'a>(volume: &'a str, name: Option<&'a str>) -> Result<(&'a str, &'a str), CliError> {
+    match (split_snapshot(volume)?, name) {
+        ((v, None), Some(n)) => Ok((v, n)),
+        ((v, Some(n)), None) => Ok((v, n)),
+        ((_, Some(_)), Some(_)) => Err(CliError::usage(
+            "give the snapshot as VOLUME SNAPSHOT or VOLUME@SNAPSHOT, not both",
+        )),
+        ((_, None), None) => Err(CliError::usage(
+            "which snapshot? give VOLUME SNAPSHOT or VOLUME@SNAPSHOT",
+        )),
+    }
+}
+
+/// The snapshots of every volume, one list (the API lists per volume).
+fn all_snapshots(ctx: &Ctx) -> Result<Value, CliError> {
+    let volumes = ctx.client.get("/volumes", "listing volumes")?;
+    let mut all = Vec::new();
+    for v in array(&volumes, "")? {
+        let name = str_field(v, "name")?;
+        let snaps = ctx.client.get(
+            &format!("/volumes/{}/snapshots", segment(name)),
+            "listing snapshots",
+        )?;
+        all.extend(array(&snaps, "")?.iter().cloned());
+    }
+    Ok(Value::Array(all))
+}
+
+/// Prints snapshots: the API's answer `doc` as JSON, or a table of `snapshots`.
+fn print_snapshots(ctx: &Ctx, doc: &Value, snapshots: &[Value]) -> Result<(), CliError> {
+    if ctx.json {
+        print_json(doc);
+        return Ok(());
+    }
+    let mut rows = Vec::new();
+    for s in snapshots {
+        rows.push(vec![
+            format!("{}@{}", str_field(s, "volume")?, str_field(s, "name")?),
+            size(u64_field(s, "size_bytes")?),
+            size(u64_field(s, "mapped_blocks")? * BLOCK_BYTES),
+            timestamp(u64_field(s, "created_unix_s")?),
+        ]);
+    }
+    print_table(&["SNAPSHOT", "SIZE", "MAPPED", "CREATED"], 1, &rows);
+    Ok(())
+}

@@ -1,0 +1,351 @@
+//! `ibid volume ...`: create, list, describe (the `vmkfstools -D` view), resize, delete, format
+//! conversions (format, inflate, eagerzero, reserve), clone and range copy.
+
+use super::client::segment;
+use super::error::CliError;
+use super::output::{
+    array, blocks, print_fields, print_json, print_table, size, str_field, timestamp, u64_field,
+    BLOCK_BYTES,
+};
+use super::{parse_format, split_snapshot, Ctx};
+use crate::units::parse_size;
+use clap::Subcommand;
+use serde_json::{json, Map, Value};
+
+/// Volume commands.
+#[derive(Subcommand)]
+pub enum VolumeCmd {
+    /// Create a volume, e.g. `ibid volume create vm1 --size 50G --format eagerzeroedthick`.
+    Create {
+        /// Volume name: letters, digits, '.', '_' and '-'.
+        name: String,
+        /// Size with a unit (powers of 1024): 512M, 50G, 1.5TiB.
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        /// thin (default), lazyzeroedthick (zeroedthick) or eagerzeroedthick.
+        #[arg(long, value_parser = parse_format)]
+        format: Option<String>,
+    },
+    /// List the volumes.
+    List,
+    /// Show a volume's space (the `vmkfstools -D` view): size, blocks, mapped, tbz, unique,
+    /// shared, physical, reserved, snapshots.
+    Describe {
+        /// Volume name.
+        name: String,
+    },
+    /// Grow or shrink a volume.
+    Resize {
+        /// Volume name.
+        name: String,
+        /// New size with a unit, e.g. 100G.
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+    },
+    /// Delete a volume and its snapshots (clones keep their data).
+    Delete {
+        /// Volume name.
+        name: String,
+    },
+    /// Convert a volume to another format (reserves or releases space).
+    Format {
+        /// Volume name.
+        name: String,
+        /// thin, lazyzeroedthick (zeroedthick) or eagerzeroedthick.
+        #[arg(value_parser = parse_format)]
+        format: String,
+    },
+    /// Thin to eager-zeroed thick (`vmkfstools --inflatedisk`).
+    Inflate {
+        /// Volume name.
+        name: String,
+    },
+    /// Lazy- to eager-zeroed thick (`vmkfstools -k`).
+    Eagerzero {
+        /// Volume name.
+        name: String,
+    },
+    /// Reserve a thin volume's space: thin to lazy-zeroed thick.
+    Reserve {
+        /// Volume name.
+        name: String,
+    },
+    /// Clone a volume or a snapshot (`VOLUME@SNAPSHOT`): fast (shares all blocks) or --full.
+    Clone {
+        /// Source: VOLUME or VOLUME@SNAPSHOT.
+        source: String,
+        /// Name of the new volume.
+        name: String,
+        /// A full clone: its map refers to no other volume.
+        #[arg(long)]
+        full: bool,
+        /// Format of the clone (default thin).
+        #[arg(long, value_parser = parse_format)]
+        format: Option<String>,
+    },
+    /// Copy a range from a volume or snapshot into another volume, by reference where aligned.
+    Copy {
+        /// Source: VOLUME or VOLUME@SNAPSHOT.
+        source: String,
+        /// Destination volume.
+        destination: String,
+        /// Offset in the source, e.g. 1M (default 0).
+        #[arg(long, value_parser = parse_size)]
+        source_offset: Option<u64>,
+        /// Offset in the destination (default 0).
+        #[arg(long, value_parser = parse_size)]
+        offset: Option<u64>,
+        /// Bytes to copy (default: the rest of the source).
+        #[arg(long, value_parser = parse_size)]
+        length: Option<u64>,
+    },
+}
+
+/// Runs a volume command.
+pub fn run(ctx: &Ctx, cmd: VolumeCmd) -> Result<(), CliError> {
+    match cmd {
+        VolumeCmd::Create { name, size, format } => create(ctx, &name, size, format),
+        VolumeCmd::List => list(ctx),
+        VolumeCmd::Describe { name } => describe(ctx, &name),
+        VolumeCmd::Resize { name, size } => resize(ctx, &name, size),
+        VolumeCmd::Delete { name } => delete(ctx, &name),
+        VolumeCmd::Format { name, format } => {
+            let v = ctx.client.post(
+                &format!("/volumes/{}/format", segment(&name)),
+                json!({ "format": format }),
+                &format!("converting {name} to {format}"),
+            )?;
+            show_volume(ctx, &v)
+        }
+        VolumeCmd::Inflate { name } => convert(ctx, &name, "inflate", "inflating"),
+        VolumeCmd::Eagerzero { name } => convert(ctx, &name, "eagerzero", "eager-zeroing"),
+        VolumeCmd::Reserve { name } => convert(ctx, &name, "reserve", "reserving"),
+        VolumeCmd::Clone {
+            source,
+            name,
+            full,
+            format,
+        } => clone(ctx, &source, &name, full, format),
+        VolumeCmd::Copy {
+            source,
+            destination,
+            source_offset,
+            offset,
+            length,
+        } => copy(ctx, &source, &destination, source_offset, offset, length),
+    }
+}
+
+fn create(ctx: &Ctx, name: &str, size: u64, format: Option<String>) -> Result<(), CliError> {
+    let mut body = json!({ "name": name, "size": size });
+    if let Some(f) = format {
+        body["format"] = f.into();
+    }
+    let v = ctx
+        .client
+        .post("/volumes", body, &format!("creating volume {name}"))?;
+    show_volume(ctx, &v)
+}
+
+fn list(ctx: &Ctx) -> Result<(), CliError> {
+    let v = ctx.client.get("/volumes", "listing volumes")?;
+    if ctx.json {
+        print_json(&v);
+        return Ok(());
+    }
+    let mut rows = Vec::new();
+    for vol in array(&v, "")? {
+        rows.push(vec![
+            str_field(vol, "name")?.to_string(),
+            str_field(vol, "format")?.to_string(),
+            size(u64_field(vol, "size_bytes")?),
+            size(u64_field(vol, "mapped_blocks")? * BLOCK_BYTES),
+            size(u64_field(vol, "tbz_blocks")? * BLOCK_BYTES),
+            size(u64_field(vol, "reserved_bytes")?),
+        ]);
+    }
+    print_table(
+        &["NAME", "FORMAT", "SIZE", "MAPPED", "TBZ", "RESERVED"],
+        2,
+        &rows,
+    );
+    Ok(())
+}
+
+fn describe(ctx: &Ctx, name: &str) -> Result<(), CliError> {
+    let d = ctx.client.get(
+        &format!("/volumes/{}", segment(name)),
+        &format!("measuring {name}"),
+    )?;
+    if ctx.json {
+        print_json(&d);
+        return Ok(());
+    }
+    let size_bytes = u64_field(&d, "size_bytes")?;
+    let snapshots: Vec<String> = array(&d, "snapshots")?
+        .iter()
+        .map(|s| {
+            Ok(format!(
+                "{} ({} mapped, {})",
+                str_field(s, "name")?,
+                size(u64_field(s, "mapped_blocks")? * BLOCK_BYTES),
+                timestamp(u64_field(s, "created_unix_s")?)
+            ))
+        })
+        .collect::<Result<_, CliError>>()?;
+    print_fields(&[
+        ("name", str_field(&d, "name")?.to_string()),
+        ("id", u64_field(&d, "id")?.to_string()),
+        ("format", str_field(&d, "format")?.to_string()),
+        ("created", timestamp(u64_field(&d, "created_unix_s")?)),
+        ("size", format!("{} ({size_bytes} bytes)", size(size_bytes))),
+        ("blocks", format!("{} of 4 KiB", u64_field(&d, "blocks")?)),
+        ("mapped", blocks(u64_field(&d, "mapped_blocks")?)),
+        ("tbz", blocks(u64_field(&d, "tbz_blocks")?)),
+        ("unique", blocks(u64_field(&d, "unique_blocks")?)),
+        ("shared", blocks(u64_field(&d, "shared_blocks")?)),
+        (
+            "physical",
+            format!(
+                "{} ({} unique, {} shared; {} distinct chunks)",
+                size(u64_field(&d, "physical_bytes")?),
+                size(u64_field(&d, "exclusive_physical_bytes")?),
+                size(u64_field(&d, "shared_physical_bytes")?),
+                u64_field(&d, "distinct_chunks")?
+            ),
+        ),
+        ("reserved", size(u64_field(&d, "reserved_bytes")?)),
+        (
+            "snapshots",
+            if snapshots.is_empty() {
+                "none".to_string()
+            } else {
+                snapshots.join(", ")
+            },
+        ),
+    ]);
+    Ok(())
+}
+
+fn resize(ctx: &Ctx, name: &str, size_bytes: u64) -> Result<(), CliError> {
+    ctx.client.post(
+        &format!("/volumes/{}/resize", segment(name)),
+        json!({ "size": size_bytes }),
+        &format!("resizing {name}"),
+    )?;
+    // The API answers 204: show the volume as it now is.
+    let v = find_volume(ctx, name)?;
+    show_volume(ctx, &v)
+}
+
+fn delete(ctx: &Ctx, name: &str) -> Result<(), CliError> {
+    ctx.client.delete(
+        &format!("/volumes/{}", segment(name)),
+        &format!("deleting {name}"),
+    )?;
+    if ctx.json {
+        // The API answers 204 with no body; scripts still get one JSON document.
+        print_json(&json!({ "deleted": name }));
+    } else {
+        println!("deleted volume {name}");
+    }
+    Ok(())
+}
+
+/// One of the `vmkfstools`-style conversions: POST `/volumes/NAME/{route}`.
+fn convert(ctx: &Ctx, name: &str, route: &str, doing: &str) -> Result<(), CliError> {
+    let v = ctx.client.post(
+        &format!("/volumes/{}/{route}", segment(name)),
+        Value::Object(Map::new()),
+        &format!("{doing} {name}"),
+    )?;
+    show_volume(ctx, &v)
+}
+
+fn clone(
+    ctx: &Ctx,
+    source: &str,
+    name: &str,
+    full: bool,
+    format: Option<String>,
+) -> Result<(), CliError> {
+    let (volume, snapshot) = split_snapshot(source)?;
+    let mut body = json!({ "name": name, "full": full });
+    if let Some(s) = snapshot {
+        body["snapshot"] = s.into();
+    }
+    if let Some(f) = format {
+        body["format"] = f.into();
+    }
+    let kind = if full { "full clone" } else { "clone" };
+    let v = ctx.client.post(
+        &format!("/volumes/{}/clone", segment(volume)),
+        body,
+        &format!("making a {kind} of {source} as {name}"),
+    )?;
+    show_volume(ctx, &v)
+}
+
+fn copy(
+    ctx: &Ctx,
+    source: &str,
+    destination: &str,
+    source_offset: Option<u64>,
+    offset: Option<u64>,
+    length: Option<u64>,
+) -> Result<(), CliError> {
+    split_snapshot(source)?;
+    let mut body = json!({ "source": source });
+    for (key, value) in [
+        ("source_offset", source_offset),
+        ("offset", offset),
+        ("length", length),
+    ] {
+        if let Some(v) = value {
+            body[key] = v.into();
+        }
+    }
+    let r = ctx.client.post(
+        &format!("/volumes/{}/copy", segment(destination)),
+        body,
+        &format!("copying {source} to {destination}"),
+    )?;
+    if ctx.json {
+        print_json(&r);
+        return Ok(());
+    }
+    println!(
+        "copied {} from {source} to {destination} in {:.2} s: {} by reference, {} as data",
+        size(u64_field(&r, "length")?),
+        r["seconds"].as_f64().unwrap_or(0.0),
+        size(u64_field(&r, "shared_bytes")?),
+        size(u64_field(&r, "data_bytes")?)
+    );
+    Ok(())
+}
+
+/// The listing entry of one volume (the same view create and the conversions answer with).
+fn find_volume(ctx: &Ctx, name: &str) -> Result<Value, CliError> {
+    let all = ctx.client.get("/volumes", "listing volumes")?;
+    array(&all, "")?
+        .iter()
+        .find(|v| v["name"] == name)
+        .cloned()
+        .ok_or_else(|| CliError::api(404, "not_found", &format!("volume {name:?} not found")))
+}
+
+/// Prints a volume view (`{"name","format","size_bytes",...}`): JSON as is, or one line.
+fn show_volume(ctx: &Ctx, v: &Value) -> Result<(), CliError> {
+    if ctx.json {
+        print_json(v);
+        return Ok(());
+    }
+    print_fields(&[
+        ("name", str_field(v, "name")?.to_string()),
+        ("format", str_field(v, "format")?.to_string()),
+        ("size", size(u64_field(v, "size_bytes")?)),
+        ("reserved", size(u64_field(v, "reserved_bytes")?)),
+        ("mapped", blocks(u64_field(v, "mapped_blocks")?)),
+    ]);
+    Ok(())
+}

@@ -1,0 +1,562 @@
+//! The `ibid` CLI against a captive `ibid serve`: every command with human and `--json` output,
+//! data written through NBD with qemu-io, and every error path exiting with its documented code.
+
+mod common;
+
+use common::{run, Server};
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::process::{Command, Output};
+
+/// Runs `ibid ARGS` with a clean environment (no IBID_SERVER, no IBID_API_TOKEN).
+fn ibid_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ibid"));
+    cmd.args(args)
+        .env_remove("IBID_SERVER")
+        .env_remove("IBID_API_TOKEN");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run ibid");
+    eprintln!("ibid {} -> {}", args.join(" "), out.status);
+    out
+}
+
+/// Runs `ibid ARGS --server http://ADDR` against `srv`.
+fn ibid(srv: &Server, args: &[&str]) -> Output {
+    let url = server_url(srv);
+    let mut all = args.to_vec();
+    all.extend(["--server", &url]);
+    ibid_env(&all, &[])
+}
+
+fn server_url(srv: &Server) -> String {
+    format!("http://{}", srv.http.as_deref().expect("API running"))
+}
+
+/// Runs a command that must succeed; returns its stdout.
+fn ok(srv: &Server, args: &[&str]) -> String {
+    let out = ibid(srv, args);
+    assert_eq!(out.status.code(), Some(0), "ibid {args:?}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs a command with `--json` that must succeed; returns its parsed stdout.
+fn json(srv: &Server, args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let stdout = ok(srv, &all);
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("ibid {args:?}: {e}: {stdout}"))
+}
+
+/// Runs a command that must fail with `exit` and API code `code`; returns its stderr.
+fn fails(srv: &Server, args: &[&str], exit: i32, code: &str) -> String {
+    let out = ibid(srv, args);
+    check_failure(&out, args, exit, code)
+}
+
+fn check_failure(out: &Output, args: &[&str], exit: i32, code: &str) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(exit),
+        "ibid {args:?}: {}",
+        text(out)
+    );
+    assert!(
+        stderr.starts_with("ibid: ") && stderr.trim_end().ends_with(&format!("({code})")),
+        "ibid {args:?}: stderr {stderr:?}, wanted 'ibid: ... ({code})'"
+    );
+    assert!(out.stdout.is_empty(), "ibid {args:?} printed on failure");
+    stderr
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn names(list: &Value) -> Vec<&str> {
+    list.as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect()
+}
+
+#[test]
+fn volume_commands_print_units_and_json() {
+    let srv = Server::start(&["--no-default-volume", "--capacity", "8G"]);
+    let v = json(
+        &srv,
+        &[
+            "volume",
+            "create",
+            "vm1",
+            "--size",
+            "1G",
+            "--format",
+            "eagerzeroedthick",
+        ],
+    );
+    assert_eq!(
+        (
+            v["name"].as_str(),
+            v["format"].as_str(),
+            v["size_bytes"].as_u64()
+        ),
+        (Some("vm1"), Some("eagerzeroedthick"), Some(1 << 30)),
+        "{v}"
+    );
+    assert!(v["reserved_bytes"].as_u64() >= Some(1 << 30), "{v}");
+    let out = ok(&srv, &["volume", "create", "vm2", "--size", "64M"]);
+    assert!(out.contains("64 MiB") && out.contains("thin"), "{out}");
+    // `1.5 GiB` with a space and the IEC suffix parses too.
+    let v = json(&srv, &["volume", "create", "vm3", "--size", "1.5 GiB"]);
+    assert_eq!(v["size_bytes"], 3u64 << 29);
+    assert_eq!(
+        names(&json(&srv, &["volume", "list"])),
+        ["vm1", "vm2", "vm3"]
+    );
+    let out = ok(&srv, &["volume", "list"]);
+    for want in [
+        "NAME",
+        "vm1",
+        "eagerzeroedthick",
+        "1 GiB",
+        "64 MiB",
+        "1.5 GiB",
+    ] {
+        assert!(out.contains(want), "{want:?} missing from:\n{out}");
+    }
+    let out = ok(&srv, &["volume", "describe", "vm1"]);
+    for want in [
+        "format:",
+        "eagerzeroedthick",
+        "1 GiB (1073741824 bytes)",
+        "262144 of 4 KiB",
+        "mapped:",
+        "tbz:",
+        "unique:",
+        "shared:",
+        "physical:",
+        "reserved:",
+        "snapshots: none",
+    ] {
+        assert!(out.contains(want), "{want:?} missing from:\n{out}");
+    }
+    // Resize answers 204; the CLI shows the volume as it now is.
+    let v = json(&srv, &["volume", "resize", "vm2", "--size", "128M"]);
+    assert_eq!(v["size_bytes"], 128u64 << 20);
+    // Conversions: format, reserve, eagerzero, inflate.
+    let v = json(&srv, &["volume", "format", "vm2", "zeroedthick"]);
+    assert_eq!(v["format"], "lazyzeroedthick");
+    let v = json(&srv, &["volume", "eagerzero", "vm2"]);
+    assert_eq!(v["format"], "eagerzeroedthick");
+    let v = json(&srv, &["volume", "reserve", "vm3"]);
+    assert_eq!(v["format"], "lazyzeroedthick");
+    ok(&srv, &["volume", "format", "vm3", "thin"]);
+    let out = ok(&srv, &["volume", "inflate", "vm3"]);
+    assert!(out.contains("eagerzeroedthick"), "{out}");
+    let v = json(&srv, &["volume", "delete", "vm3"]);
+    assert_eq!(v["deleted"], "vm3");
+    assert!(ok(&srv, &["volume", "delete", "vm2"]).contains("deleted volume vm2"));
+    assert_eq!(names(&json(&srv, &["volume", "list"])), ["vm1"]);
+}
+
+#[test]
+fn snapshots_clones_and_copies_share_data_written_through_nbd() {
+    let srv = Server::start(&["--no-default-volume", "--volume", "vm1=1G"]);
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x42 0 1M", &srv.url("vm1")],
+    );
+    let s = json(&srv, &["snapshot", "create", "vm1", "golden"]);
+    assert_eq!(
+        (
+            s["volume"].as_str(),
+            s["name"].as_str(),
+            s["mapped_blocks"].as_u64()
+        ),
+        (Some("vm1"), Some("golden"), Some(256)),
+        "{s}"
+    );
+    ok(&srv, &["snapshot", "create", "vm1@second"]);
+    let out = ok(&srv, &["snapshot", "list"]);
+    assert!(
+        out.contains("vm1@golden") && out.contains("vm1@second") && out.contains("1 MiB"),
+        "{out}"
+    );
+    assert_eq!(
+        names(&json(&srv, &["snapshot", "list", "vm1"])),
+        ["golden", "second"]
+    );
+    // A fast clone of the snapshot and a full clone of the live volume.
+    let c = json(&srv, &["volume", "clone", "vm1@golden", "c1"]);
+    assert_eq!(
+        (c["name"].as_str(), c["mapped_blocks"].as_u64()),
+        (Some("c1"), Some(256))
+    );
+    let c = json(&srv, &["volume", "clone", "vm1", "c2", "--full"]);
+    assert_eq!(c["size_bytes"], 1u64 << 30);
+    for clone in ["c1", "c2"] {
+        run(
+            "qemu-io",
+            &["-f", "raw", "-c", "read -P 0x42 0 1M", &srv.url(clone)],
+        );
+    }
+    // Every 4 KiB block of vm1 is the same 0x42 block, shared with its snapshots and clones.
+    let d = json(&srv, &["volume", "describe", "vm1"]);
+    assert_eq!(d["mapped_blocks"], 256, "{d}");
+    assert_eq!(d["blocks"], 262_144, "{d}");
+    assert_eq!(
+        (d["unique_blocks"].as_u64(), d["shared_blocks"].as_u64()),
+        (Some(0), Some(256)),
+        "{d}"
+    );
+    assert_eq!(d["distinct_chunks"], 1, "{d}");
+    assert_eq!(d["snapshots"].as_array().map(Vec::len), Some(2), "{d}");
+    // New data in the clone is its own; the rest stays shared.
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x17 0 64k", &srv.url("c1")],
+    );
+    let d = json(&srv, &["volume", "describe", "c1"]);
+    assert_eq!(
+        (
+            d["mapped_blocks"].as_u64(),
+            d["unique_blocks"].as_u64(),
+            d["shared_blocks"].as_u64()
+        ),
+        (Some(256), Some(16), Some(240)),
+        "{d}"
+    );
+    // A range copy from a snapshot into another volume, by reference.
+    ok(&srv, &["volume", "create", "dst", "--size", "4M"]);
+    let r = json(
+        &srv,
+        &[
+            "volume",
+            "copy",
+            "vm1@golden",
+            "dst",
+            "--length",
+            "1M",
+            "--offset",
+            "1M",
+        ],
+    );
+    assert_eq!(
+        (
+            r["length"].as_u64(),
+            r["shared_bytes"].as_u64(),
+            r["data_bytes"].as_u64()
+        ),
+        (Some(1 << 20), Some(1 << 20), Some(0)),
+        "{r}"
+    );
+    let out = ok(&srv, &["volume", "copy", "vm1", "dst", "--length", "512K"]);
+    assert!(out.contains("copied 512 KiB from vm1 to dst"), "{out}");
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0x42 1M 1M",
+            "-c",
+            "read -P 0x42 0 512k",
+            &srv.url("dst"),
+        ],
+    );
+    // Deleting snapshots, then the volume; the clones keep their data.
+    assert_eq!(
+        json(&srv, &["snapshot", "delete", "vm1", "golden"])["deleted"],
+        "vm1@golden"
+    );
+    assert!(ok(&srv, &["snapshot", "delete", "vm1@second"]).contains("deleted snapshot vm1@second"));
+    ok(&srv, &["volume", "delete", "vm1"]);
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0x42 64k 960k", &srv.url("c1")],
+    );
+}
+
+#[test]
+fn errors_exit_with_their_documented_codes() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--capacity",
+        "1G",
+        "--volume",
+        "v=1M",
+    ]);
+    fails(&srv, &["volume", "describe", "nope"], 3, "not_found");
+    fails(&srv, &["volume", "delete", "nope"], 3, "not_found");
+    fails(&srv, &["snapshot", "list", "nope"], 3, "not_found");
+    fails(&srv, &["snapshot", "delete", "v@none"], 3, "not_found");
+    fails(&srv, &["volume", "clone", "v@none", "c"], 3, "not_found");
+    fails(&srv, &["volume", "copy", "nope", "v"], 3, "not_found");
+    fails(
+        &srv,
+        &["volume", "create", "v", "--size", "1M"],
+        4,
+        "already_exists",
+    );
+    fails(&srv, &["volume", "clone", "v", "v"], 4, "already_exists");
+    fails(
+        &srv,
+        &[
+            "volume",
+            "create",
+            "big",
+            "--size",
+            "2G",
+            "--format",
+            "eagerzeroedthick",
+        ],
+        4,
+        "cannot_reserve",
+    );
+    fails(&srv, &["volume", "eagerzero", "v"], 4, "wrong_format");
+    fails(
+        &srv,
+        &["volume", "create", "bad/name", "--size", "1M"],
+        2,
+        "invalid_argument",
+    );
+    fails(
+        &srv,
+        &["volume", "create", "odd", "--size", "1000"],
+        2,
+        "invalid_argument",
+    );
+    fails(
+        &srv,
+        &["volume", "resize", "v", "--size", "512K"],
+        2,
+        "invalid_argument",
+    );
+    fails(&srv, &["snapshot", "create", "v"], 2, "usage");
+    fails(&srv, &["pool", "set"], 2, "usage");
+    // Parsed locally by clap: exit 2 with clap's message, nothing sent.
+    for args in [
+        &["volume", "create", "x", "--size", "10Q"][..],
+        &["volume", "format", "v", "thick"],
+        &["pool", "set", "--soft-threshold", "101"],
+        &["volume", "frobnicate"],
+    ] {
+        let out = ibid(&srv, args);
+        assert_eq!(out.status.code(), Some(2), "ibid {args:?}: {}", text(&out));
+    }
+    let out = ibid(&srv, &["volume", "create", "x", "--size", "10Q"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("10Q"),
+        "{}",
+        text(&out)
+    );
+    // Nothing above changed the pool.
+    let list = json(&srv, &["volume", "list"]);
+    assert_eq!(names(&list), ["v"]);
+    assert_eq!(list[0]["size_bytes"], 1u64 << 20);
+    assert_eq!(list[0]["format"], "thin");
+}
+
+#[test]
+fn server_down_exits_6_and_ibid_server_env_is_used() {
+    let srv = Server::start(&["--no-default-volume", "--volume", "v=1M"]);
+    let addr = srv.http.clone().expect("API running");
+    // IBID_SERVER, with and without the scheme.
+    for server in [format!("http://{addr}"), addr.clone()] {
+        let out = ibid_env(&["volume", "list", "--json"], &[("IBID_SERVER", &server)]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        let list: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(names(&list), ["v"]);
+    }
+    // --server wins over IBID_SERVER.
+    let out = ibid_env(
+        &["pool", "stats", "--server", &addr],
+        &[("IBID_SERVER", "http://127.0.0.1:1")],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    // A port nobody listens on: take a free one and close it.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let down = format!("http://{}", free.local_addr().expect("addr"));
+    drop(free);
+    let args = ["volume", "list", "--server", &down];
+    check_failure(&ibid_env(&args, &[]), &args, 6, "cannot_connect");
+    let out = ibid_env(&["pool", "stats"], &[("IBID_SERVER", &down)]);
+    check_failure(&out, &["pool", "stats"], 6, "cannot_connect");
+}
+
+#[test]
+fn a_server_with_a_token_refuses_clients_without_it() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--volume",
+        "v=1M",
+        "--api-token",
+        "s3cret",
+    ]);
+    fails(&srv, &["volume", "list"], 7, "unauthorized");
+    fails(
+        &srv,
+        &["volume", "list", "--token", "wrong"],
+        7,
+        "unauthorized",
+    );
+    fails(
+        &srv,
+        &["volume", "create", "x", "--size", "1M"],
+        7,
+        "unauthorized",
+    );
+    assert_eq!(
+        names(&json(&srv, &["volume", "list", "--token", "s3cret"])),
+        ["v"]
+    );
+    let args = ["volume", "list", "--json", "--server", &server_url(&srv)];
+    let out = ibid_env(&args, &[("IBID_API_TOKEN", "s3cret")]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let out = ibid_env(&args, &[("IBID_API_TOKEN", "nope")]);
+    check_failure(&out, &args, 7, "unauthorized");
+}
+
+#[test]
+fn pool_stats_and_settings() {
+    let srv = Server::start(&["--no-default-volume", "--capacity", "4G"]);
+    let s = json(&srv, &["pool", "stats"]);
+    assert_eq!(s["capacity_bytes"], 4u64 << 30, "{s}");
+    let s = json(
+        &srv,
+        &["pool", "set", "--capacity", "2G", "--soft-threshold", "85"],
+    );
+    assert_eq!(
+        (
+            s["capacity_bytes"].as_u64(),
+            s["soft_threshold_pct"].as_u64()
+        ),
+        (Some(2 << 30), Some(85)),
+        "{s}"
+    );
+    let out = ok(&srv, &["pool", "stats"]);
+    for want in [
+        "capacity:",
+        "2 GiB",
+        "soft threshold:",
+        "85%",
+        "free:",
+        "data reduction:",
+    ] {
+        assert!(out.contains(want), "{want:?} missing from:\n{out}");
+    }
+}
+
+/// A fake API that answers `GET /api/v1/volumes` with `[]` after `delay`, once.
+fn slow_server(delay: std::time::Duration) -> (String, std::thread::JoinHandle<()>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let thread = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().expect("accept");
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf);
+        std::thread::sleep(delay);
+        let _ = conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\
+              connection: close\r\n\r\n[]",
+        );
+    });
+    (addr, thread)
+}
+
+#[test]
+fn a_slow_call_shows_a_spinner_on_a_terminal_only() {
+    common::require("script");
+    let delay = std::time::Duration::from_millis(2500);
+    let on_terminal = |extra: &str| {
+        let (addr, server) = slow_server(delay);
+        let cmd = format!(
+            "{} volume list --server {addr} {extra}",
+            env!("CARGO_BIN_EXE_ibid")
+        );
+        // script(1) runs the command on a pseudo-terminal and copies what it shows.
+        let out = run("script", &["-qec", &cmd, "/dev/null"]);
+        server.join().expect("server");
+        out
+    };
+    let out = on_terminal("");
+    assert!(
+        out.contains("listing volumes ("),
+        "no spinner on a terminal: {out:?}"
+    );
+    assert!(out.contains("NAME"), "{out:?}");
+    // --json on a terminal: the JSON alone.
+    let out = on_terminal("--json");
+    assert!(
+        !out.contains("listing volumes"),
+        "spinner with --json: {out:?}"
+    );
+    assert_eq!(out.trim(), "[]");
+    // Through pipes: no spinner, stdout is the table alone.
+    let (addr, server) = slow_server(delay);
+    let out = ibid_env(&["volume", "list", "--server", &addr], &[]);
+    server.join().expect("server");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(out.stderr.is_empty(), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("NAME"));
+}
+
+#[test]
+fn a_full_pool_exits_5() {
+    // 40 MiB of incompressible data in a 64 MiB pool; an unaligned copy must write it all again.
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--capacity",
+        "64M",
+        "--volume",
+        "a=48M",
+        "--volume",
+        "b=48M",
+    ]);
+    let image = srv.dir.path().join("random.img");
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let data: Vec<u8> = (0..40 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
+        })
+        .collect();
+    std::fs::write(&image, data).expect("write image");
+    let image = image.to_str().expect("utf-8 path");
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            &format!("write -s {image} 0 40M"),
+            &srv.url("a"),
+        ],
+    );
+    fails(
+        &srv,
+        &[
+            "volume",
+            "copy",
+            "a",
+            "b",
+            "--source-offset",
+            "512",
+            "--length",
+            "40M",
+        ],
+        5,
+        "no_space",
+    );
+}
