@@ -17,6 +17,8 @@ need iscsi-test-cu libiscsi-bin
 need mkfs.ext4 e2fsprogs
 need fusermount3 fuse3
 need losetup mount
+need script bsdutils
+need curl curl
 [ -f /usr/include/iscsi/iscsi.h ] || need_pkgs+=(libiscsi-dev)
 qemu_ok=1
 command -v qemu-img >/dev/null 2>&1 || qemu_ok=0

@@ -93,7 +93,6 @@ fn print_stats(s: &Value) -> Result<(), CliError> {
         ),
         ("physical", bytes("physical_bytes")?),
         ("metadata", bytes("metadata_bytes")?),
-        ("metadata reserve", bytes("metadata_reserve_bytes")?),
         ("segment files", bytes("segment_file_bytes")?),
         ("garbage", bytes("garbage_bytes")?),
         (
