@@ -209,7 +209,8 @@ record() { # record MEASURE VALUE UNIT WALL NOTE
 rate() { echo "scale=1; $1 / $2 / 1000000" | bc; }   # bytes seconds -> MB/s
 
 # zero BYTES UNMAP(0|1) URL: WRITE SAME through qemu-io, 1 GiB per request (qemu-io caps one
-# request below 2 GiB; qemu's iscsi driver turns each into WRITE SAME(16) commands).
+# request below 2 GiB; qemu's iscsi driver turns each into WRITE SAME commands: WRITE SAME(10),
+# at most 65535 blocks = 32 MiB each, on LUNs under 2 TiB whose VPD B2h sets LBPWS10).
 zero() {
     local n=$(( $1 / GIB )) rest=$(( $1 % GIB )) flags="-z" args=() i
     [ "$2" = 1 ] && flags="-z -u"
@@ -336,6 +337,10 @@ for SYS in $SYSTEMS; do
         pool rw-after
     done
     [ "$SYS" = tgt ] && du -k "$SCRATCH"/tgt/*.img >"$OUT/logs/tgt-du-end.txt"
+    # ibid's per-volume request counts and engine time per kind (how many WRITE SAME commands
+    # qemu sent, and how long the engine spent on them)
+    [ "$SYS" = ibid ] && { curl -sf "http://127.0.0.1:$IBID_HTTP/metrics" | grep '^ibid_volume_' \
+        | grep -v bucket >"$OUT/logs/ibid-metrics.txt" || true; }
     case "$SYS" in tgt) stop_tgt ;; ibid) stop_ibid ;; esac
     rm -rf "${SCRATCH:?}/$SYS" "$SCRATCH/ibid"
 done

@@ -19,8 +19,8 @@ LABEL = {
     "randread-4k-qd32": "iscsi-perf random 4 KiB reads, QD32, written data",
     "seqread-1m-qd8": "iscsi-perf sequential 1 MiB reads, QD8, written data",
     "convert-mixed": "qemu-img convert of the mixed image into a LUN",
-    "zero-nounmap": "zero the big LUN: WRITE SAME(16), zero data, no UNMAP bit",
-    "zero-unmap": "zero the big LUN: WRITE SAME(16) with UNMAP",
+    "zero-nounmap": "zero the 1 TiB LUN: qemu-io write -z (WRITE SAME, zero data, no UNMAP bit)",
+    "zero-unmap": "zero the 1 TiB LUN: qemu-io write -z -u (WRITE SAME with UNMAP)",
     "xcopy": "EXTENDED COPY of the written data LUN to another LUN",
     "rwcopy": "read+write copy of the same data (qemu-img convert LUN to LUN)",
 }
