@@ -17,6 +17,7 @@ need iscsi-test-cu libiscsi-bin
 need mkfs.ext4 e2fsprogs
 need fusermount3 fuse3
 need losetup mount
+/usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need_pkgs+=(python3-matplotlib)
 [ -f /usr/include/iscsi/iscsi.h ] || need_pkgs+=(libiscsi-dev)
 qemu_ok=1
 command -v qemu-img >/dev/null 2>&1 || qemu_ok=0
