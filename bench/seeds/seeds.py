@@ -321,6 +321,7 @@ class Ibid:
         _, p = self.api("GET", "/pool")  # syncs the pool first
         return {"used_bytes": p["used_bytes"], "physical_bytes": p["physical_bytes"],
                 "logical_written_bytes": p["logical_written_bytes"],
+                "reserved_bytes": p.get("reserved_bytes"), "free_bytes": p.get("free_bytes"),
                 "du_bytes": du(self.pool_dir)}
 
     def stop(self):
@@ -996,16 +997,12 @@ def plots(res, out):
         a1.set_ylabel("seconds")
         a1.set_title(f"2. Writing all of a {human(e['size'])} disk, 3 passes")
         a1.legend()
-        for n in names:
+        for i, n in enumerate(names):
             for k, style in ((0, "-"), (2, ":")):
                 pct = e["systems"][n]["passes"][k]["pct_ms"]
                 xs = sorted(pct, key=float)
-                line, = a2.plot([float(x) / 100 for x in xs], [pct[x] for x in xs], style,
-                                label=f"{n} pass {k + 1}" if k == 0 else None)
-                if k == 0:
-                    color = line.get_color()
-                else:
-                    line.set_color(color)
+                a2.plot([float(x) / 100 for x in xs], [pct[x] for x in xs], style,
+                        color=f"C{i % 10}", label=f"{n} pass {k + 1}" if k == 0 else None)
         a2.set_xscale("logit")
         a2.set_yscale("log")
         a2.set_xlabel("percentile (solid: pass 1, dotted: pass 3)")
@@ -1031,6 +1028,8 @@ def plots(res, out):
     e = ex.get("45")
     if e:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        colors = plt.get_cmap("tab20").colors
+        k = 0
         for n, r in e["systems"].items():
             for m, mr in (r.get("methods") or {}).items():
                 cl = mr.get("clones")
@@ -1039,8 +1038,11 @@ def plots(res, out):
                 base = phys(r["space_written"])
                 ys = [base / GiB] + [phys(c["space"]) / GiB for c in cl]
                 lab = n if m == "clone" else f"{n} {m}"
-                a1.plot(range(len(ys)), ys, marker="o", label=lab)
-                a2.plot(range(1, len(cl) + 1), [c["seconds"] for c in cl], marker="o", label=lab)
+                c = colors[k % len(colors)]
+                k += 1
+                a1.plot(range(len(ys)), ys, marker="o", color=c, label=lab)
+                a2.plot(range(1, len(cl) + 1), [c_["seconds"] for c_ in cl], marker="o", color=c,
+                        label=lab)
         a1.set_xlabel("clones made")
         a1.set_ylabel("physical GiB (ibid: pool used; peers: du)")
         a1.set_title("4+5. Space with the VM image and its clones")

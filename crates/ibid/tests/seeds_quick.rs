@@ -33,8 +33,18 @@ fn seeds_quick_mode_runs_and_reports() {
         assert!(report.contains(heading), "report.md lacks {heading:?}");
     }
     assert!(!report.contains("**FAILED**"), "a check failed:\n{report}");
-    assert!(!report.contains("## Errors"), "an experiment failed:\n{report}");
-    for png in ["provision.png", "format.png", "jetstress.png", "clones.png", "copy.png", "zero.png"] {
+    assert!(
+        !report.contains("## Errors"),
+        "an experiment failed:\n{report}"
+    );
+    for png in [
+        "provision.png",
+        "format.png",
+        "jetstress.png",
+        "clones.png",
+        "copy.png",
+        "zero.png",
+    ] {
         let meta = std::fs::metadata(out.path().join(png)).expect(png);
         assert!(meta.len() > 1000, "{png} is empty");
     }
