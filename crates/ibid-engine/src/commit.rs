@@ -136,6 +136,7 @@ impl Inner {
                 mapped_blocks: map.mapped_blocks,
                 created_unix_s: v.created_unix_s,
                 layers: map.stack.clone(),
+                format: v.format(),
             };
             volumes.push((v.clone(), overlay, record));
         }

@@ -13,6 +13,15 @@ pub enum Error {
     /// A write needs new physical space and the pool has none left.
     #[error("no space left in the pool")]
     NoSpace,
+    /// A thick volume's reservation (creation, growth or conversion) does not fit in the
+    /// pool's unreserved free space.
+    #[error("the pool cannot reserve {needed} bytes: {available} bytes are free and unreserved")]
+    CannotReserve {
+        /// Bytes the operation would reserve.
+        needed: u64,
+        /// Bytes free and not reserved by other thick volumes.
+        available: u64,
+    },
     /// No volume has this name.
     #[error("no volume named {0:?}")]
     NotFound(String),

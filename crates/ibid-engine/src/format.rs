@@ -193,8 +193,9 @@ impl ChunkRecord {
 /// volume name) and of the `snapshots` table (key: `VOLUME@SNAPSHOT`).
 ///
 /// Layout: id u64 | size u64 | mapped_blocks u64 | created_unix_s u64 | layer count u32 |
-/// layers (u64 each, bottom first). The last layer of a volume is its writable top layer; a
-/// snapshot's layers are all frozen.
+/// layers (u64 each, bottom first) | provisioning format u8 | reserved (7). The last layer of a
+/// volume is its writable top layer; a snapshot's layers are all frozen. Records written before
+/// the format byte existed end after the layers and decode as thin.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeRecord {
     /// Volume id, unique in the pool, never reused (snapshots get ids from the same counter).
@@ -207,10 +208,89 @@ pub struct VolumeRecord {
     pub created_unix_s: u64,
     /// The stack of map layers, bottom first.
     pub layers: Vec<u64>,
+    /// Space reservation policy (snapshots are always thin).
+    pub format: VolumeFormat,
 }
 
-/// Encoded size of a [`VolumeRecord`] without its layers.
+/// How a volume provisions space: a policy, not a data layout. All three read, write and
+/// share data the same way; thick formats reserve pool space for their blocks that hold no
+/// data yet, so their writes never fail for lack of space.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum VolumeFormat {
+    /// Space is taken as data is written (the default).
+    #[default]
+    Thin,
+    /// Space for the whole volume is reserved at creation; blocks never written are reported
+    /// as "to be zeroed" (tbz), though they read as zeros at no cost.
+    LazyZeroedThick,
+    /// Space for the whole volume is reserved and every block counts as zeroed from creation
+    /// (tbz = 0), in O(1): unwritten blocks already read as zeros.
+    EagerZeroedThick,
+}
+
+impl VolumeFormat {
+    /// Every format, in the order users know them.
+    pub const ALL: [VolumeFormat; 3] = [
+        VolumeFormat::Thin,
+        VolumeFormat::LazyZeroedThick,
+        VolumeFormat::EagerZeroedThick,
+    ];
+
+    /// The name used in the API and CLI (`thin`, `lazyzeroedthick`, `eagerzeroedthick`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumeFormat::Thin => "thin",
+            VolumeFormat::LazyZeroedThick => "lazyzeroedthick",
+            VolumeFormat::EagerZeroedThick => "eagerzeroedthick",
+        }
+    }
+
+    /// Whether the format reserves space for the whole volume.
+    pub fn is_thick(self) -> bool {
+        self != VolumeFormat::Thin
+    }
+
+    /// The format's code in a [`VolumeRecord`].
+    pub fn code(self) -> u8 {
+        match self {
+            VolumeFormat::Thin => 0,
+            VolumeFormat::LazyZeroedThick => 1,
+            VolumeFormat::EagerZeroedThick => 2,
+        }
+    }
+
+    /// The format stored as `code`, if it names one.
+    pub fn from_code(code: u8) -> Option<VolumeFormat> {
+        VolumeFormat::ALL.into_iter().find(|f| f.code() == code)
+    }
+}
+
+impl std::fmt::Display for VolumeFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for VolumeFormat {
+    type Err = Error;
+
+    /// Parses a format name; `zeroedthick` (VMware's name for lazy) is accepted too.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "thin" => Ok(VolumeFormat::Thin),
+            "lazyzeroedthick" | "zeroedthick" => Ok(VolumeFormat::LazyZeroedThick),
+            "eagerzeroedthick" => Ok(VolumeFormat::EagerZeroedThick),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown volume format {s:?}: use thin, lazyzeroedthick or eagerzeroedthick"
+            ))),
+        }
+    }
+}
+
+/// Encoded size of a [`VolumeRecord`] without its layers and trailer.
 pub const VOLUME_RECORD_FIXED_BYTES: usize = 36;
+/// Encoded size of the trailer after the layers (format byte and reserved bytes).
+pub const VOLUME_RECORD_TRAILER_BYTES: usize = 8;
 /// Most layers a stack may hold (clone and snapshot generations).
 pub const LAYERS_MAX: usize = 4096;
 
@@ -222,7 +302,9 @@ impl VolumeRecord {
 
     /// Encodes the record.
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(VOLUME_RECORD_FIXED_BYTES + 8 * self.layers.len());
+        let mut v = Vec::with_capacity(
+            VOLUME_RECORD_FIXED_BYTES + 8 * self.layers.len() + VOLUME_RECORD_TRAILER_BYTES,
+        );
         for x in [self.id, self.size, self.mapped_blocks, self.created_unix_s] {
             v.extend_from_slice(&x.to_le_bytes());
         }
@@ -230,6 +312,9 @@ impl VolumeRecord {
         for l in &self.layers {
             v.extend_from_slice(&l.to_le_bytes());
         }
+        let mut trailer = [0u8; VOLUME_RECORD_TRAILER_BYTES];
+        trailer[0] = self.format.code();
+        v.extend_from_slice(&trailer);
         v
     }
 
@@ -243,13 +328,20 @@ impl VolumeRecord {
         }
         let f = |i: usize| u64::from_le_bytes(v[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         let n = u32::from_le_bytes(v[32..36].try_into().expect("4 bytes")) as usize;
-        if n == 0 || n > LAYERS_MAX || v.len() != VOLUME_RECORD_FIXED_BYTES + 8 * n {
+        let layers_end = VOLUME_RECORD_FIXED_BYTES + 8 * n;
+        let with_trailer = layers_end + VOLUME_RECORD_TRAILER_BYTES;
+        if n == 0 || n > LAYERS_MAX || (v.len() != layers_end && v.len() != with_trailer) {
             return Err(Error::Corrupt(format!(
                 "volume record with {n} layers in {} bytes",
                 v.len()
             )));
         }
-        let layers = v[36..]
+        let format = match v.get(layers_end) {
+            None => VolumeFormat::Thin,
+            Some(&code) => VolumeFormat::from_code(code)
+                .ok_or_else(|| Error::Corrupt(format!("volume record with format code {code}")))?,
+        };
+        let layers = v[VOLUME_RECORD_FIXED_BYTES..layers_end]
             .chunks(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect();
@@ -259,6 +351,7 @@ impl VolumeRecord {
             mapped_blocks: f(2),
             created_unix_s: f(3),
             layers,
+            format,
         })
     }
 }
@@ -344,6 +437,50 @@ mod tests {
         assert!(record_crc_ok(&rec, crc));
         rec[50] ^= 1;
         assert!(!record_crc_ok(&rec, crc));
+    }
+
+    #[test]
+    fn volume_record_round_trips_every_format_and_reads_old_records_as_thin() {
+        for format in VolumeFormat::ALL {
+            let r = VolumeRecord {
+                id: 3,
+                size: 1 << 40,
+                mapped_blocks: 17,
+                created_unix_s: 99,
+                layers: vec![4, 9],
+                format,
+            };
+            let bytes = r.encode();
+            assert_eq!(VolumeRecord::decode(&bytes).expect("decode"), r);
+            let old = &bytes[..bytes.len() - VOLUME_RECORD_TRAILER_BYTES];
+            let decoded = VolumeRecord::decode(old).expect("decode without trailer");
+            assert_eq!(decoded.format, VolumeFormat::Thin);
+        }
+        let mut bad = VolumeRecord {
+            id: 1,
+            size: 4096,
+            mapped_blocks: 0,
+            created_unix_s: 0,
+            layers: vec![1],
+            format: VolumeFormat::Thin,
+        }
+        .encode();
+        let at = bad.len() - VOLUME_RECORD_TRAILER_BYTES;
+        bad[at] = 9;
+        assert!(matches!(VolumeRecord::decode(&bad), Err(Error::Corrupt(_))));
+        assert!(VolumeRecord::decode(&bad[..bad.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn volume_format_names_parse_back() {
+        for f in VolumeFormat::ALL {
+            assert_eq!(f.as_str().parse::<VolumeFormat>().expect("parse"), f);
+        }
+        assert_eq!(
+            "zeroedthick".parse::<VolumeFormat>().expect("parse"),
+            VolumeFormat::LazyZeroedThick
+        );
+        assert!("thick".parse::<VolumeFormat>().is_err());
     }
 
     #[test]

@@ -24,6 +24,7 @@ pub mod format;
 mod gc;
 pub mod meta;
 mod pool;
+mod provision;
 mod segment;
 mod snapshot;
 pub mod stats;
@@ -32,7 +33,9 @@ mod volume;
 
 pub use config::PoolConfig;
 pub use error::{Error, Result};
+pub use format::VolumeFormat;
 pub use pool::{validate_volume_name, validate_volume_size, Pool, VolumeInfo};
+pub use provision::RESERVED_BYTES_PER_BLOCK;
 pub use snapshot::SnapshotInfo;
 pub use stats::{PoolStats, VolumeSpace};
 pub use verify::VerifyReport;

@@ -3,7 +3,9 @@
 use crate::bloom::Bloom;
 use crate::config::PoolConfig;
 use crate::error::{Error, Result};
-use crate::format::{ChunkRecord, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX};
+use crate::format::{
+    ChunkRecord, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
+};
 use crate::meta::{self, PoolRecord};
 use crate::segment::Segments;
 use crate::stats::PoolStats;
@@ -14,7 +16,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -48,6 +50,8 @@ pub(crate) struct VolumeState {
     pub created_unix_s: u64,
     /// Snapshots are read-only views of a frozen stack.
     pub read_only: bool,
+    /// The [`VolumeFormat`] code; changed only with `map` locked (see `provision.rs`).
+    pub format: AtomicU8,
     pub map: Mutex<VolumeMap>,
     pub stripes: Vec<Mutex<()>>,
 }
@@ -122,6 +126,11 @@ pub(crate) struct Inner {
     pub live_chunks: AtomicU64,
     /// Bytes appended for chunks not yet committed.
     pub pending_bytes: AtomicI64,
+    /// Blocks of thick volumes that hold no data: each keeps a reservation (see
+    /// `provision.rs`). Changed with the volume's map locked.
+    pub thick_unwritten_blocks: AtomicI64,
+    /// Serializes operations that take new reservations, so two cannot both fit.
+    pub reserve_lock: Mutex<()>,
     pub meta_bytes: AtomicU64,
     pub dirty_blocks: AtomicU64,
     pub failed: Mutex<Option<String>>,
@@ -154,6 +163,13 @@ pub struct VolumeInfo {
     pub mapped_blocks: u64,
     /// Creation time, seconds since the Unix epoch.
     pub created_unix_s: u64,
+    /// Space reservation policy.
+    pub format: VolumeFormat,
+    /// Blocks "to be zeroed": never written (or zeroed since) in a lazy-zeroed thick volume;
+    /// 0 for the other formats. Such blocks read as zeros at no cost either way.
+    pub tbz_blocks: u64,
+    /// Pool space this volume keeps reserved for its blocks that hold no data (thick only).
+    pub reserved_bytes: u64,
 }
 
 /// A storage pool: a directory holding segment files and the metadata store.
@@ -340,6 +356,11 @@ impl Pool {
                 })
             })
             .collect();
+        let thick_unwritten: u64 = volumes
+            .values()
+            .filter(|r| r.format.is_thick())
+            .map(|r| crate::provision::unwritten_blocks(r.size, r.mapped_blocks))
+            .sum();
         let vols = volumes
             .into_iter()
             .map(|(name, r)| {
@@ -374,6 +395,8 @@ impl Pool {
             live_bytes: AtomicU64::new(record.live_bytes),
             live_chunks: AtomicU64::new(record.live_chunks),
             pending_bytes: AtomicI64::new(0),
+            thick_unwritten_blocks: AtomicI64::new(thick_unwritten as i64),
+            reserve_lock: Mutex::new(()),
             meta_bytes: AtomicU64::new(meta_bytes),
             dirty_blocks: AtomicU64::new(0),
             failed: Mutex::new(None),
@@ -449,9 +472,25 @@ impl Pool {
 
     /// Creates a thin volume of `size_bytes` (a multiple of 512, at most 1 PiB).
     pub fn create_volume(&self, name: &str, size_bytes: u64) -> Result<Volume> {
+        self.create_volume_with_format(name, size_bytes, VolumeFormat::Thin)
+    }
+
+    /// Creates a volume of `size_bytes` in `format`, in O(1) whatever the size. A thick
+    /// format reserves space for the whole volume, or fails with `CannotReserve`.
+    pub fn create_volume_with_format(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        format: VolumeFormat,
+    ) -> Result<Volume> {
         validate_volume_name(name)?;
         validate_volume_size(size_bytes)?;
         self.inner.check_failed()?;
+        let _reserving = self.inner.reserve_lock.lock();
+        if format.is_thick() {
+            self.inner
+                .check_reservation(crate::provision::unwritten_blocks(size_bytes, 0))?;
+        }
         let mut cs = self.inner.commit.lock();
         let mut vols = self.inner.volumes.write();
         if vols.contains_key(name) {
@@ -463,6 +502,7 @@ impl Pool {
             mapped_blocks: 0,
             created_unix_s: now_unix_s(),
             layers: vec![cs.record.next_layer_id],
+            format,
         };
         let mut pool_rec = cs.record.clone();
         pool_rec.next_volume_id += 1;
@@ -478,10 +518,17 @@ impl Pool {
         txn.commit()?;
         cs.record = pool_rec;
         let state = Arc::new(new_volume_state(name.to_string(), &record, false));
+        if format.is_thick() {
+            self.inner.thick_unwritten_blocks.fetch_add(
+                crate::provision::unwritten_blocks(size_bytes, 0) as i64,
+                Ordering::Relaxed,
+            );
+        }
         vols.insert(name.to_string(), state.clone());
         self.inner
             .catalog_generation
             .fetch_add(1, Ordering::Relaxed);
+        self.inner.check_soft_threshold();
         Ok(Volume::new(self.inner.clone(), state))
     }
 
@@ -520,9 +567,11 @@ impl Pool {
             .collect()
     }
 
-    /// Grows a volume to `new_size_bytes`. Shrinking is refused: it would destroy data.
+    /// Grows a volume to `new_size_bytes`. Shrinking is refused: it would destroy data. A
+    /// thick volume reserves the added blocks, or fails with `CannotReserve`.
     pub fn resize_volume(&self, name: &str, new_size_bytes: u64) -> Result<()> {
         validate_volume_size(new_size_bytes)?;
+        let _reserving = self.inner.reserve_lock.lock();
         let state = self
             .inner
             .volumes
@@ -537,6 +586,14 @@ impl Pool {
                     "volume {name:?} is {} bytes; shrinking to {new_size_bytes} would discard data",
                     map.size
                 )));
+            }
+            if state.format().is_thick() {
+                let added = crate::provision::unwritten_blocks(new_size_bytes, 0)
+                    - crate::provision::unwritten_blocks(map.size, 0);
+                self.inner.check_reservation(added)?;
+                self.inner
+                    .thick_unwritten_blocks
+                    .fetch_add(added as i64, Ordering::Relaxed);
             }
             map.size = new_size_bytes;
             map.record_dirty = true;
@@ -556,7 +613,15 @@ impl Pool {
                 .write()
                 .remove(name)
                 .ok_or_else(|| Error::NotFound(name.to_string()))?;
-            state.map.lock().deleted = true;
+            let mut map = state.map.lock();
+            map.deleted = true;
+            if state.format().is_thick() {
+                let unwritten = crate::provision::unwritten_blocks(map.size, map.mapped_blocks);
+                self.inner
+                    .thick_unwritten_blocks
+                    .fetch_sub(unwritten as i64, Ordering::Relaxed);
+            }
+            drop(map);
             state
         };
         let prefix = format!("{name}@");
@@ -659,12 +724,18 @@ fn bloom_capacity(live_chunks: u64) -> u64 {
     live_chunks.saturating_add(live_chunks / 4)
 }
 
+/// Whether `used` bytes reach `pct` percent of `capacity`.
+fn past_threshold(used: u64, capacity: u64, pct: u64) -> bool {
+    used as u128 * 100 >= capacity as u128 * pct as u128
+}
+
 pub(crate) fn new_volume_state(name: String, r: &VolumeRecord, read_only: bool) -> VolumeState {
     VolumeState {
         name,
         id: r.id,
         created_unix_s: r.created_unix_s,
         read_only,
+        format: AtomicU8::new(r.format.code()),
         map: Mutex::new(VolumeMap {
             size: r.size,
             stack: r.layers.clone(),
@@ -681,12 +752,25 @@ pub(crate) fn new_volume_state(name: String, r: &VolumeRecord, read_only: bool) 
 
 pub(crate) fn volume_info(v: &VolumeState) -> VolumeInfo {
     let map = v.map.lock();
+    let format = v.format();
+    let unwritten = crate::provision::unwritten_blocks(map.size, map.mapped_blocks);
     VolumeInfo {
         id: v.id,
         name: v.name.clone(),
         size_bytes: map.size,
         mapped_blocks: map.mapped_blocks,
         created_unix_s: v.created_unix_s,
+        format,
+        tbz_blocks: if format == VolumeFormat::LazyZeroedThick {
+            unwritten
+        } else {
+            0
+        },
+        reserved_bytes: if format.is_thick() {
+            unwritten * crate::provision::RESERVED_BYTES_PER_BLOCK
+        } else {
+            0
+        },
     }
 }
 
@@ -734,13 +818,18 @@ impl Inner {
         let physical = self.live_bytes.load(Ordering::Relaxed);
         let meta_bytes = self.meta_bytes.load(Ordering::Relaxed);
         let live_chunks = self.live_chunks.load(Ordering::Relaxed);
-        let (mut provisioned, mut mapped) = (0u64, 0u64);
+        let (mut provisioned, mut thick, mut mapped) = (0u64, 0u64, 0u64);
         let volumes = self.volumes.read();
         for v in volumes.values() {
             let m = v.map.lock();
             provisioned += m.size;
+            if v.format().is_thick() {
+                thick += m.size;
+            }
             mapped += m.mapped_blocks;
         }
+        let reserved = self.reserved_bytes();
+        let meta_reserve = self.metadata_reserve();
         let segment_file_bytes: u64 = self
             .segments
             .ids()
@@ -753,16 +842,23 @@ impl Inner {
         PoolStats {
             capacity_bytes: capacity,
             soft_threshold_pct: soft_pct as u8,
-            soft_threshold_exceeded: used as u128 * 100 >= capacity as u128 * soft_pct as u128,
+            soft_threshold_exceeded: past_threshold(
+                used + reserved + meta_reserve,
+                capacity,
+                soft_pct,
+            ),
             volumes: volumes.len() as u64,
             provisioned_bytes: provisioned,
+            thick_provisioned_bytes: thick,
             logical_written_bytes: logical,
             unique_bytes: live_chunks * BLOCK_BYTES as u64,
             unique_chunks: live_chunks,
             physical_bytes: physical,
             metadata_bytes: meta_bytes,
             used_bytes: used,
-            free_bytes: capacity.saturating_sub(used),
+            reserved_bytes: reserved,
+            metadata_reserve_bytes: meta_reserve,
+            free_bytes: capacity.saturating_sub(used + reserved + meta_reserve),
             segment_file_bytes,
             garbage_bytes: segment_file_bytes.saturating_sub(physical),
             data_reduction_ratio: if physical == 0 {
@@ -775,13 +871,24 @@ impl Inner {
         }
     }
 
-    /// Fails with `NoSpace` if `bytes` more would not fit.
-    pub(crate) fn reserve_space(&self, bytes: u64) -> Result<()> {
-        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
+    /// Bytes used, counting chunks appended but not yet committed.
+    pub(crate) fn used_now(&self) -> u64 {
         let used = self.live_bytes.load(Ordering::Relaxed) as i64
             + self.pending_bytes.load(Ordering::Relaxed)
             + self.meta_bytes.load(Ordering::Relaxed) as i64;
-        if used.max(0) as u64 + bytes > capacity {
+        used.max(0) as u64
+    }
+
+    /// Fails with `NoSpace` if `bytes` more would not fit: a thin volume may not use what thick
+    /// volumes keep reserved; a thick volume draws on the reservations.
+    pub(crate) fn reserve_space(&self, bytes: u64, thick: bool) -> Result<()> {
+        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
+        let reserved = if thick {
+            0
+        } else {
+            self.reserved_bytes() + self.metadata_reserve()
+        };
+        if self.used_now() + reserved + bytes > capacity {
             return Err(Error::NoSpace);
         }
         Ok(())
@@ -791,14 +898,15 @@ impl Inner {
     /// after every commit.
     pub(crate) fn check_soft_threshold(&self) {
         let capacity = self.capacity_bytes.load(Ordering::Relaxed);
-        let used =
-            self.live_bytes.load(Ordering::Relaxed) + self.meta_bytes.load(Ordering::Relaxed);
+        let used = self.live_bytes.load(Ordering::Relaxed)
+            + self.meta_bytes.load(Ordering::Relaxed)
+            + self.reserved_bytes()
+            + self.metadata_reserve();
         let pct = self.soft_threshold_pct.load(Ordering::Relaxed);
-        let exceeded = used as u128 * 100 >= capacity as u128 * pct as u128;
-        if exceeded {
+        if past_threshold(used, capacity, pct) {
             if !self.soft_warned.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
-                    "pool {}: {used} of {capacity} bytes used, past the soft threshold of {pct} %",
+                    "pool {}: {used} of {capacity} bytes used or reserved, past the soft threshold of {pct} %",
                     self.dir.display()
                 );
             }

@@ -12,7 +12,7 @@
 //! volume has no dirty entries, retrying if a write slipped in between.
 
 use crate::error::{Error, Result};
-use crate::format::{self, VolumeRecord, LAYERS_MAX};
+use crate::format::{self, VolumeFormat, VolumeRecord, LAYERS_MAX};
 use crate::meta;
 use crate::pool::{
     new_volume_state, validate_volume_name, CommitState, Inner, Pool, VolumeMap, VolumeState,
@@ -180,6 +180,7 @@ impl Pool {
                 mapped_blocks: map.mapped_blocks,
                 created_unix_s: now_unix_s(),
                 layers: map.stack.clone(),
+                format: VolumeFormat::Thin,
             };
             let mut stack = map.stack.clone();
             stack.push(new_top);
@@ -189,6 +190,7 @@ impl Pool {
                 mapped_blocks: map.mapped_blocks,
                 created_unix_s: v.created_unix_s,
                 layers: stack.clone(),
+                format: v.format(),
             };
             inner.write_catalog(
                 cs,
@@ -265,6 +267,7 @@ impl Pool {
                 mapped_blocks: map.mapped_blocks,
                 created_unix_s: now_unix_s(),
                 layers,
+                format: VolumeFormat::Thin,
             };
             self.inner.write_catalog(
                 &mut cs,
@@ -294,6 +297,7 @@ impl Pool {
                     mapped_blocks: map.mapped_blocks,
                     created_unix_s: v.created_unix_s,
                     layers: vol_stack.clone(),
+                    format: v.format(),
                 };
                 let rec = VolumeRecord {
                     id: cs.record.next_volume_id,
@@ -301,6 +305,7 @@ impl Pool {
                     mapped_blocks: map.mapped_blocks,
                     created_unix_s: now_unix_s(),
                     layers: clone_stack,
+                    format: VolumeFormat::Thin,
                 };
                 inner.write_catalog(
                     cs,
@@ -391,6 +396,7 @@ impl Inner {
                 mapped_blocks: map.mapped_blocks,
                 created_unix_s: v.created_unix_s,
                 layers: stack.clone(),
+                format: v.format(),
             };
             let txn = inner.db.begin_write()?;
             {

@@ -3,7 +3,7 @@
 /// Where the pool's space went, exact as of the last commit.
 ///
 /// Sums that hold (checked by the tests): `used = physical + metadata`,
-/// `free = capacity - used` (floored at zero), `logical_written = Σ volumes' mapped blocks × 4 KiB`,
+/// `free = capacity - used - reserved - metadata_reserve` (floored at zero), `logical_written = Σ volumes' mapped blocks × 4 KiB`,
 /// `garbage = segment files - physical`, and `physical` is the sum of the live records' sizes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolStats {
@@ -11,12 +11,14 @@ pub struct PoolStats {
     pub capacity_bytes: u64,
     /// Soft threshold in percent of capacity.
     pub soft_threshold_pct: u8,
-    /// `used` has reached the soft threshold.
+    /// `used + reserved + metadata_reserve` has reached the soft threshold.
     pub soft_threshold_exceeded: bool,
     /// Number of volumes.
     pub volumes: u64,
     /// Sum of the volumes' sizes (thin: may exceed capacity).
     pub provisioned_bytes: u64,
+    /// Sum of the thick volumes' sizes.
+    pub thick_provisioned_bytes: u64,
     /// Non-zero data the volumes hold, as seen by clients (mapped blocks × 4 KiB).
     pub logical_written_bytes: u64,
     /// Distinct non-zero blocks stored, before compression (unique chunks × 4 KiB).
@@ -29,7 +31,12 @@ pub struct PoolStats {
     pub metadata_bytes: u64,
     /// `physical + metadata`: what counts against capacity.
     pub used_bytes: u64,
-    /// `capacity - used`.
+    /// Space thick volumes keep reserved for their blocks that hold no data yet.
+    pub reserved_bytes: u64,
+    /// Space kept free for the metadata store's next growth step while thick volumes hold
+    /// reservations (see `provision.rs`).
+    pub metadata_reserve_bytes: u64,
+    /// `capacity - used - reserved - metadata_reserve`: what thin volumes may still take.
     pub free_bytes: u64,
     /// Bytes of all segment files.
     pub segment_file_bytes: u64,

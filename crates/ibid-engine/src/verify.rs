@@ -8,6 +8,7 @@ use crate::meta::{self, PoolRecord};
 use crate::pool::Inner;
 use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
 
 /// What the check found (all figures recomputed from the tables).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -47,6 +48,17 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         }
     }
     report.volumes = stacks.len() as u64;
+    let thick_unwritten: u64 = stacks
+        .iter()
+        .filter(|(_, r)| r.format.is_thick())
+        .map(|(_, r)| crate::provision::unwritten_blocks(r.size, r.mapped_blocks))
+        .sum();
+    let counted = inner.thick_unwritten_blocks.load(Ordering::Relaxed);
+    if counted != thick_unwritten as i64 {
+        return Err(fail(format!(
+            "thick volumes hold {thick_unwritten} unwritten blocks, the reservation counts {counted}"
+        )));
+    }
     let mut expected_layer_refs: HashMap<u64, u64> = HashMap::new();
     for (_, r) in &stacks {
         for &l in &r.layers {

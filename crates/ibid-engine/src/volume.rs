@@ -427,7 +427,7 @@ impl Inner {
         let stamp = self.cut.load(Ordering::Acquire) + 1;
         let mut prepared = Vec::with_capacity((b1 - b0) as usize);
         for (i, block) in current.chunks(BLOCK_BYTES).enumerate() {
-            match self.prepare_block(block, stamp) {
+            match self.prepare_block(v, block, stamp) {
                 Ok(entry) => prepared.push(Prepared {
                     block: b0 + i as u64,
                     entry,
@@ -754,7 +754,7 @@ impl Inner {
             for &b in &partial {
                 let block = self.patched_block(v, b, offset, data)?;
                 let stamp = self.cut.load(Ordering::Acquire) + 1;
-                let entry = self.prepare_block(&block, stamp)?;
+                let entry = self.prepare_block(v, &block, stamp)?;
                 self.install(v, b, b + 1, vec![Prepared { block: b, entry }], true)?;
             }
         }
@@ -767,7 +767,7 @@ impl Inner {
         let mut failure = None;
         for b in f0..f1 {
             let start = (b * BLOCK - offset) as usize;
-            match self.prepare_block(&data[start..start + BLOCK_BYTES], stamp) {
+            match self.prepare_block(v, &data[start..start + BLOCK_BYTES], stamp) {
                 Ok(entry) => prepared.push(Prepared { block: b, entry }),
                 Err(e) => {
                     failure = Some(e);
@@ -796,7 +796,7 @@ impl Inner {
 
     /// Turns one 4 KiB block into a map entry: zero, a reference to an existing chunk with the
     /// same fingerprint, or a new chunk (compressed if that saves space).
-    fn prepare_block(&self, block: &[u8], stamp: u64) -> Result<Entry> {
+    fn prepare_block(&self, v: &VolumeState, block: &[u8], stamp: u64) -> Result<Entry> {
         if all_zero(block) {
             return Ok(Entry::Zero);
         }
@@ -823,7 +823,7 @@ impl Inner {
             return Ok(Entry::Data(id));
         }
         let physical = (RECORD_HEADER_BYTES + payload.len()) as u64;
-        self.reserve_space(physical)?;
+        self.reserve_space(physical, v.format().is_thick())?;
         let id = (self.chunk_seq.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | shard as u64;
         let placed = self
             .segments
@@ -930,6 +930,7 @@ impl Inner {
                 added += 1;
             }
         }
+        self.note_mapped_change(v, mapped - map.mapped_blocks as i64);
         map.mapped_blocks = mapped as u64;
         drop(map);
         self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
@@ -979,6 +980,7 @@ impl Inner {
             }
         }
         map.mapped_blocks -= unmapped;
+        self.note_mapped_change(v, -(unmapped as i64));
         drop(map);
         self.dirty_blocks.fetch_add(unmapped, Ordering::Relaxed);
         let released: Vec<u64> = top_now

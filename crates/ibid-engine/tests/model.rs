@@ -2,7 +2,7 @@
 //! against a plain in-memory model (a byte vector per volume), and the space accounting checked
 //! for consistency at every step and exactly (dedup included) after every flush.
 
-use ibid_engine::{Error, ExtentKind, Pool, PoolConfig};
+use ibid_engine::{Error, ExtentKind, Pool, PoolConfig, VolumeFormat, RESERVED_BYTES_PER_BLOCK};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashSet};
 
@@ -95,6 +95,11 @@ enum Op {
     Delete {
         vol: usize,
     },
+    /// Change the provisioning format (index into `VolumeFormat::ALL`).
+    SetFormat {
+        vol: usize,
+        format: usize,
+    },
     Reopen,
     Gc,
 }
@@ -136,7 +141,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             .prop_map(|(src, dst, src_sector, dst_sector, sectors, aligned)| Op::Copy { src, dst, src_sector, dst_sector, sectors, aligned }),
         2 => Just(Op::Flush),
         1 => (vol.clone(), 1u64..4096).prop_map(|(vol, add_sectors)| Op::Grow { vol, add_sectors }),
-        1 => vol.prop_map(|vol| Op::Delete { vol }),
+        1 => vol.clone().prop_map(|vol| Op::Delete { vol }),
+        1 => (vol, 0..VolumeFormat::ALL.len()).prop_map(|(vol, format)| Op::SetFormat { vol, format }),
         1 => Just(Op::Reopen),
         1 => Just(Op::Gc),
     ]
@@ -200,6 +206,8 @@ struct Harness {
     /// pool may hold more chunks than the volumes and snapshots show (until a cleaner pass
     /// after the sharing ends).
     layered: bool,
+    /// Formats of the volumes that are not thin.
+    formats: BTreeMap<usize, VolumeFormat>,
 }
 
 impl Harness {
@@ -221,6 +229,7 @@ impl Harness {
             snaps: BTreeMap::new(),
             sharing: Default::default(),
             layered: false,
+            formats: BTreeMap::new(),
         };
         for v in 0..VOLUMES.len() {
             h.ensure(v);
@@ -404,6 +413,7 @@ impl Harness {
                         .expect("delete clone slot");
                     self.snaps.retain(|(v, _), _| v != slot);
                     self.sharing.remove(slot);
+                    self.formats.remove(slot);
                 }
                 if !*full {
                     self.layered = true;
@@ -449,11 +459,23 @@ impl Harness {
                     "shrink must be refused: {shrink:?}"
                 );
             }
+            Op::SetFormat { vol, format } => {
+                self.ensure(*vol);
+                let f = VolumeFormat::ALL[*format];
+                let prev = self
+                    .pool()
+                    .set_volume_format(VOLUMES[*vol], f)
+                    .expect("set format");
+                assert_eq!(prev, self.formats.get(vol).copied().unwrap_or_default());
+                self.formats.insert(*vol, f);
+                self.check_mapped_counts();
+            }
             Op::Delete { vol } => {
                 if self.model.remove(vol).is_some() {
                     self.pool().delete_volume(VOLUMES[*vol]).expect("delete");
                     self.snaps.retain(|(v, _), _| v != vol);
                     self.sharing.remove(vol);
+                    self.formats.remove(vol);
                     assert!(matches!(
                         self.pool().volume(VOLUMES[*vol]),
                         Err(Error::NotFound(_))
@@ -538,6 +560,24 @@ impl Harness {
                 .mapped_blocks();
             assert_eq!(got, want, "mapped blocks of {}", VOLUMES[v]);
         }
+        // Formats, tbz and reservations follow from the mapped counts.
+        let mut reserved = 0;
+        for info in self.pool().list_volumes() {
+            let v = VOLUMES.iter().position(|n| *n == info.name).expect("known");
+            let format = self.formats.get(&v).copied().unwrap_or_default();
+            assert_eq!(info.format, format, "format of {}", info.name);
+            let unwritten = info.size_bytes.div_ceil(BLOCK as u64) - info.mapped_blocks;
+            let tbz = if format == VolumeFormat::LazyZeroedThick {
+                unwritten
+            } else {
+                0
+            };
+            assert_eq!(info.tbz_blocks, tbz, "tbz of {}", info.name);
+            if format.is_thick() {
+                reserved += unwritten * RESERVED_BYTES_PER_BLOCK;
+            }
+        }
+        assert_eq!(self.pool().stats().reserved_bytes, reserved);
     }
 
     fn check_block_status(&self, v: usize) {
@@ -608,7 +648,10 @@ impl Harness {
             "physical bounded by unique"
         );
         assert_eq!(s.used_bytes, s.physical_bytes + s.metadata_bytes);
-        assert_eq!(s.free_bytes, s.capacity_bytes - s.used_bytes);
+        assert_eq!(
+            s.free_bytes,
+            s.capacity_bytes - s.used_bytes - s.reserved_bytes - s.metadata_reserve_bytes
+        );
         assert_eq!(
             s.provisioned_bytes,
             self.model.values().map(|m| m.len() as u64).sum::<u64>()

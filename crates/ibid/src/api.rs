@@ -1,20 +1,25 @@
-//! The HTTP/JSON management API, versioned under `/api/v1` (a first slice of issue 5):
-//! pool statistics, volumes (create, list, describe, resize, delete, clone), snapshots
-//! (create, list, delete). Errors are JSON `{"code": ..., "message": ...}` with a 4xx status
-//! for bad requests and a stable `code` scripts can match on.
+//! The HTTP/JSON management API, versioned under `/api/v1` and described by the OpenAPI
+//! document it serves at `/api/v1/openapi.json` (`openapi.json` next to this file): the pool
+//! (statistics, capacity, soft threshold), volumes (create in a format, list, describe, resize,
+//! delete, format conversions, clone, range copy) and snapshots (create, list, delete). Errors
+//! are JSON `{"code": ..., "message": ...}` with a 4xx status for bad requests and a stable
+//! `code` scripts can match on. With a token configured, every route requires
+//! `Authorization: Bearer TOKEN`.
 //!
 //! Engine calls block (they may fsync), so every handler runs them on the blocking pool.
 
 use crate::units::parse_size;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ibid_engine::{Error, Pool, PoolStats, SnapshotInfo, VolumeInfo};
+use ibid_engine::{Error, Pool, PoolStats, SnapshotInfo, Volume, VolumeFormat, VolumeInfo};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use std::sync::Arc;
 
 /// An API error: HTTP status, stable code, message.
 pub struct ApiError {
@@ -31,6 +36,14 @@ impl ApiError {
             message: message.into(),
         }
     }
+
+    fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::CONFLICT,
+            code,
+            message: message.into(),
+        }
+    }
 }
 
 impl From<Error> for ApiError {
@@ -41,6 +54,7 @@ impl From<Error> for ApiError {
             Error::InvalidArgument(_) => (StatusCode::BAD_REQUEST, "invalid_argument"),
             Error::OutOfRange { .. } => (StatusCode::BAD_REQUEST, "out_of_range"),
             Error::NoSpace => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
+            Error::CannotReserve { .. } => (StatusCode::CONFLICT, "cannot_reserve"),
             Error::ReadOnly(_) => (StatusCode::CONFLICT, "read_only"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
@@ -103,23 +117,66 @@ impl Size {
     }
 }
 
-#[derive(Deserialize)]
-struct CreateVolume {
-    name: String,
-    size: Size,
+/// A volume format by name, or the precise reason it is not one.
+fn parse_format(s: &str) -> ApiResult<VolumeFormat> {
+    s.parse()
+        .map_err(|e: Error| ApiError::bad_request(e.to_string()))
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateVolume {
+    name: String,
+    size: Size,
+    /// `thin` (default), `lazyzeroedthick` or `eagerzeroedthick`.
+    #[serde(default)]
+    format: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetFormat {
+    format: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolSettings {
+    #[serde(default)]
+    capacity: Option<Size>,
+    #[serde(default)]
+    soft_threshold_pct: Option<u8>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CopyRequest {
+    /// Source volume, or `VOLUME@SNAPSHOT`.
+    source: String,
+    #[serde(default)]
+    source_offset: Option<Size>,
+    /// Destination offset in this volume.
+    #[serde(default)]
+    offset: Option<Size>,
+    /// Bytes to copy (default: the whole source from `source_offset`).
+    #[serde(default)]
+    length: Option<Size>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Resize {
     size: Size,
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CreateSnapshot {
     name: String,
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CloneRequest {
     /// Name of the new volume.
     name: String,
@@ -129,14 +186,21 @@ struct CloneRequest {
     /// Clone this snapshot of the volume instead of the live volume.
     #[serde(default)]
     snapshot: Option<String>,
+    /// Format of the clone (default thin).
+    #[serde(default)]
+    format: Option<String>,
 }
 
 #[derive(Serialize)]
 struct VolumeView {
     name: String,
     id: u64,
+    format: &'static str,
     size_bytes: u64,
+    blocks: u64,
     mapped_blocks: u64,
+    tbz_blocks: u64,
+    reserved_bytes: u64,
     created_unix_s: u64,
 }
 
@@ -145,11 +209,23 @@ impl From<VolumeInfo> for VolumeView {
         VolumeView {
             name: v.name,
             id: v.id,
+            format: v.format.as_str(),
             size_bytes: v.size_bytes,
+            blocks: v.size_bytes.div_ceil(4096),
             mapped_blocks: v.mapped_blocks,
+            tbz_blocks: v.tbz_blocks,
+            reserved_bytes: v.reserved_bytes,
             created_unix_s: v.created_unix_s,
         }
     }
+}
+
+fn volume_info(pool: &Pool, name: &str) -> ApiResult<VolumeInfo> {
+    Ok(pool
+        .list_volumes()
+        .into_iter()
+        .find(|v| v.name == name)
+        .ok_or_else(|| Error::NotFound(name.to_string()))?)
 }
 
 fn stats_json(s: &PoolStats) -> Value {
@@ -159,12 +235,15 @@ fn stats_json(s: &PoolStats) -> Value {
         "soft_threshold_exceeded": s.soft_threshold_exceeded,
         "volumes": s.volumes,
         "provisioned_bytes": s.provisioned_bytes,
+        "thick_provisioned_bytes": s.thick_provisioned_bytes,
         "logical_written_bytes": s.logical_written_bytes,
         "unique_bytes": s.unique_bytes,
         "unique_chunks": s.unique_chunks,
         "physical_bytes": s.physical_bytes,
         "metadata_bytes": s.metadata_bytes,
         "used_bytes": s.used_bytes,
+        "reserved_bytes": s.reserved_bytes,
+        "metadata_reserve_bytes": s.metadata_reserve_bytes,
         "free_bytes": s.free_bytes,
         "segment_file_bytes": s.segment_file_bytes,
         "garbage_bytes": s.garbage_bytes,
@@ -184,17 +263,74 @@ fn snapshot_json(s: &SnapshotInfo) -> Value {
     })
 }
 
-/// The API's routes over `pool`.
-pub fn router(pool: Pool) -> Router {
+/// The OpenAPI 3 document describing every route.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// Who may call the API: anyone who reaches it, or holders of a bearer token.
+#[derive(Clone, Default)]
+pub struct Access {
+    token: Option<Arc<str>>,
+}
+
+impl Access {
+    /// Requires `Authorization: Bearer TOKEN` on every request.
+    pub fn token(token: &str) -> Self {
+        Access {
+            token: Some(token.into()),
+        }
+    }
+}
+
+/// Refuses requests without the configured bearer token (401, JSON error).
+async fn authorize(State(access): State<Access>, req: Request, next: Next) -> Response {
+    if let Some(token) = &access.token {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        // Compare in constant time: the token is a password.
+        let ok = given.is_some_and(|g| {
+            g.len() == token.len()
+                && g.bytes()
+                    .zip(token.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+        });
+        if !ok {
+            let mut r = ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                code: "unauthorized",
+                message: "this API requires the header Authorization: Bearer TOKEN".into(),
+            }
+            .into_response();
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            return r;
+        }
+    }
+    next.run(req).await
+}
+
+/// The API's routes over `pool`, guarded by `access`.
+pub fn router(pool: Pool, access: Access) -> Router {
     Router::new()
-        .route("/api/v1/pool", get(pool_stats))
+        .route("/api/v1/openapi.json", get(openapi))
+        .route("/api/v1/pool", get(pool_stats).patch(update_pool))
         .route("/api/v1/volumes", get(list_volumes).post(create_volume))
         .route(
             "/api/v1/volumes/{name}",
             get(describe_volume).delete(delete_volume),
         )
         .route("/api/v1/volumes/{name}/resize", post(resize_volume))
+        .route("/api/v1/volumes/{name}/format", post(set_format))
+        .route("/api/v1/volumes/{name}/inflate", post(inflate))
+        .route("/api/v1/volumes/{name}/eagerzero", post(eagerzero))
+        .route("/api/v1/volumes/{name}/reserve", post(reserve))
         .route("/api/v1/volumes/{name}/clone", post(clone_volume))
+        .route("/api/v1/volumes/{name}/copy", post(copy_range))
         .route(
             "/api/v1/volumes/{name}/snapshots",
             get(list_snapshots).post(create_snapshot),
@@ -204,10 +340,31 @@ pub fn router(pool: Pool) -> Router {
             axum::routing::delete(delete_snapshot),
         )
         .with_state(pool)
+        .layer(middleware::from_fn_with_state(access, authorize))
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
 async fn pool_stats(State(pool): State<Pool>) -> ApiResult<Json<Value>> {
     blocking(move || {
+        pool.sync()?;
+        Ok(Json(stats_json(&pool.stats())))
+    })
+    .await
+}
+
+async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiResult<Json<Value>> {
+    let req = body(req)?;
+    let capacity = req.capacity.as_ref().map(Size::bytes).transpose()?;
+    blocking(move || {
+        if let Some(pct) = req.soft_threshold_pct {
+            pool.set_soft_threshold(pct)?;
+        }
+        if let Some(c) = capacity {
+            pool.set_capacity(c)?;
+        }
         pool.sync()?;
         Ok(Json(stats_json(&pool.stats())))
     })
@@ -225,12 +382,10 @@ async fn list_volumes(State(pool): State<Pool>) -> Json<Vec<VolumeView>> {
 
 /// The `201 Created` answer describing a volume just made.
 fn created(pool: &Pool, name: &str) -> ApiResult<(StatusCode, Json<VolumeView>)> {
-    let info = pool
-        .list_volumes()
-        .into_iter()
-        .find(|v| v.name == name)
-        .ok_or_else(|| Error::NotFound(name.to_string()))?;
-    Ok((StatusCode::CREATED, Json(VolumeView::from(info))))
+    Ok((
+        StatusCode::CREATED,
+        Json(VolumeView::from(volume_info(pool, name)?)),
+    ))
 }
 
 async fn create_volume(
@@ -239,8 +394,9 @@ async fn create_volume(
 ) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     let req = body(req)?;
     let size = req.size.bytes()?;
+    let format = req.format.as_deref().map(parse_format).transpose()?;
     blocking(move || {
-        pool.create_volume(&req.name, size)?;
+        pool.create_volume_with_format(&req.name, size, format.unwrap_or_default())?;
         created(&pool, &req.name)
     })
     .await
@@ -253,12 +409,20 @@ async fn describe_volume(
     blocking(move || {
         let volume = pool.volume(&name)?;
         let space = volume.space()?;
+        let info = volume_info(&pool, &name)?;
         Ok(Json(json!({
             "name": name,
             "id": volume.id(),
+            "format": info.format.as_str(),
+            "created_unix_s": info.created_unix_s,
             "size_bytes": space.size_bytes,
             "blocks": space.size_bytes.div_ceil(4096),
             "mapped_blocks": space.mapped_blocks,
+            "tbz_blocks": info.tbz_blocks,
+            "reserved_bytes": info.reserved_bytes,
+            "unique_blocks": space.exclusive_blocks,
+            "distinct_chunks": space.distinct_chunks,
+            "physical_bytes": space.exclusive_physical_bytes + space.shared_physical_bytes,
             "exclusive_blocks": space.exclusive_blocks,
             "shared_blocks": space.shared_blocks,
             "exclusive_physical_bytes": space.exclusive_physical_bytes,
@@ -305,12 +469,134 @@ async fn clone_volume(
             Some(s) => format!("{name}@{s}"),
             None => name.clone(),
         };
+        let format = req.format.as_deref().map(parse_format).transpose()?;
         if req.full {
             pool.full_clone(&source, &req.name)?;
         } else {
             pool.clone_volume(&source, &req.name)?;
         }
+        if let Some(f) = format.filter(|f| f.is_thick()) {
+            if let Err(e) = pool.set_volume_format(&req.name, f) {
+                // The clone cannot get the format asked for: it must not stay behind.
+                pool.delete_volume(&req.name)?;
+                return Err(e.into());
+            }
+        }
         created(&pool, &req.name)
+    })
+    .await
+}
+
+/// Converts a volume to `to` if its current format is one of `from`, answering with the
+/// volume; `verb` names the conversion in the error.
+async fn convert(
+    pool: Pool,
+    name: String,
+    from: &'static [VolumeFormat],
+    to: VolumeFormat,
+    verb: &'static str,
+) -> ApiResult<Json<VolumeView>> {
+    blocking(move || {
+        let current = volume_info(&pool, &name)?.format;
+        if current != to && !from.contains(&current) {
+            return Err(ApiError::conflict(
+                "wrong_format",
+                format!("{verb} applies to {from:?} volumes; {name:?} is {current}"),
+            ));
+        }
+        pool.set_volume_format(&name, to)?;
+        Ok(Json(VolumeView::from(volume_info(&pool, &name)?)))
+    })
+    .await
+}
+
+async fn set_format(
+    State(pool): State<Pool>,
+    Path(name): Path<String>,
+    req: Body<SetFormat>,
+) -> ApiResult<Json<VolumeView>> {
+    let to = parse_format(&body(req)?.format)?;
+    convert(pool, name, &VolumeFormat::ALL, to, "format").await
+}
+
+/// `vmkfstools --inflatedisk`: thin to eager-zeroed thick.
+async fn inflate(
+    State(pool): State<Pool>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<VolumeView>> {
+    let from = &[VolumeFormat::Thin];
+    convert(pool, name, from, VolumeFormat::EagerZeroedThick, "inflate").await
+}
+
+/// `vmkfstools -k`: lazy- to eager-zeroed thick.
+async fn eagerzero(
+    State(pool): State<Pool>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<VolumeView>> {
+    let from = &[VolumeFormat::LazyZeroedThick];
+    convert(
+        pool,
+        name,
+        from,
+        VolumeFormat::EagerZeroedThick,
+        "eagerzero",
+    )
+    .await
+}
+
+/// Reserves space for a thin volume: thin to lazy-zeroed thick.
+async fn reserve(
+    State(pool): State<Pool>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<VolumeView>> {
+    let from = &[VolumeFormat::Thin];
+    convert(pool, name, from, VolumeFormat::LazyZeroedThick, "reserve").await
+}
+
+/// Opens a volume or a `VOLUME@SNAPSHOT` for reading.
+fn open_source(pool: &Pool, source: &str) -> ApiResult<Volume> {
+    Ok(match source.split_once('@') {
+        Some((v, s)) => pool.snapshot(v, s)?,
+        None => pool.volume(source)?,
+    })
+}
+
+async fn copy_range(
+    State(pool): State<Pool>,
+    Path(name): Path<String>,
+    req: Body<CopyRequest>,
+) -> ApiResult<Json<Value>> {
+    let req = body(req)?;
+    let src_offset = req.source_offset.as_ref().map_or(Ok(0), Size::bytes)?;
+    let dst_offset = req.offset.as_ref().map_or(Ok(0), Size::bytes)?;
+    let length = req.length.as_ref().map(Size::bytes).transpose()?;
+    blocking(move || {
+        let src = open_source(&pool, &req.source)?;
+        let dst = pool.volume(&name)?;
+        let length = match length {
+            Some(l) => l,
+            None => src
+                .size()
+                .checked_sub(src_offset)
+                .ok_or(Error::OutOfRange {
+                    offset: src_offset,
+                    len: 0,
+                    size: src.size(),
+                })?,
+        };
+        let started = std::time::Instant::now();
+        let report = dst.copy_from(&src, src_offset, dst_offset, length)?;
+        dst.flush()?;
+        Ok(Json(json!({
+            "source": req.source,
+            "destination": name,
+            "source_offset": src_offset,
+            "offset": dst_offset,
+            "length": length,
+            "shared_bytes": report.shared_bytes,
+            "data_bytes": report.data_bytes,
+            "seconds": started.elapsed().as_secs_f64(),
+        })))
     })
     .await
 }

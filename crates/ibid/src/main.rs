@@ -34,9 +34,12 @@ enum Command {
         /// iSCSI listen address; `off` disables the target.
         #[arg(long, default_value = "127.0.0.1:3260", value_parser = parse_optional_addr)]
         iscsi: OptionalAddr,
-        /// HTTP API listen address (loopback only for now); `off` disables the API.
+        /// HTTP API listen address; `off` disables the API. Off loopback, --api-token is required.
         #[arg(long, default_value = "127.0.0.1:7800", value_parser = parse_optional_addr)]
         http: OptionalAddr,
+        /// Bearer token the HTTP API requires (`Authorization: Bearer TOKEN`).
+        #[arg(long, env = "IBID_API_TOKEN", hide_env_values = true)]
+        api_token: Option<String>,
         /// iSCSI target name (IQN).
         #[arg(long, default_value = "iqn.2026-11.org.ibid:pool")]
         iqn: String,
@@ -94,6 +97,7 @@ fn main() -> anyhow::Result<()> {
             iscsi,
             iqn,
             http,
+            api_token,
             volumes,
             no_default_volume,
             nbd_tls_cert,
@@ -116,6 +120,7 @@ fn main() -> anyhow::Result<()> {
                 iscsi: iscsi.0,
                 iqn,
                 http: http.0,
+                api_token,
                 volumes,
                 default_volume: !no_default_volume,
                 nbd_tls,

@@ -23,6 +23,8 @@ pub struct ServeOptions {
     pub iqn: String,
     /// HTTP API listen address (`None`: no API).
     pub http: Option<SocketAddr>,
+    /// Bearer token the API requires (mandatory off loopback).
+    pub api_token: Option<String>,
     /// Volumes to create if missing: (name, size).
     pub volumes: Vec<(String, u64)>,
     /// Create `disk0` (16 GiB, thin) in a new, empty pool.
@@ -82,9 +84,10 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
         .transpose()?;
     let http_listener = match opts.http {
         Some(addr) => {
-            if !addr.ip().is_loopback() {
+            if !addr.ip().is_loopback() && opts.api_token.is_none() {
                 anyhow::bail!(
-                    "the API has no authentication yet: listen on a loopback address, not {addr}"
+                    "the API on {addr} would be reachable from other hosts: give it a bearer \
+                     token (--api-token or IBID_API_TOKEN), or listen on a loopback address"
                 );
             }
             Some(
@@ -127,9 +130,13 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
             .await
             .context("NBD server")
     };
+    let access = match &opts.api_token {
+        Some(t) => crate::api::Access::token(t),
+        None => crate::api::Access::default(),
+    };
     let http = async {
         match http_listener {
-            Some(listener) => axum::serve(listener, crate::api::router(pool.clone()))
+            Some(listener) => axum::serve(listener, crate::api::router(pool.clone(), access))
                 .with_graceful_shutdown(stopped(stop_rx.clone()))
                 .await
                 .context("HTTP API"),
@@ -183,7 +190,7 @@ fn print_banner(
     }
     let volumes = pool.list_volumes();
     if volumes.is_empty() {
-        println!("  no volumes yet: restart with --volume NAME=SIZE (e.g. --volume vm1=50G)");
+        println!("  no volumes yet: create one with  ibid volume create vm1 --size 50G");
     }
     for v in &volumes {
         println!(

@@ -1,0 +1,201 @@
+//! Provisioning formats: thin, lazy-zeroed thick and eager-zeroed thick are space policies over
+//! one data layout, not layouts of their own.
+//!
+//! Every format creates in O(1), reads unwritten blocks as zeros from the map, and writes,
+//! dedups, compresses and shares data the same way, so all three perform the same from the
+//! first write. What differs is the space promise:
+//!
+//! - **Reservation.** A thick volume keeps [`RESERVED_BYTES_PER_BLOCK`] of pool space reserved
+//!   for each of its blocks that holds no data (`size − mapped` blocks). Writing data to a block
+//!   consumes its reservation; zeroing or unmapping the block takes it back. Thin writes may not
+//!   use reserved space (they fail with `NoSpace` when `used + reserved` reaches capacity);
+//!   thick writes may, so a thick volume can always fill every block it has, whatever thin
+//!   volumes did to the pool. The pool counts reservations with one atomic,
+//!   `Inner::thick_unwritten_blocks`, changed under the volume's map lock together with its
+//!   mapped count.
+//! - **Metadata growth.** The metadata store's file grows in steps (it doubles while small, then
+//!   grows by regions of up to 4 GiB), after the writes that caused it. While any thick volume
+//!   holds a reservation, thin writes also leave a metadata reserve free: the size of the next
+//!   step (the current metadata size, at most [`METADATA_RESERVE_MAX`]), so a step taken after
+//!   thin writes cannot eat into the thick volumes' reservations.
+//! - **Limits of the promise**, as in any array that shares data: the reservation covers one
+//!   copy of every block. Overwriting a block whose old data something else still references
+//!   (a snapshot, a clone, a duplicate elsewhere) needs new space the reservation did not set
+//!   aside; that space comes from the pool's free space like a thin write.
+//! - **tbz** ("to be zeroed", VMware's term): a lazy-zeroed thick volume reports its blocks that
+//!   hold no data as tbz; an eager-zeroed one reports 0 from creation. Nothing is ever written
+//!   to zero a block (unwritten blocks read as zeros), so `eagerzero` and `inflate` are
+//!   metadata-only conversions.
+
+use crate::error::{Error, Result};
+use crate::format::{VolumeFormat, BLOCK_BYTES, RECORD_HEADER_BYTES};
+use crate::meta;
+use crate::pool::{Inner, Pool, VolumeState};
+use std::sync::atomic::Ordering;
+
+/// Metadata a stored block may add (map entry, chunk record, fingerprint index, B-tree slack).
+const METADATA_BYTES_PER_BLOCK: u64 = 256;
+
+/// Largest metadata reserve kept for thick volumes (a region step of the metadata store,
+/// twice over).
+pub const METADATA_RESERVE_MAX: u64 = 8 << 30;
+
+/// Pool space a thick volume reserves for each block that holds no data: an incompressible
+/// 4 KiB block's record in a segment file, plus its metadata.
+pub const RESERVED_BYTES_PER_BLOCK: u64 =
+    BLOCK_BYTES as u64 + RECORD_HEADER_BYTES as u64 + METADATA_BYTES_PER_BLOCK;
+
+/// Blocks of a volume of `size` bytes with `mapped` blocks of data that hold no data.
+pub(crate) fn unwritten_blocks(size: u64, mapped: u64) -> u64 {
+    size.div_ceil(BLOCK_BYTES as u64).saturating_sub(mapped)
+}
+
+impl VolumeState {
+    /// The volume's provisioning format.
+    pub(crate) fn format(&self) -> VolumeFormat {
+        VolumeFormat::from_code(self.format.load(Ordering::Relaxed)).unwrap_or_default()
+    }
+}
+
+impl Inner {
+    /// Space thick volumes keep reserved.
+    pub(crate) fn reserved_bytes(&self) -> u64 {
+        let blocks = self.thick_unwritten_blocks.load(Ordering::Relaxed).max(0) as u64;
+        blocks * RESERVED_BYTES_PER_BLOCK
+    }
+
+    /// Space thin writes leave free for the metadata store's next growth step while thick
+    /// volumes hold reservations (0 otherwise).
+    pub(crate) fn metadata_reserve(&self) -> u64 {
+        if self.thick_unwritten_blocks.load(Ordering::Relaxed) > 0 {
+            self.next_metadata_step()
+        } else {
+            0
+        }
+    }
+
+    fn next_metadata_step(&self) -> u64 {
+        self.meta_bytes
+            .load(Ordering::Relaxed)
+            .min(METADATA_RESERVE_MAX)
+    }
+
+    /// Records that `v`'s mapped count changed by `delta` (call with its map locked).
+    pub(crate) fn note_mapped_change(&self, v: &VolumeState, delta: i64) {
+        if delta != 0 && v.format().is_thick() {
+            self.thick_unwritten_blocks
+                .fetch_sub(delta, Ordering::Relaxed);
+        }
+    }
+
+    /// Fails with `CannotReserve` unless `blocks` more reserved blocks fit in the space that is
+    /// neither used nor reserved. Call with `reserve_lock` held, and add the blocks before
+    /// releasing it.
+    pub(crate) fn check_reservation(&self, blocks: u64) -> Result<()> {
+        let needed = blocks.saturating_mul(RESERVED_BYTES_PER_BLOCK);
+        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
+        let taken = self.used_now() + self.reserved_bytes() + self.next_metadata_step();
+        let available = capacity.saturating_sub(taken);
+        if needed > available {
+            return Err(Error::CannotReserve { needed, available });
+        }
+        Ok(())
+    }
+}
+
+impl Pool {
+    /// Changes a volume's provisioning format, in O(1): to a thick format it reserves space for
+    /// the blocks that hold no data (`CannotReserve` if that does not fit); to thin it releases
+    /// the reservation. Lazy- to eager-zeroed thick (`vmkfstools -k`) and thin to eager-zeroed
+    /// thick (`inflate`) are the seeds' conversions. Returns the previous format.
+    pub fn set_volume_format(&self, name: &str, format: VolumeFormat) -> Result<VolumeFormat> {
+        self.inner.check_failed()?;
+        let state = self
+            .inner
+            .volumes
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        let _reserving = self.inner.reserve_lock.lock();
+        let mut map = state.map.lock();
+        if map.deleted {
+            return Err(Error::NotFound(name.to_string()));
+        }
+        let old = state.format();
+        if old == format {
+            return Ok(old);
+        }
+        let unwritten = unwritten_blocks(map.size, map.mapped_blocks) as i64;
+        match (old.is_thick(), format.is_thick()) {
+            (false, true) => {
+                self.inner.check_reservation(unwritten as u64)?;
+                self.inner
+                    .thick_unwritten_blocks
+                    .fetch_add(unwritten, Ordering::Relaxed);
+            }
+            (true, false) => {
+                self.inner
+                    .thick_unwritten_blocks
+                    .fetch_sub(unwritten, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        state.format.store(format.code(), Ordering::Relaxed);
+        map.record_dirty = true;
+        drop(map);
+        self.inner.commit()?;
+        self.inner.check_soft_threshold();
+        Ok(old)
+    }
+
+    /// Changes the pool's capacity. Refused with `CannotReserve` below what is used and
+    /// reserved: the capacity is a promise to thick volumes.
+    pub fn set_capacity(&self, capacity_bytes: u64) -> Result<()> {
+        self.inner.check_failed()?;
+        let _reserving = self.inner.reserve_lock.lock();
+        let needed =
+            self.inner.used_now() + self.inner.reserved_bytes() + self.inner.metadata_reserve();
+        if capacity_bytes < needed {
+            return Err(Error::CannotReserve {
+                needed,
+                available: capacity_bytes,
+            });
+        }
+        self.update_pool_record(|r| r.capacity_bytes = capacity_bytes)?;
+        self.inner
+            .capacity_bytes
+            .store(capacity_bytes, Ordering::Relaxed);
+        self.inner.check_soft_threshold();
+        Ok(())
+    }
+
+    /// Changes the soft threshold (1 to 100 percent of capacity).
+    pub fn set_soft_threshold(&self, pct: u8) -> Result<()> {
+        self.inner.check_failed()?;
+        if pct == 0 || pct > 100 {
+            return Err(Error::InvalidArgument(format!(
+                "soft threshold {pct}: must be 1 to 100 percent"
+            )));
+        }
+        self.update_pool_record(|r| r.soft_threshold_pct = pct as u64)?;
+        self.inner
+            .soft_threshold_pct
+            .store(pct as u64, Ordering::Relaxed);
+        self.inner.check_soft_threshold();
+        Ok(())
+    }
+
+    /// Changes the committed pool record in its own transaction.
+    fn update_pool_record(&self, change: impl FnOnce(&mut meta::PoolRecord)) -> Result<()> {
+        let mut cs = self.inner.commit.lock();
+        let mut record = cs.record.clone();
+        change(&mut record);
+        let txn = self.inner.db.begin_write()?;
+        txn.open_table(meta::POOL)?
+            .insert(meta::POOL_KEY, record.encode().as_slice())?;
+        txn.commit()?;
+        cs.record = record;
+        Ok(())
+    }
+}

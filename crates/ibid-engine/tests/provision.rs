@@ -1,0 +1,299 @@
+//! Provisioning formats: thin, lazy-zeroed thick and eager-zeroed thick are space policies.
+//! Thick volumes reserve their space, keep their promise when thin volumes fill the pool, and
+//! every creation and conversion is a metadata operation.
+
+use ibid_engine::{Error, Pool, PoolConfig, VolumeFormat, RESERVED_BYTES_PER_BLOCK};
+
+const BLOCK: u64 = 4096;
+const PIB: u64 = 1 << 50;
+
+fn random_block(seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..BLOCK)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn quiet_config(capacity: u64) -> PoolConfig {
+    PoolConfig {
+        capacity_bytes: Some(capacity),
+        background: false,
+        segment_bytes_max: 1 << 20,
+        ..PoolConfig::default()
+    }
+}
+
+fn segment_bytes(pool: &Pool) -> u64 {
+    pool.segment_paths()
+        .iter()
+        .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
+        .sum()
+}
+
+fn info(pool: &Pool, name: &str) -> ibid_engine::VolumeInfo {
+    pool.list_volumes()
+        .into_iter()
+        .find(|v| v.name == name)
+        .expect("volume listed")
+}
+
+/// Every format creates a 1 PiB volume without writing data, and reports its reservation and
+/// tbz as the format promises; the pool's sums hold.
+#[test]
+fn every_format_creates_a_petabyte_volume_as_metadata() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let capacity = 4 * PIB / BLOCK * RESERVED_BYTES_PER_BLOCK;
+    let pool = Pool::create(dir.path().join("p"), quiet_config(capacity)).expect("create");
+    let before = segment_bytes(&pool);
+    for f in VolumeFormat::ALL {
+        pool.create_volume_with_format(f.as_str(), PIB, f)
+            .expect("create 1 PiB");
+    }
+    assert_eq!(segment_bytes(&pool), before, "creation wrote data");
+    let blocks = PIB / BLOCK;
+    let thin = info(&pool, "thin");
+    assert_eq!(
+        (thin.format, thin.tbz_blocks, thin.reserved_bytes),
+        (VolumeFormat::Thin, 0, 0)
+    );
+    let lazy = info(&pool, "lazyzeroedthick");
+    assert_eq!(lazy.tbz_blocks, blocks);
+    assert_eq!(lazy.reserved_bytes, blocks * RESERVED_BYTES_PER_BLOCK);
+    let eager = info(&pool, "eagerzeroedthick");
+    assert_eq!(eager.tbz_blocks, 0);
+    assert_eq!(eager.reserved_bytes, blocks * RESERVED_BYTES_PER_BLOCK);
+    let s = pool.stats();
+    assert_eq!(s.provisioned_bytes, 3 * PIB);
+    assert_eq!(s.thick_provisioned_bytes, 2 * PIB);
+    assert_eq!(s.reserved_bytes, 2 * blocks * RESERVED_BYTES_PER_BLOCK);
+    assert_eq!(
+        s.free_bytes,
+        s.capacity_bytes - s.used_bytes - s.reserved_bytes - s.metadata_reserve_bytes
+    );
+    // A write consumes the block's reservation; zeroing it gives the reservation back.
+    let v = pool.volume("lazyzeroedthick").expect("open");
+    v.write(PIB - BLOCK, &random_block(1), true).expect("write");
+    let lazy = info(&pool, "lazyzeroedthick");
+    assert_eq!(lazy.tbz_blocks, blocks - 1);
+    assert_eq!(
+        pool.stats().reserved_bytes,
+        (2 * blocks - 1) * RESERVED_BYTES_PER_BLOCK
+    );
+    v.write_zeroes(PIB - BLOCK, BLOCK, true).expect("zero");
+    assert_eq!(info(&pool, "lazyzeroedthick").tbz_blocks, blocks);
+}
+
+/// A thick volume the pool cannot guarantee is refused, precisely, and nothing changes.
+#[test]
+fn thick_creation_and_growth_beyond_the_pool_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(64 << 20)).expect("create");
+    let before = pool.stats();
+    let result = pool.create_volume_with_format("big", 64 << 20, VolumeFormat::EagerZeroedThick);
+    match result
+        .map(|_| ())
+        .expect_err("64 MiB thick in a 64 MiB pool with metadata")
+    {
+        Error::CannotReserve { needed, available } => {
+            assert_eq!(needed, (64 << 20) / BLOCK * RESERVED_BYTES_PER_BLOCK);
+            // Free space, less a step of metadata growth kept for thick volumes.
+            assert_eq!(available, before.free_bytes - before.metadata_bytes);
+        }
+        e => panic!("expected CannotReserve, got {e:?}"),
+    }
+    assert!(pool.list_volumes().is_empty());
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    // Thin volumes of any size are fine: they reserve nothing.
+    pool.create_volume("thin", PIB).expect("thin 1 PiB");
+    // A thick volume that fits; growing it reserves the difference, or is refused.
+    pool.create_volume_with_format("t", 16 << 20, VolumeFormat::LazyZeroedThick)
+        .expect("16 MiB thick");
+    let reserved = pool.stats().reserved_bytes;
+    assert_eq!(reserved, (16 << 20) / BLOCK * RESERVED_BYTES_PER_BLOCK);
+    pool.resize_volume("t", 32 << 20).expect("grow to 32 MiB");
+    assert_eq!(pool.stats().reserved_bytes, 2 * reserved);
+    let err = pool
+        .resize_volume("t", 64 << 20)
+        .expect_err("grow past the pool");
+    assert!(matches!(err, Error::CannotReserve { .. }), "{err:?}");
+    assert_eq!(info(&pool, "t").size_bytes, 32 << 20);
+    assert_eq!(pool.stats().reserved_bytes, 2 * reserved);
+    // Inflating a thin volume is refused the same way and leaves it thin.
+    let err = pool
+        .set_volume_format("thin", VolumeFormat::EagerZeroedThick)
+        .expect_err("inflate 1 PiB");
+    assert!(matches!(err, Error::CannotReserve { .. }), "{err:?}");
+    assert_eq!(info(&pool, "thin").format, VolumeFormat::Thin);
+    // Deleting the thick volume returns its reservation.
+    pool.delete_volume("t").expect("delete");
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
+
+/// Thin volumes fill the pool until their writes fail; a thick volume still writes every one
+/// of its blocks with unique data; freeing thin data lets thin volumes write again.
+#[test]
+fn thick_volume_writes_every_block_after_thin_volumes_fill_the_pool() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(48 << 20)).expect("create");
+    let thick_blocks = (8 << 20) / BLOCK;
+    let thick = pool
+        .create_volume_with_format("thick", 8 << 20, VolumeFormat::EagerZeroedThick)
+        .expect("thick");
+    let thin = pool.create_volume("thin", 1 << 30).expect("thin");
+    let mut written = 0u64;
+    let err = loop {
+        match thin.write(written * BLOCK, &random_block(written), false) {
+            Ok(()) => written += 1,
+            Err(e) => break e,
+        }
+        assert!(written < 100_000, "the pool never filled");
+        if written.is_multiple_of(1024) {
+            pool.sync().expect("sync");
+        }
+    };
+    assert!(matches!(err, Error::NoSpace), "got {err:?}");
+    pool.sync().expect("sync");
+    let s = pool.stats();
+    assert!(s.reserved_bytes > 0 && s.free_bytes < 64 << 10, "{s:?}");
+    for b in 0..thick_blocks {
+        thick
+            .write(b * BLOCK, &random_block(1_000_000 + b), false)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "thick block {b} of {thick_blocks}: {e}; before {s:?} now {:?}",
+                    pool.stats()
+                )
+            });
+        if b % 512 == 511 {
+            pool.sync().expect("sync");
+        }
+    }
+    thick.flush().expect("flush");
+    let mut buf = vec![0u8; BLOCK as usize];
+    for b in (0..thick_blocks).step_by(61) {
+        thick.read(b * BLOCK, &mut buf).expect("read");
+        assert_eq!(buf, random_block(1_000_000 + b), "thick block {b}");
+    }
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    // The reservation's allowance for metadata that the thick data did not need is free again;
+    // thin writes take it and fail again soon, until thin data goes away.
+    let slack = loop {
+        match thin.write(written * BLOCK, &random_block(written), false) {
+            Ok(()) => written += 1,
+            Err(e) => break e,
+        }
+        assert!(written < 100_000, "the pool never filled again");
+    };
+    assert!(matches!(slack, Error::NoSpace), "got {slack:?}");
+    thin.write_zeroes(0, written * BLOCK, true).expect("unmap");
+    pool.gc_now().expect("gc");
+    thin.write(0, &random_block(7_777_777), true)
+        .expect("thin writes again");
+    pool.verify().expect("verify");
+}
+
+/// Conversions are metadata-only, survive a reopen, and move the reservation as promised.
+#[test]
+fn conversions_move_the_reservation_and_survive_reopen() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+    let v = pool.create_volume("v", 64 << 20).expect("thin");
+    v.write(0, &random_block(1), true).expect("write");
+    v.write(BLOCK, &random_block(2), true).expect("write");
+    drop(v);
+    let blocks = (64 << 20) / BLOCK;
+    let data_before = segment_bytes(&pool);
+    // thin -> lazy (reserve), lazy -> eager (vmkfstools -k), eager -> thin, thin -> eager
+    // (inflate).
+    let prev = pool
+        .set_volume_format("v", VolumeFormat::LazyZeroedThick)
+        .expect("reserve");
+    assert_eq!(prev, VolumeFormat::Thin);
+    let i = info(&pool, "v");
+    assert_eq!(i.tbz_blocks, blocks - 2);
+    assert_eq!(i.reserved_bytes, (blocks - 2) * RESERVED_BYTES_PER_BLOCK);
+    pool.set_volume_format("v", VolumeFormat::EagerZeroedThick)
+        .expect("eagerzero");
+    assert_eq!(info(&pool, "v").tbz_blocks, 0);
+    assert_eq!(
+        pool.stats().reserved_bytes,
+        (blocks - 2) * RESERVED_BYTES_PER_BLOCK
+    );
+    pool.close().expect("close");
+    let pool = Pool::open(&path, quiet_config(0)).expect("reopen");
+    let i = info(&pool, "v");
+    assert_eq!(i.format, VolumeFormat::EagerZeroedThick);
+    assert_eq!(
+        pool.stats().reserved_bytes,
+        (blocks - 2) * RESERVED_BYTES_PER_BLOCK
+    );
+    pool.set_volume_format("v", VolumeFormat::Thin)
+        .expect("back to thin");
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    pool.set_volume_format("v", VolumeFormat::EagerZeroedThick)
+        .expect("inflate");
+    assert_eq!(segment_bytes(&pool), data_before, "a conversion wrote data");
+    let mut buf = vec![0u8; BLOCK as usize];
+    pool.volume("v")
+        .expect("open")
+        .read(BLOCK, &mut buf)
+        .expect("read");
+    assert_eq!(buf, random_block(2));
+    // Clones and snapshots of a thick volume are thin: they reserve nothing.
+    pool.clone_volume("v", "c").expect("clone");
+    assert_eq!(info(&pool, "c").format, VolumeFormat::Thin);
+    assert_eq!(
+        pool.stats().reserved_bytes,
+        (blocks - 2) * RESERVED_BYTES_PER_BLOCK
+    );
+    assert!(matches!(
+        pool.set_volume_format("nope", VolumeFormat::Thin),
+        Err(Error::NotFound(_))
+    ));
+    pool.verify().expect("verify");
+}
+
+/// Capacity and soft threshold change at run time, persist, and refuse what would break a
+/// promise.
+#[test]
+fn capacity_and_soft_threshold_are_adjustable_within_the_promises() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    let pool = Pool::create(&path, quiet_config(64 << 20)).expect("create");
+    pool.create_volume_with_format("t", 16 << 20, VolumeFormat::EagerZeroedThick)
+        .expect("thick");
+    let s = pool.stats();
+    let floor = s.used_bytes + s.reserved_bytes + s.metadata_reserve_bytes;
+    assert_eq!(s.metadata_reserve_bytes, s.metadata_bytes);
+    let err = pool
+        .set_capacity(floor - 1)
+        .expect_err("below the reservations");
+    assert!(matches!(err, Error::CannotReserve { .. }), "{err:?}");
+    assert_eq!(pool.stats().capacity_bytes, 64 << 20);
+    // With 85 % used or reserved, the soft threshold (80 %) is crossed.
+    let capacity = floor * 100 / 85;
+    pool.set_capacity(capacity).expect("shrink");
+    assert!(pool.stats().soft_threshold_exceeded);
+    assert!(pool.soft_threshold_exceeded());
+    pool.set_soft_threshold(95).expect("raise the threshold");
+    assert!(!pool.stats().soft_threshold_exceeded);
+    assert!(!pool.soft_threshold_exceeded());
+    assert!(matches!(
+        pool.set_soft_threshold(0),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        pool.set_soft_threshold(101),
+        Err(Error::InvalidArgument(_))
+    ));
+    pool.close().expect("close");
+    let pool = Pool::open(&path, quiet_config(0)).expect("reopen");
+    let s = pool.stats();
+    assert_eq!((s.capacity_bytes, s.soft_threshold_pct), (capacity, 95));
+}
