@@ -1266,15 +1266,22 @@ def report(res, out):
     if e:
         w("## 1. Provisioning time\n")
         w("ibid: `POST /api/v1/volumes` with the format (HTTP round trip included); peers: "
-          "`qemu-img create` / `truncate`. Space: ibid pool used bytes; peers: `du` of the "
+          "`qemu-img create` / `truncate`. Space: ibid pool used bytes, the space reserved for "
+          "thick volumes, and the volume's to-be-zeroed blocks (tbz); peers: `du` of the "
           "file.\n")
         rows = []
         for n, r in e["systems"].items():
             row = [n]
             for size in e["sizes"]:
                 c = r.get(str(size), {})
-                row.append(f"{secs(c['seconds'])}, {human(phys(c['space']))}" if "seconds" in c
-                           else f"not run: {c.get('skipped', '-')}")
+                if "seconds" not in c:
+                    row.append(f"not run: {c.get('skipped', '-')}")
+                elif c["space"].get("reserved_bytes") is not None:
+                    row.append(f"{secs(c['seconds'])}; used {human(phys(c['space']))}, reserved "
+                               f"{human(c['space']['reserved_bytes'])}, tbz "
+                               f"{get(c, 'info', 'tbz_blocks')} blocks")
+                else:
+                    row.append(f"{secs(c['seconds'])}, {human(phys(c['space']))}")
             rows.append(row)
         w(table(["system"] + [human(s) for s in e["sizes"]], rows) + "\n")
         w("Seed 000 (50 GB, FlashArray with VAAI): eager 4 s, lazy 0.2 s, thin 0.1 s; "
