@@ -1245,6 +1245,10 @@ def report(res, out):
     if res.get("copy_supported") is False:
         w("> **ibid range copy not available in this build** (`POST /volumes/DST/copy`): its "
           "rows say so; no figure is given for it.\n")
+    for m in res.get("merged", []):
+        w(f"> Experiment {m['experiment']} comes from an earlier run{'' if m['complete'] else ' (interrupted: the systems it finished)'}: "
+          f"`{m['from']}` on {m['date_utc']} (load {m['load_start']} at its start, "
+          f"{m['load_end']} at its end).\n")
     w("Ratios are always **ibid's figure divided by the other's**: below 1 means ibid took less "
       "time / less space; for rates (IOPS) above 1 means ibid did more. The seeds ran on real "
       "arrays and ESXi hosts with other sizes; their figures are shown as published (GB taken "
@@ -1466,6 +1470,8 @@ def main():
     ap.add_argument("--only", default="1,2,3,4,5,6,7")
     ap.add_argument("--budget", default=None, help="bytes a peer may preallocate or copy")
     ap.add_argument("--report-only", metavar="DIR")
+    ap.add_argument("--merge-from", metavar="DIR", action="append",
+                    help="also report the experiments of an earlier run that this one did not run")
     args = ap.parse_args()
 
     if args.report_only:
@@ -1524,12 +1530,18 @@ def main():
             res["systems"] = systems
         image = None
         # the quick, metadata-heavy experiments first, the long throughput ones last
-        steps = [("1", lambda: exp1_provision(ctx, systems)),
-                 ("7", lambda: exp7_zero(ctx, systems)),
-                 ("45", lambda: exp45_space_clones(ctx, systems, image)),
-                 ("6", lambda: exp6_copy(ctx, systems, image)),
-                 ("3", lambda: exp3_jetstress(ctx, systems)),
-                 ("2", lambda: exp2_format(ctx, systems))]
+        steps = [("1", lambda ss: exp1_provision(ctx, ss)),
+                 ("7", lambda ss: exp7_zero(ctx, ss)),
+                 ("45", lambda ss: exp45_space_clones(ctx, ss, image)),
+                 ("6", lambda ss: exp6_copy(ctx, ss, image)),
+                 ("3", lambda ss: exp3_jetstress(ctx, ss)),
+                 ("2", lambda ss: exp2_format(ctx, ss))]
+
+        def save_partial():
+            # keep what is done so far, so that an interrupted run still leaves its numbers
+            res["checks"] = ctx.checks
+            with open(os.path.join(args.out, "results.partial.json"), "w") as f:
+                json.dump(res, f, indent=1)
         for key, fn in steps:
             if not (set(key) & only):
                 continue
@@ -1537,17 +1549,36 @@ def main():
                 image = build_vm_image(ctx)
             t1 = time.perf_counter()
             try:
-                res["experiments"][key] = fn()
-                res["experiments"][key]["seconds"] = time.perf_counter() - t1
+                for s in systems:  # one system at a time, saved after each
+                    part = fn([s])
+                    if key not in res["experiments"]:
+                        res["experiments"][key] = part
+                    else:
+                        res["experiments"][key]["systems"].update(part["systems"])
+                    res["experiments"][key]["seconds"] = time.perf_counter() - t1
+                    save_partial()
             except Exception as e:  # noqa: BLE001 - recorded in the report, run fails
                 log(f"experiment {key} failed: {e}")
                 res["errors"][key] = str(e)
                 ctx.stop_all()
             log(f"  experiment {key}: {secs(time.perf_counter() - t1)}")
-            # keep what is done so far, so that an interrupted run still leaves its numbers
-            res["checks"] = ctx.checks
-            with open(os.path.join(args.out, "results.partial.json"), "w") as f:
-                json.dump(res, f, indent=1)
+            save_partial()
+        for d in args.merge_from or []:
+            path = os.path.join(d, "results.json")
+            if not os.path.exists(path):
+                path = os.path.join(d, "results.partial.json")
+            with open(path) as f:
+                other = json.load(f)
+            for key, e in other["experiments"].items():
+                if key not in res["experiments"]:
+                    res["experiments"][key] = e
+                    res.setdefault("merged", []).append(
+                        {"experiment": key, "from": other["env"]["command"],
+                         "date_utc": other["env"]["date_utc"],
+                         "load_start": other["env"]["load_start"],
+                         "load_end": other.get("load_end", "-"),
+                         "complete": os.path.basename(path) == "results.json"})
+            ctx.checks.extend(c for c in other.get("checks", []))
     finally:
         ctx.stop_all()
         if own_scratch:
