@@ -1533,9 +1533,9 @@ def main():
         steps = [("1", lambda ss: exp1_provision(ctx, ss)),
                  ("7", lambda ss: exp7_zero(ctx, ss)),
                  ("45", lambda ss: exp45_space_clones(ctx, ss, image)),
-                 ("6", lambda ss: exp6_copy(ctx, ss, image)),
                  ("3", lambda ss: exp3_jetstress(ctx, ss)),
-                 ("2", lambda ss: exp2_format(ctx, ss))]
+                 ("2", lambda ss: exp2_format(ctx, ss)),
+                 ("6", lambda ss: exp6_copy(ctx, ss, image))]
 
         def save_partial():
             # keep what is done so far, so that an interrupted run still leaves its numbers
