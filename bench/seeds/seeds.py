@@ -1252,6 +1252,12 @@ def report(res, out):
         w(f"> Experiment {m['experiment']} comes from an earlier run{'' if m['complete'] else ' (interrupted: the systems it finished)'}: "
           f"`{m['from']}` on {m['date_utc']} (load {m['load_start']} at its start, "
           f"{m['load_end']} at its end).\n")
+    names = {"1": "1", "2": "2", "3": "3", "45": "4+5", "6": "6", "7": "7"}
+    for key, e in sorted(ex.items()):
+        missing = [n for n in ALL_SYSTEMS if n not in e.get("systems", {})]
+        if missing:
+            w(f"> Experiment {names.get(key, key)} has no figures for {', '.join(missing)}: not "
+              "run (left out with --systems, or the run was stopped to fit the time).\n")
     w("Ratios are always **ibid's figure divided by the other's**: below 1 means ibid took less "
       "time / less space; for rates (IOPS) above 1 means ibid did more. The seeds ran on real "
       "arrays and ESXi hosts with other sizes; their figures are shown as published (GB taken "
