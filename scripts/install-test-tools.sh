@@ -19,6 +19,7 @@ need fusermount3 fuse3
 need losetup mount
 need script bsdutils
 need curl curl
+/usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need_pkgs+=(python3-matplotlib)
 [ -f /usr/include/iscsi/iscsi.h ] || need_pkgs+=(libiscsi-dev)
 qemu_ok=1
 command -v qemu-img >/dev/null 2>&1 || qemu_ok=0
