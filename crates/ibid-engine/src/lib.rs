@@ -28,6 +28,7 @@ mod provision;
 mod segment;
 mod snapshot;
 pub mod stats;
+pub mod store;
 pub mod verify;
 mod volume;
 
