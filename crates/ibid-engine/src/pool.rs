@@ -260,7 +260,7 @@ impl Pool {
             None => filesystem_free_bytes(dir)?,
         };
         let lock = lock_pool_dir(dir)?;
-        let db = Store::create(dir, Default::default())?;
+        let db = Store::create(dir, config.meta_backend)?;
         let record = PoolRecord {
             version: meta::POOL_FORMAT_VERSION,
             capacity_bytes: capacity,

@@ -13,8 +13,11 @@
 //! changes, and commit as one batch. Keys and values cross the seam as bytes
 //! ([`Codec`]: integers big-endian so byte order is numeric order).
 //!
-//! Backends: [`redb`] (the file `meta.redb`).
+//! Backends: [`redb`] (the file `meta.redb`) and [`fjall`] (the directory `meta.fjall/`). A pool
+//! records its backend by which of the two it holds, so it always reopens with the backend it
+//! was created with.
 
+pub mod fjall;
 pub mod redb;
 
 use crate::error::{Error, Result};
@@ -226,12 +229,53 @@ pub enum Backend {
     /// redb, in `meta.redb`.
     #[default]
     Redb,
+    /// fjall, in `meta.fjall/`.
+    Fjall,
 }
+
+/// Environment variable naming the backend of new pools (`redb` or `fjall`), read by
+/// [`crate::PoolConfig::default`].
+pub const BACKEND_ENV: &str = "IBID_META_BACKEND";
 
 impl Backend {
     /// The backend of the pool in `dir`, if it holds one.
     pub fn detect(dir: &Path) -> Option<Backend> {
-        dir.join(redb::FILE).exists().then_some(Backend::Redb)
+        if dir.join(redb::FILE).exists() {
+            Some(Backend::Redb)
+        } else if dir.join(fjall::DIR).exists() {
+            Some(Backend::Fjall)
+        } else {
+            None
+        }
+    }
+
+    /// Parses `redb` or `fjall`.
+    pub fn parse(s: &str) -> Option<Backend> {
+        match s {
+            "redb" => Some(Backend::Redb),
+            "fjall" => Some(Backend::Fjall),
+            _ => None,
+        }
+    }
+
+    /// The backend named by [`BACKEND_ENV`], or the default when it is unset.
+    ///
+    /// # Panics
+    /// If the variable names no backend: a typo must not silently test the other one.
+    pub fn from_env() -> Backend {
+        match std::env::var(BACKEND_ENV) {
+            Ok(v) => Backend::parse(&v)
+                .unwrap_or_else(|| panic!("{BACKEND_ENV}={v:?}: expected redb or fjall")),
+            Err(_) => Backend::default(),
+        }
+    }
+
+    /// The backend's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Redb => "redb",
+            Backend::Fjall => "fjall",
+        }
     }
 }
 
@@ -253,6 +297,7 @@ impl Store {
     pub fn create(dir: &Path, kind: Backend) -> Result<Store> {
         let backend: Box<dyn MetaStore> = match kind {
             Backend::Redb => Box::new(redb::RedbStore::create(dir)?),
+            Backend::Fjall => Box::new(fjall::FjallStore::create(dir)?),
         };
         Ok(Store::new(backend, kind))
     }
@@ -263,6 +308,7 @@ impl Store {
             .ok_or_else(|| Error::NotFound(format!("metadata store in {}", dir.display())))?;
         let backend: Box<dyn MetaStore> = match kind {
             Backend::Redb => Box::new(redb::RedbStore::open(dir)?),
+            Backend::Fjall => Box::new(fjall::FjallStore::open(dir)?),
         };
         Ok(Store::new(backend, kind))
     }
@@ -485,5 +531,45 @@ impl WriteTxn<'_> {
             return Ok(());
         }
         store.backend.write(&batch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::meta;
+
+    /// Both backends: a batch is visible after commit, a write transaction reads its own
+    /// changes, range scans are in numeric key order, and a reopened store keeps its backend.
+    #[test]
+    fn backends_round_trip() -> Result<()> {
+        for kind in [Backend::Redb, Backend::Fjall] {
+            let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+            {
+                let store = Store::create(dir.path(), kind)?;
+                let mut txn = store.write()?;
+                for id in [3u64, 1, 256, 2] {
+                    txn.insert(meta::LAYERS, &id, &(id * 10));
+                }
+                txn.remove(meta::LAYERS, &2);
+                assert_eq!(txn.get(meta::LAYERS, &256)?, Some(2560));
+                assert_eq!(txn.get(meta::LAYERS, &2)?, None);
+                txn.insert(meta::VOLUMES, "vm1", b"record".as_slice());
+                txn.commit()?;
+                let mut txn = store.write()?;
+                let taken = txn.extract_range_if(meta::LAYERS, 1..=3, |_, _| true)?;
+                assert_eq!(taken, vec![(1, 10), (3, 30)]);
+                txn.commit()?;
+            }
+            assert_eq!(Backend::detect(dir.path()), Some(kind));
+            let store = Store::open(dir.path())?;
+            assert_eq!(store.backend(), kind);
+            let r = store.read()?;
+            let all: Vec<(u64, u64)> = r.iter(meta::LAYERS)?.collect::<Result<_>>()?;
+            assert_eq!(all, vec![(256, 2560)]);
+            assert_eq!(r.get(meta::VOLUMES, "vm1")?, Some(b"record".to_vec()));
+            assert!(store.disk_bytes() > 0);
+        }
+        Ok(())
     }
 }
