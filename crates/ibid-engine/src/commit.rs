@@ -22,7 +22,7 @@ use crate::pool::{
     CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
 };
 use crate::store::{Reader, WriteTxn};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -275,7 +275,9 @@ impl Inner {
                 zero_refs.push(id);
             }
         }
-        let orphan_ids: Vec<u64> = txn
+        // Only ids in this set get an orphan delete: in an LSM store a delete of an absent key
+        // still writes a tombstone, which this very scan would then wade through every commit.
+        let orphan_ids: HashSet<u64> = txn
             .iter(meta::ORPHANS)?
             .into_iter()
             .map(|(k, ())| k)
@@ -289,7 +291,9 @@ impl Inner {
         for id in zero_refs {
             let rec = load_chunk(txn, id)?;
             if rec.refs > 0 {
-                txn.remove(meta::ORPHANS, &id);
+                if orphan_ids.contains(&id) {
+                    txn.remove(meta::ORPHANS, &id);
+                }
                 continue;
             }
             let shard = (id & ((1 << SHARD_BITS) - 1)) as usize;
@@ -302,7 +306,9 @@ impl Inner {
             }
             s.dead_fps.insert(rec.fingerprint);
             drop(s);
-            txn.remove(meta::ORPHANS, &id);
+            if orphan_ids.contains(&id) {
+                txn.remove(meta::ORPHANS, &id);
+            }
             txn.remove(meta::CHUNKS, &id);
             if txn.get(meta::FPS, &rec.fingerprint)? == Some(id) {
                 txn.remove(meta::FPS, &rec.fingerprint);

@@ -21,6 +21,9 @@ pub const DIR: &str = "meta.fjall";
 
 /// Block cache, shared by the keyspaces: the same bound redb uses by default.
 const CACHE_BYTES: u64 = 1 << 30;
+/// Journal kept before memtables are flushed: bounds what an open after a crash replays
+/// (fjall's minimum; its default is 512 MiB).
+const JOURNAL_BYTES_MAX: u64 = 64 << 20;
 
 impl From<::fjall::Error> for Error {
     fn from(e: ::fjall::Error) -> Self {
@@ -53,7 +56,10 @@ impl FjallStore {
     }
 
     fn open_path(path: &Path) -> Result<FjallStore> {
-        let db = Database::builder(path).cache_size(CACHE_BYTES).open()?;
+        let db = Database::builder(path)
+            .cache_size(CACHE_BYTES)
+            .max_journaling_size(JOURNAL_BYTES_MAX)
+            .open()?;
         let tables = Table::ALL
             .iter()
             .map(|t| db.keyspace(t.name(), KeyspaceCreateOptions::default))
@@ -64,6 +70,18 @@ impl FjallStore {
 
     fn keyspace(&self, table: Table) -> &Keyspace {
         &self.tables[table.index()]
+    }
+}
+
+impl Drop for FjallStore {
+    /// A clean close flushes the memtables to tables, so the next open has no journal to
+    /// replay. A crash skips this; the journal then holds every committed batch.
+    fn drop(&mut self) {
+        for ks in &self.tables {
+            if let Err(e) = ks.rotate_memtable_and_wait() {
+                tracing::warn!("flush metadata keyspace at close: {e}");
+            }
+        }
     }
 }
 
