@@ -423,7 +423,8 @@ fn uptime() -> String {
 fn engine(a: &EngineArgs) -> Result<()> {
     let s = Settings::from(a);
     println!(
-        "# ibid-bench engine: runs={} seq={} MiB threads={} secs={} unique_blocks={} (load avg {})",
+        "# ibid-bench engine: meta={} runs={} seq={} MiB threads={} secs={} unique_blocks={} (load avg {})",
+        ibid_engine::MetaBackend::from_env().name(),
         s.runs,
         s.seq_bytes / MIB,
         s.threads,

@@ -6,7 +6,7 @@
 //!    count it adds are always in the same batch.
 //! 2. **Data first**: [`crate::segment::Segments::sync`] writes and fsyncs every segment record
 //!    appended so far.
-//! 3. **One metadata transaction** (redb, durable on return): new chunks, dedup index entries,
+//! 3. **One metadata transaction** ([`crate::store`], durable on return): new chunks, dedup index entries,
 //!    map entries, refcount deltas, chunk deaths, segment usage, volume records, pool counters.
 //! 4. **Publish**: the `committing` slots are emptied; readers now find the data in the store.
 //!
@@ -21,8 +21,8 @@ use crate::meta;
 use crate::pool::{
     CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
 };
-use redb::{ReadableTable, Table, WriteTransaction};
-use std::collections::{BTreeMap, HashMap};
+use crate::store::{Reader, WriteTxn};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -105,10 +105,8 @@ impl Inner {
             .store(cs.record.live_chunks, Ordering::Relaxed);
         self.pending_bytes
             .fetch_sub(batch.new_bytes, Ordering::Relaxed);
-        self.meta_bytes.store(
-            std::fs::metadata(self.dir.join("meta.redb")).map_or(0, |m| m.len()),
-            Ordering::Relaxed,
-        );
+        self.meta_bytes
+            .store(self.db.disk_bytes(), Ordering::Relaxed);
         self.publish(&batch, &applied);
         self.committed.store(batch.no, Ordering::Release);
         for seg in applied.dead_segments {
@@ -188,37 +186,30 @@ impl Inner {
     }
 
     fn apply(&self, batch: &Batch, record: &mut meta::PoolRecord) -> Result<Applied> {
-        let txn = self.db.begin_write()?;
-        let applied = self.apply_tables(&txn, batch, record)?;
+        let mut txn = self.db.write()?;
+        let applied = self.apply_tables(&mut txn, batch, record)?;
         record.commits += 1;
         record.next_chunk_seq = self.chunk_seq.load(Ordering::Relaxed);
         record.next_segment_id = self.segments.next_id();
-        txn.open_table(meta::POOL)?
-            .insert(meta::POOL_KEY, record.encode().as_slice())?;
+        txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
         txn.commit()?;
         Ok(applied)
     }
 
     fn apply_tables(
         &self,
-        txn: &WriteTransaction,
+        txn: &mut WriteTxn,
         batch: &Batch,
         record: &mut meta::PoolRecord,
     ) -> Result<Applied> {
-        let mut chunks = txn.open_table(meta::CHUNKS)?;
-        let mut fps = txn.open_table(meta::FPS)?;
-        let mut map = txn.open_table(meta::MAP)?;
-        let mut segs = txn.open_table(meta::SEGMENTS)?;
-        let mut orphans = txn.open_table(meta::ORPHANS)?;
-        let mut vols = txn.open_table(meta::VOLUMES)?;
         let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
         let mut deltas: HashMap<u64, i64> = HashMap::new();
 
         for shard in &batch.shards {
             for (&id, rec) in &shard.new_chunks {
-                chunks.insert(id, rec.encode().as_slice())?;
-                fps.insert(rec.fingerprint, id)?;
-                let u = segment_usage(&mut usage, &segs, rec.segment)?;
+                txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
+                txn.insert(meta::FPS, &rec.fingerprint, &id);
+                let u = segment_usage(&mut usage, txn, rec.segment)?;
                 u.total_bytes += rec.physical_bytes();
                 u.live_bytes += rec.physical_bytes();
                 record.live_chunks += 1;
@@ -229,36 +220,33 @@ impl Inner {
             }
         }
         for (v, overlay, vrec) in &batch.volumes {
-            write_overlay(&mut map, &vrec.layers, overlay)?;
-            vols.insert(v.name.as_str(), vrec.encode().as_slice())?;
+            write_overlay(txn, &vrec.layers, overlay);
+            txn.insert(meta::VOLUMES, v.name.as_str(), vrec.encode().as_slice());
         }
-        let mut layers = txn.open_table(meta::LAYERS)?;
-        let mut snaps = txn.open_table(meta::SNAPSHOTS)?;
         for v in &batch.deleted {
             let (stack, committing) = {
                 let m = v.map.lock();
                 (m.stack.clone(), m.committing.clone())
             };
-            write_overlay(&mut map, &stack, &committing)?;
+            write_overlay(txn, &stack, &committing);
             for &layer in &stack {
-                let refs = layers.get(layer)?.map(|r| r.value()).unwrap_or(0);
+                let refs = txn.get(meta::LAYERS, &layer)?.unwrap_or(0);
                 if refs > 1 {
-                    layers.insert(layer, refs - 1)?;
+                    txn.insert(meta::LAYERS, &layer, &(refs - 1));
                     continue;
                 }
-                layers.remove(layer)?;
+                txn.remove(meta::LAYERS, &layer);
                 let (lo, hi) = (format::map_key(layer, 0), format::map_key(layer, u64::MAX));
-                for item in map.extract_from_if(lo..=hi, |_, _| true)? {
-                    let (_, chunk) = item?;
-                    if chunk.value() != format::ZERO_TOMBSTONE {
-                        *deltas.entry(chunk.value()).or_default() -= 1;
+                for (_, chunk) in txn.extract_range_if(meta::MAP, lo..=hi, |_, _| true)? {
+                    if chunk != format::ZERO_TOMBSTONE {
+                        *deltas.entry(chunk).or_default() -= 1;
                     }
                 }
             }
             if v.read_only {
-                snaps.remove(v.name.as_str())?;
+                txn.remove(meta::SNAPSHOTS, v.name.as_str());
             } else {
-                vols.remove(v.name.as_str())?;
+                txn.remove(meta::VOLUMES, v.name.as_str());
             }
         }
         let mut applied = Applied::default();
@@ -274,7 +262,7 @@ impl Inner {
                 }
                 continue;
             }
-            let mut rec = load_chunk(&chunks, id)?;
+            let mut rec = load_chunk(txn, id)?;
             let refs = rec.refs as i64 + d;
             if refs < 0 {
                 return Err(Error::Corrupt(format!(
@@ -282,15 +270,18 @@ impl Inner {
                 )));
             }
             rec.refs = refs as u64;
-            chunks.insert(id, rec.encode().as_slice())?;
+            txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
             if refs == 0 {
                 zero_refs.push(id);
             }
         }
-        let orphan_ids: Vec<u64> = orphans
-            .iter()?
-            .map(|i| i.map(|(k, _)| k.value()))
-            .collect::<Result<_, _>>()?;
+        // Only ids in this set get an orphan delete: in an LSM store a delete of an absent key
+        // still writes a tombstone, which this very scan would then wade through every commit.
+        let orphan_ids: HashSet<u64> = txn
+            .iter(meta::ORPHANS)?
+            .into_iter()
+            .map(|(k, ())| k)
+            .collect();
         zero_refs.extend(
             orphan_ids
                 .iter()
@@ -298,9 +289,11 @@ impl Inner {
                 .filter(|id| !deltas.contains_key(id)),
         );
         for id in zero_refs {
-            let rec = load_chunk(&chunks, id)?;
+            let rec = load_chunk(txn, id)?;
             if rec.refs > 0 {
-                orphans.remove(id)?;
+                if orphan_ids.contains(&id) {
+                    txn.remove(meta::ORPHANS, &id);
+                }
                 continue;
             }
             let shard = (id & ((1 << SHARD_BITS) - 1)) as usize;
@@ -308,17 +301,19 @@ impl Inner {
             let mut s = self.shards[shard].lock();
             if s.dirty.deltas.get(&id).is_some_and(|&d| d != 0) {
                 // A newer, uncommitted write references it again: keep it until that commits.
-                orphans.insert(id, ())?;
+                txn.insert(meta::ORPHANS, &id, &());
                 continue;
             }
             s.dead_fps.insert(rec.fingerprint);
             drop(s);
-            orphans.remove(id)?;
-            chunks.remove(id)?;
-            if fps.get(rec.fingerprint)?.is_some_and(|v| v.value() == id) {
-                fps.remove(rec.fingerprint)?;
+            if orphan_ids.contains(&id) {
+                txn.remove(meta::ORPHANS, &id);
             }
-            let u = segment_usage(&mut usage, &segs, rec.segment)?;
+            txn.remove(meta::CHUNKS, &id);
+            if txn.get(meta::FPS, &rec.fingerprint)? == Some(id) {
+                txn.remove(meta::FPS, &rec.fingerprint);
+            }
+            let u = segment_usage(&mut usage, txn, rec.segment)?;
             u.live_bytes -= rec.physical_bytes().min(u.live_bytes);
             record.live_chunks -= 1;
             record.live_bytes -= rec.physical_bytes();
@@ -326,10 +321,10 @@ impl Inner {
         }
         for (seg, u) in usage {
             if u.live_bytes == 0 && self.segments.fully_committed(seg, batch.no) {
-                segs.remove(seg)?;
+                txn.remove(meta::SEGMENTS, &seg);
                 applied.dead_segments.push(seg);
             } else {
-                segs.insert(seg, u.encode().as_slice())?;
+                txn.insert(meta::SEGMENTS, &seg, u.encode().as_slice());
             }
         }
         Ok(applied)
@@ -338,43 +333,33 @@ impl Inner {
 
 /// Writes a volume's changes into its top layer. A zeroed block is removed when nothing lies
 /// below the top layer, and becomes a tombstone hiding the lower layers otherwise.
-fn write_overlay(map: &mut Table<[u8; 16], u64>, stack: &[u64], overlay: &Overlay) -> Result<()> {
+fn write_overlay(txn: &mut WriteTxn, stack: &[u64], overlay: &Overlay) {
     let top = *stack.last().expect("a stack has a layer");
     for (&block, entry) in overlay {
         let key = format::map_key(top, block);
         match entry {
-            Entry::Data(id) => {
-                map.insert(key, *id)?;
-            }
-            Entry::Zero if stack.len() > 1 => {
-                map.insert(key, format::ZERO_TOMBSTONE)?;
-            }
-            Entry::Zero => {
-                map.remove(key)?;
-            }
+            Entry::Data(id) => txn.insert(meta::MAP, &key, id),
+            Entry::Zero if stack.len() > 1 => txn.insert(meta::MAP, &key, &format::ZERO_TOMBSTONE),
+            Entry::Zero => txn.remove(meta::MAP, &key),
         }
     }
-    Ok(())
 }
 
-pub(crate) fn load_chunk(
-    chunks: &impl ReadableTable<u64, &'static [u8]>,
-    id: u64,
-) -> Result<ChunkRecord> {
-    let v = chunks
-        .get(id)?
+pub(crate) fn load_chunk(store: &impl Reader, id: u64) -> Result<ChunkRecord> {
+    let v = store
+        .get(meta::CHUNKS, &id)?
         .ok_or_else(|| Error::Corrupt(format!("chunk {id:#x} is referenced but missing")))?;
-    ChunkRecord::decode(v.value())
+    ChunkRecord::decode(&v)
 }
 
 fn segment_usage<'a>(
     usage: &'a mut BTreeMap<u64, SegmentUsage>,
-    segs: &Table<u64, &[u8]>,
+    store: &impl Reader,
     seg: u64,
 ) -> Result<&'a mut SegmentUsage> {
     if let std::collections::btree_map::Entry::Vacant(e) = usage.entry(seg) {
-        let u = match segs.get(seg)? {
-            Some(v) => SegmentUsage::decode(v.value())?,
+        let u = match store.get(meta::SEGMENTS, &seg)? {
+            Some(v) => SegmentUsage::decode(&v)?,
             None => SegmentUsage::default(),
         };
         e.insert(u);

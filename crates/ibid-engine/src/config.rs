@@ -20,6 +20,9 @@ pub struct PoolConfig {
     pub gc_live_pct_max: u8,
     /// Run the background committer and cleaner thread (tests turn it off to step by hand).
     pub background: bool,
+    /// Metadata store of a new pool. Ignored at open: a pool reopens with the backend it was
+    /// created with. Default: [`crate::store::BACKEND_ENV`] if set, else redb.
+    pub meta_backend: crate::store::Backend,
 }
 
 impl Default for PoolConfig {
@@ -33,6 +36,7 @@ impl Default for PoolConfig {
             background_interval_ms: 1000,
             gc_live_pct_max: 50,
             background: true,
+            meta_backend: crate::store::Backend::from_env(),
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::format::{self, ChunkRecord, SegmentUsage, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES};
 use crate::meta;
 use crate::pool::{Inner, DATA_WRITERS};
-use redb::{ReadableDatabase, ReadableTable};
+use crate::store::Reader;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -81,12 +81,11 @@ impl Inner {
         let candidates = self.segments.cleanable(committed);
         let mut best: Option<(u64, u64, u64)> = None; // (segment, live, file bytes)
         {
-            let txn = self.db.begin_read()?;
-            let segs = txn.open_table(meta::SEGMENTS)?;
+            let txn = self.db.read()?;
             for seg in candidates {
                 let file_bytes = self.segments.file_bytes(seg);
-                let live = match segs.get(seg)? {
-                    Some(v) => SegmentUsage::decode(v.value())?.live_bytes,
+                let live = match txn.get(meta::SEGMENTS, &seg)? {
+                    Some(v) => SegmentUsage::decode(&v)?.live_bytes,
                     None => 0,
                 };
                 let dead = file_bytes.saturating_sub(live + SEGMENT_HEADER_BYTES);
@@ -113,8 +112,8 @@ impl Inner {
 
     fn drop_segment(&self, seg: u64) -> Result<()> {
         let _cs = self.commit.lock();
-        let txn = self.db.begin_write()?;
-        txn.open_table(meta::SEGMENTS)?.remove(seg)?;
+        let mut txn = self.db.write()?;
+        txn.remove(meta::SEGMENTS, &seg);
         txn.commit()?;
         self.segments.remove(seg)
     }
@@ -135,21 +134,19 @@ impl Inner {
         }
         self.segments.sync()?;
         let cs = self.commit.lock();
-        let txn = self.db.begin_write()?;
+        let mut txn = self.db.write()?;
         {
-            let mut chunks = txn.open_table(meta::CHUNKS)?;
-            let mut segs = txn.open_table(meta::SEGMENTS)?;
             let mut usage: std::collections::BTreeMap<u64, SegmentUsage> = Default::default();
             for (id, old_offset, placed) in moved {
-                let Some(v) = chunks.get(id)?.map(|v| v.value().to_vec()) else {
+                let Some(v) = txn.get(meta::CHUNKS, &id)? else {
                     continue;
                 };
                 let mut rec = ChunkRecord::decode(&v)?;
                 let u = match usage.entry(placed.segment) {
                     std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                     std::collections::btree_map::Entry::Vacant(e) => {
-                        e.insert(match segs.get(placed.segment)? {
-                            Some(v) => SegmentUsage::decode(v.value())?,
+                        e.insert(match txn.get(meta::SEGMENTS, &placed.segment)? {
+                            Some(v) => SegmentUsage::decode(&v)?,
                             None => SegmentUsage::default(),
                         })
                     }
@@ -160,13 +157,13 @@ impl Inner {
                     rec.segment = placed.segment;
                     rec.offset = placed.offset;
                     debug_assert_eq!(rec.crc, placed.crc);
-                    chunks.insert(id, rec.encode().as_slice())?;
+                    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
                 }
             }
             for (s, u) in usage {
-                segs.insert(s, u.encode().as_slice())?;
+                txn.insert(meta::SEGMENTS, &s, u.encode().as_slice());
             }
-            segs.remove(seg)?;
+            txn.remove(meta::SEGMENTS, &seg);
         }
         txn.commit()?;
         drop(cs);
@@ -175,8 +172,7 @@ impl Inner {
 
     /// Records of `seg` (whose bytes are `bytes`) that the store still points at.
     fn live_records(&self, seg: u64, bytes: &[u8]) -> Result<Vec<(u64, u32, ChunkRecord)>> {
-        let txn = self.db.begin_read()?;
-        let chunks = txn.open_table(meta::CHUNKS)?;
+        let txn = self.db.read()?;
         let mut out = Vec::new();
         let mut pos = SEGMENT_HEADER_BYTES as usize;
         while pos + RECORD_HEADER_BYTES <= bytes.len() {
@@ -187,8 +183,8 @@ impl Inner {
             if end > bytes.len() {
                 break;
             }
-            if let Some(v) = chunks.get(h.chunk_id)? {
-                let rec = ChunkRecord::decode(v.value())?;
+            if let Some(v) = txn.get(meta::CHUNKS, &h.chunk_id)? {
+                let rec = ChunkRecord::decode(&v)?;
                 if rec.segment == seg && rec.offset as usize == pos {
                     if !format::record_crc_ok(&bytes[pos..end], rec.crc) {
                         return Err(crate::Error::Corrupt(format!(

@@ -28,6 +28,7 @@ mod provision;
 mod segment;
 mod snapshot;
 pub mod stats;
+pub mod store;
 pub mod verify;
 mod volume;
 
@@ -38,5 +39,6 @@ pub use pool::{validate_volume_name, validate_volume_size, Pool, VolumeInfo};
 pub use provision::RESERVED_BYTES_PER_BLOCK;
 pub use snapshot::SnapshotInfo;
 pub use stats::{PoolStats, VolumeSpace};
+pub use store::Backend as MetaBackend;
 pub use verify::VerifyReport;
 pub use volume::{CopyReport, Extent, ExtentKind, Volume};

@@ -1,4 +1,4 @@
-//! The metadata store's tables (redb) and the pool record.
+//! The metadata store's tables (behind [`crate::store`]) and the pool record.
 //!
 //! | table      | key                                  | value                                  |
 //! |------------|--------------------------------------|----------------------------------------|
@@ -14,30 +14,31 @@
 //!
 //! A map value of [`crate::format::ZERO_TOMBSTONE`] (0) in an upper layer hides lower layers.
 //!
-//! Every table changes only inside the commit transaction, which is durable (fsync) when it
+//! Keys and values cross the store seam in [`crate::store::Codec`]'s encoding (integers
+//! big-endian). Every table changes only inside the commit transaction, which is durable (fsync) when it
 //! returns. A chunk id is `(sequence << SHARD_BITS) | shard`, so its dedup shard is its low bits.
 
 use crate::error::{Error, Result};
-use redb::TableDefinition;
+use crate::store::{Def, Table};
 
 /// The pool record.
-pub const POOL: TableDefinition<&str, &[u8]> = TableDefinition::new("pool");
+pub const POOL: Def<str, [u8]> = Def::new(Table::Pool);
 /// Volumes by name.
-pub const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+pub const VOLUMES: Def<str, [u8]> = Def::new(Table::Volumes);
 /// Volume maps: (layer, block) → chunk id.
-pub const MAP: TableDefinition<[u8; 16], u64> = TableDefinition::new("map");
+pub const MAP: Def<[u8; 16], u64> = Def::new(Table::Map);
 /// Chunks: id → record.
-pub const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
+pub const CHUNKS: Def<u64, [u8]> = Def::new(Table::Chunks);
 /// The dedup index: fingerprint → chunk id.
-pub const FPS: TableDefinition<[u8; 32], u64> = TableDefinition::new("fps");
+pub const FPS: Def<[u8; 32], u64> = Def::new(Table::Fps);
 /// Segment usage: id → (total, live) bytes.
-pub const SEGMENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("segments");
+pub const SEGMENTS: Def<u64, [u8]> = Def::new(Table::Segments);
 /// Snapshots by `VOLUME@SNAPSHOT`.
-pub const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
+pub const SNAPSHOTS: Def<str, [u8]> = Def::new(Table::Snapshots);
 /// Map layers: id → number of stacks (volumes and snapshots) that include it.
-pub const LAYERS: TableDefinition<u64, u64> = TableDefinition::new("layers");
+pub const LAYERS: Def<u64, u64> = Def::new(Table::Layers);
 /// Chunks whose refcount reached zero while a newer reference was still uncommitted.
-pub const ORPHANS: TableDefinition<u64, ()> = TableDefinition::new("orphans");
+pub const ORPHANS: Def<u64, ()> = Def::new(Table::Orphans);
 
 /// Key of the pool record in [`POOL`].
 pub const POOL_KEY: &str = "pool";

@@ -9,9 +9,9 @@ use crate::format::{
 use crate::meta::{self, PoolRecord};
 use crate::segment::Segments;
 use crate::stats::PoolStats;
+use crate::store::{Reader, Store};
 use crate::volume::Volume;
 use parking_lot::{Condvar, Mutex, RwLock};
-use redb::{Database, ReadableDatabase, ReadableTable};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -99,7 +99,7 @@ pub(crate) struct CommitState {
 pub(crate) struct Inner {
     pub dir: PathBuf,
     pub config: PoolConfig,
-    pub db: Database,
+    pub db: Store,
     pub segments: Segments,
     pub bloom: RwLock<Arc<Bloom>>,
     pub shards: Vec<Mutex<ShardState>>,
@@ -247,7 +247,7 @@ impl Pool {
     pub fn create(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir).map_err(|e| Error::io("create pool directory", e))?;
-        if dir.join("meta.redb").exists() {
+        if crate::store::exists(dir) {
             return Err(Error::AlreadyExists(dir.display().to_string()));
         }
         if config.soft_threshold_pct == 0 || config.soft_threshold_pct > 100 {
@@ -260,7 +260,7 @@ impl Pool {
             None => filesystem_free_bytes(dir)?,
         };
         let lock = lock_pool_dir(dir)?;
-        let db = Database::create(dir.join("meta.redb"))?;
+        let db = Store::create(dir, config.meta_backend)?;
         let record = PoolRecord {
             version: meta::POOL_FORMAT_VERSION,
             capacity_bytes: capacity,
@@ -272,19 +272,8 @@ impl Pool {
             created_unix_s: now_unix_s(),
             ..Default::default()
         };
-        let txn = db.begin_write()?;
-        {
-            txn.open_table(meta::POOL)?
-                .insert(meta::POOL_KEY, record.encode().as_slice())?;
-            txn.open_table(meta::VOLUMES)?;
-            txn.open_table(meta::MAP)?;
-            txn.open_table(meta::CHUNKS)?;
-            txn.open_table(meta::FPS)?;
-            txn.open_table(meta::SEGMENTS)?;
-            txn.open_table(meta::ORPHANS)?;
-            txn.open_table(meta::SNAPSHOTS)?;
-            txn.open_table(meta::LAYERS)?;
-        }
+        let mut txn = db.write()?;
+        txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
         txn.commit()?;
         drop(db);
         Self::open_locked(dir, config, lock)
@@ -295,7 +284,7 @@ impl Pool {
     /// filter in the background.
     pub fn open(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
         let dir = dir.as_ref();
-        if !dir.join("meta.redb").exists() {
+        if !crate::store::exists(dir) {
             return Err(Error::NotFound(format!("pool at {}", dir.display())));
         }
         let lock = lock_pool_dir(dir)?;
@@ -304,7 +293,7 @@ impl Pool {
 
     /// Opens the pool in `dir`, creating it if it does not exist.
     pub fn open_or_create(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
-        if dir.as_ref().join("meta.redb").exists() {
+        if crate::store::exists(dir.as_ref()) {
             Self::open(dir, config)
         } else {
             Self::create(dir, config)
@@ -312,27 +301,26 @@ impl Pool {
     }
 
     fn open_locked(dir: &Path, config: PoolConfig, lock: File) -> Result<Pool> {
-        let db = Database::open(dir.join("meta.redb"))?;
+        let db = Store::open(dir)?;
         let (record, volumes, snapshots, segment_ids) = {
-            let txn = db.begin_read()?;
-            let pool_t = txn.open_table(meta::POOL)?;
-            let raw = pool_t
-                .get(meta::POOL_KEY)?
+            let txn = db.read()?;
+            let raw = txn
+                .get(meta::POOL, meta::POOL_KEY)?
                 .ok_or_else(|| Error::Corrupt("pool record missing".into()))?;
-            let record = PoolRecord::decode(raw.value())?;
+            let record = PoolRecord::decode(&raw)?;
             let mut volumes = BTreeMap::new();
-            for item in txn.open_table(meta::VOLUMES)?.iter()? {
+            for item in txn.iter(meta::VOLUMES)? {
                 let (k, v) = item?;
-                volumes.insert(k.value().to_string(), VolumeRecord::decode(v.value())?);
+                volumes.insert(k, VolumeRecord::decode(&v)?);
             }
             let mut snapshots = BTreeMap::new();
-            for item in txn.open_table(meta::SNAPSHOTS)?.iter()? {
+            for item in txn.iter(meta::SNAPSHOTS)? {
                 let (k, v) = item?;
-                snapshots.insert(k.value().to_string(), VolumeRecord::decode(v.value())?);
+                snapshots.insert(k, VolumeRecord::decode(&v)?);
             }
             let mut segment_ids = HashSet::new();
-            for item in txn.open_table(meta::SEGMENTS)?.iter()? {
-                segment_ids.insert(item?.0.value());
+            for item in txn.iter(meta::SEGMENTS)? {
+                segment_ids.insert(item?.0);
             }
             (record, volumes, snapshots, segment_ids)
         };
@@ -368,7 +356,7 @@ impl Pool {
                 (name, Arc::new(state))
             })
             .collect();
-        let meta_bytes = std::fs::metadata(dir.join("meta.redb")).map_or(0, |m| m.len());
+        let meta_bytes = db.disk_bytes();
         let inner = Arc::new(Inner {
             dir: dir.to_path_buf(),
             db,
@@ -507,14 +495,10 @@ impl Pool {
         let mut pool_rec = cs.record.clone();
         pool_rec.next_volume_id += 1;
         pool_rec.next_layer_id += 1;
-        let txn = self.inner.db.begin_write()?;
-        {
-            txn.open_table(meta::VOLUMES)?
-                .insert(name, record.encode().as_slice())?;
-            txn.open_table(meta::LAYERS)?.insert(record.top(), 1)?;
-            txn.open_table(meta::POOL)?
-                .insert(meta::POOL_KEY, pool_rec.encode().as_slice())?;
-        }
+        let mut txn = self.inner.db.write()?;
+        txn.insert(meta::VOLUMES, name, record.encode().as_slice());
+        txn.insert(meta::LAYERS, &record.top(), &1);
+        txn.insert(meta::POOL, meta::POOL_KEY, pool_rec.encode().as_slice());
         txn.commit()?;
         cs.record = pool_rec;
         let state = Arc::new(new_volume_state(name.to_string(), &record, false));
@@ -805,9 +789,9 @@ impl Inner {
         let bloom = Arc::new(Bloom::with_capacity(capacity, false));
         *self.bloom.write() = bloom.clone();
         self.commit()?;
-        let txn = self.db.begin_read()?;
-        for item in txn.open_table(meta::FPS)?.iter()? {
-            bloom.insert(&item?.0.value());
+        let txn = self.db.read()?;
+        for item in txn.iter(meta::FPS)? {
+            bloom.insert(&item?.0);
         }
         bloom.set_ready();
         Ok(())

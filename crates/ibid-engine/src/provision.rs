@@ -188,9 +188,8 @@ impl Pool {
         let mut cs = self.inner.commit.lock();
         let mut record = cs.record.clone();
         change(&mut record);
-        let txn = self.inner.db.begin_write()?;
-        txn.open_table(meta::POOL)?
-            .insert(meta::POOL_KEY, record.encode().as_slice())?;
+        let mut txn = self.inner.db.write()?;
+        txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
         txn.commit()?;
         cs.record = record;
         Ok(())

@@ -17,8 +17,8 @@ use crate::meta;
 use crate::pool::{
     new_volume_state, validate_volume_name, CommitState, Inner, Pool, VolumeMap, VolumeState,
 };
+use crate::store::Reader;
 use crate::volume::Volume;
-use redb::{ReadableDatabase, ReadableTable};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -107,31 +107,27 @@ impl Inner {
         let mut pool_rec = cs.record.clone();
         pool_rec.next_volume_id += ids_used;
         pool_rec.next_layer_id += new_layers.len() as u64;
-        let txn = self.db.begin_write()?;
+        let mut txn = self.db.write()?;
         {
-            let mut vols = txn.open_table(meta::VOLUMES)?;
             for (name, r) in volumes {
-                vols.insert(*name, r.encode().as_slice())?;
+                txn.insert(meta::VOLUMES, *name, r.encode().as_slice());
             }
-            let mut snaps = txn.open_table(meta::SNAPSHOTS)?;
             for (name, r) in snapshots {
-                snaps.insert(*name, r.encode().as_slice())?;
+                txn.insert(meta::SNAPSHOTS, *name, r.encode().as_slice());
             }
-            let mut layers = txn.open_table(meta::LAYERS)?;
             for &l in layer_increments {
-                let refs = layers.get(l)?.map(|r| r.value()).unwrap_or(0);
+                let refs = txn.get(meta::LAYERS, &l)?.unwrap_or(0);
                 if refs == 0 {
                     return Err(Error::Corrupt(format!(
                         "layer {l} is in a stack but has no refcount"
                     )));
                 }
-                layers.insert(l, refs + 1)?;
+                txn.insert(meta::LAYERS, &l, &(refs + 1));
             }
             for &l in new_layers {
-                layers.insert(l, 1)?;
+                txn.insert(meta::LAYERS, &l, &1);
             }
-            txn.open_table(meta::POOL)?
-                .insert(meta::POOL_KEY, pool_rec.encode().as_slice())?;
+            txn.insert(meta::POOL, meta::POOL_KEY, pool_rec.encode().as_slice());
         }
         txn.commit()?;
         cs.record = pool_rec;
@@ -364,10 +360,9 @@ impl Inner {
         if stack.len() < 2 {
             return Ok(None);
         }
-        let txn = self.db.begin_read()?;
-        let layers = txn.open_table(meta::LAYERS)?;
+        let txn = self.db.read()?;
         for (i, &l) in stack[..stack.len() - 1].iter().enumerate() {
-            if layers.get(l)?.map(|r| r.value()) == Some(1) {
+            if txn.get(meta::LAYERS, &l)? == Some(1) {
                 return Ok(Some(i));
             }
         }
@@ -398,53 +393,46 @@ impl Inner {
                 layers: stack.clone(),
                 format: v.format(),
             };
-            let txn = inner.db.begin_write()?;
+            let mut txn = inner.db.write()?;
             {
-                let mut table = txn.open_table(meta::MAP)?;
                 let (lo, hi) = (format::map_key(lower, 0), format::map_key(lower, u64::MAX));
-                let moved: Vec<(u64, u64)> = table
-                    .extract_from_if(lo..=hi, |_, _| true)?
-                    .map(|item| {
-                        item.map(|(k, val)| (format::decode_map_key(&k.value()).1, val.value()))
-                    })
-                    .collect::<Result<_, _>>()?;
+                let moved: Vec<(u64, u64)> = txn
+                    .extract_range_if(meta::MAP, lo..=hi, |_, _| true)?
+                    .into_iter()
+                    .map(|(k, val)| (format::decode_map_key(&k).1, val))
+                    .collect();
                 for (block, id) in moved {
                     let key = format::map_key(upper, block);
-                    if table.get(key)?.is_some() {
+                    if txn.get(meta::MAP, &key)?.is_some() {
                         if id != format::ZERO_TOMBSTONE {
                             released.push(id);
                         }
                     } else if id != format::ZERO_TOMBSTONE || i > 0 {
-                        table.insert(key, id)?;
+                        txn.insert(meta::MAP, &key, &id);
                     }
                 }
                 if i == 0 {
                     // The upper layer is now the bottom: its tombstones hide nothing.
                     let (lo, hi) = (format::map_key(upper, 0), format::map_key(upper, u64::MAX));
-                    for item in
-                        table.extract_from_if(lo..=hi, |_, val| val == format::ZERO_TOMBSTONE)?
-                    {
-                        item?;
-                    }
+                    txn.extract_range_if(meta::MAP, lo..=hi, |_, &val| {
+                        val == format::ZERO_TOMBSTONE
+                    })?;
                 }
-                txn.open_table(meta::LAYERS)?.remove(lower)?;
-                txn.open_table(meta::VOLUMES)?
-                    .insert(v.name.as_str(), record.encode().as_slice())?;
+                txn.remove(meta::LAYERS, &lower);
+                txn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
                 // Drop the overridden entries' references in the same transaction, so a crash
                 // never leaves a count too high; a chunk at zero becomes an orphan, which the
                 // next commit frees (or keeps, if a newer write references it again).
-                let mut chunks = txn.open_table(meta::CHUNKS)?;
-                let mut orphans = txn.open_table(meta::ORPHANS)?;
                 for id in released {
-                    let mut rec = crate::commit::load_chunk(&chunks, id)?;
+                    let mut rec = crate::commit::load_chunk(&txn, id)?;
                     rec.refs = rec.refs.checked_sub(1).ok_or_else(|| {
                         Error::Corrupt(format!(
                             "chunk {id:#x}: refcount below zero while flattening"
                         ))
                     })?;
-                    chunks.insert(id, rec.encode().as_slice())?;
+                    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
                     if rec.refs == 0 {
-                        orphans.insert(id, ())?;
+                        txn.insert(meta::ORPHANS, &id, &());
                     }
                 }
             }

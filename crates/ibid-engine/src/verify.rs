@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, SegmentUsage, VolumeRecord, BLOCK_BYTES};
 use crate::meta::{self, PoolRecord};
 use crate::pool::Inner;
-use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use crate::store::Reader;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 
@@ -32,19 +32,17 @@ fn fail(msg: String) -> Error {
 /// Checks the whole pool; call with no writes in flight for exact results.
 pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     let _cs = inner.commit.lock();
-    let txn = inner.db.begin_read()?;
+    let txn = inner.db.read()?;
     let pool = PoolRecord::decode(
-        txn.open_table(meta::POOL)?
-            .get(meta::POOL_KEY)?
-            .ok_or_else(|| fail("no pool record".into()))?
-            .value(),
+        &txn.get(meta::POOL, meta::POOL_KEY)?
+            .ok_or_else(|| fail("no pool record".into()))?,
     )?;
     let mut report = VerifyReport::default();
     let mut stacks: Vec<(String, VolumeRecord)> = Vec::new();
     for table in [meta::VOLUMES, meta::SNAPSHOTS] {
-        for item in txn.open_table(table)?.iter()? {
+        for item in txn.iter(table)? {
             let (k, v) = item?;
-            stacks.push((k.value().to_string(), VolumeRecord::decode(v.value())?));
+            stacks.push((k, VolumeRecord::decode(&v)?));
         }
     }
     report.volumes = stacks.len() as u64;
@@ -66,9 +64,9 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         }
     }
     let mut layer_refs: HashMap<u64, u64> = HashMap::new();
-    for item in txn.open_table(meta::LAYERS)?.iter()? {
+    for item in txn.iter(meta::LAYERS)? {
         let (k, v) = item?;
-        layer_refs.insert(k.value(), v.value());
+        layer_refs.insert(k, v);
     }
     if layer_refs != expected_layer_refs {
         return Err(fail(format!(
@@ -77,16 +75,16 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     }
     let mut refs: HashMap<u64, u64> = HashMap::new();
     let mut entries: HashMap<u64, BTreeMap<u64, u64>> = HashMap::new();
-    for item in txn.open_table(meta::MAP)?.iter()? {
+    for item in txn.iter(meta::MAP)? {
         let (k, v) = item?;
-        let (layer, block) = format::decode_map_key(&k.value());
+        let (layer, block) = format::decode_map_key(&k);
         if !layer_refs.contains_key(&layer) {
             return Err(fail(format!("map entry for unreferenced layer {layer}")));
         }
-        if v.value() != format::ZERO_TOMBSTONE {
-            *refs.entry(v.value()).or_default() += 1;
+        if v != format::ZERO_TOMBSTONE {
+            *refs.entry(v).or_default() += 1;
         }
-        entries.entry(layer).or_default().insert(block, v.value());
+        entries.entry(layer).or_default().insert(block, v);
         report.map_entries += 1;
     }
     for (name, r) in &stacks {
@@ -110,15 +108,11 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             )));
         }
     }
-    let chunks = txn.open_table(meta::CHUNKS)?;
-    let fps = txn.open_table(meta::FPS)?;
-    let orphans = txn.open_table(meta::ORPHANS)?;
     let mut usage: HashMap<u64, u64> = HashMap::new();
     let mut block = vec![0u8; BLOCK_BYTES];
-    for item in chunks.iter()? {
-        let (k, v) = item?;
-        let id = k.value();
-        let rec = ChunkRecord::decode(v.value())?;
+    for item in txn.iter(meta::CHUNKS)? {
+        let (id, v) = item?;
+        let rec = ChunkRecord::decode(&v)?;
         let counted = refs.remove(&id).unwrap_or(0);
         if rec.refs != counted {
             return Err(fail(format!(
@@ -127,19 +121,18 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             )));
         }
         if rec.refs == 0 {
-            if orphans.get(id)?.is_none() {
+            if txn.get(meta::ORPHANS, &id)?.is_none() {
                 return Err(fail(format!(
                     "chunk {id:#x} has no references and is not an orphan"
                 )));
             }
             report.orphans += 1;
         }
-        match fps.get(rec.fingerprint)? {
-            Some(f) if f.value() == id => {}
+        match txn.get(meta::FPS, &rec.fingerprint)? {
+            Some(f) if f == id => {}
             other => {
                 return Err(fail(format!(
-                    "chunk {id:#x}: index maps its fingerprint to {:?}",
-                    other.map(|f| f.value())
+                    "chunk {id:#x}: index maps its fingerprint to {other:?}"
                 )))
             }
         }
@@ -160,21 +153,20 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             "{n} map entries reference missing chunk {id:#x}"
         )));
     }
-    if fps.len()? != report.chunks {
+    let index_entries = txn.iter(meta::FPS)?.count() as u64;
+    if index_entries != report.chunks {
         return Err(fail(format!(
-            "index has {} entries for {} chunks",
-            fps.len()?,
+            "index has {index_entries} entries for {} chunks",
             report.chunks
         )));
     }
-    for item in txn.open_table(meta::SEGMENTS)?.iter()? {
+    for item in txn.iter(meta::SEGMENTS)? {
         let (k, v) = item?;
-        let u = SegmentUsage::decode(v.value())?;
-        let live = usage.remove(&k.value()).unwrap_or(0);
+        let u = SegmentUsage::decode(&v)?;
+        let live = usage.remove(&k).unwrap_or(0);
         if u.live_bytes != live {
             return Err(fail(format!(
-                "segment {:016x}: usage says {} live bytes, chunks hold {live}",
-                k.value(),
+                "segment {k:016x}: usage says {} live bytes, chunks hold {live}",
                 u.live_bytes
             )));
         }

@@ -11,8 +11,8 @@ use crate::pool::{
     Entry, Inner, ShardState, VolumeMap, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
 };
 use crate::stats::VolumeSpace;
+use crate::store::{ReadTxn, Reader};
 use parking_lot::MutexGuard;
-use redb::ReadableDatabase;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -318,15 +318,13 @@ impl Volume {
             }
             map.stack.clone()
         };
-        let txn = self.inner.db.begin_read()?;
-        let map_t = txn.open_table(meta::MAP)?;
-        let layers_t = txn.open_table(meta::LAYERS)?;
+        let txn = self.inner.db.read()?;
         // Visible block -> (chunk, whether its layer is shared), top layer first.
         let mut visible: BTreeMap<u64, (u64, bool)> = BTreeMap::new();
         for &layer in stack.iter().rev() {
-            let shared = layers_t.get(layer)?.map_or(0, |r| r.value()) > 1;
+            let shared = txn.get(meta::LAYERS, &layer)?.unwrap_or(0) > 1;
             let mut entries = BTreeMap::new();
-            scan_layer(&map_t, layer, 0, size.div_ceil(BLOCK), &mut entries)?;
+            scan_layer(&txn, layer, 0, size.div_ceil(BLOCK), &mut entries)?;
             for (b, id) in entries {
                 visible.entry(b).or_insert((id, shared));
             }
@@ -341,14 +339,13 @@ impl Volume {
             c.0 += 1;
             c.1 |= shared;
         }
-        let chunks = txn.open_table(meta::CHUNKS)?;
         let mut s = VolumeSpace {
             size_bytes: size,
             distinct_chunks: counts.len() as u64,
             ..Default::default()
         };
         for (&id, &(n, in_shared_layer)) in &counts {
-            let rec = crate::commit::load_chunk(&chunks, id)?;
+            let rec = crate::commit::load_chunk(&txn, id)?;
             s.mapped_blocks += n;
             if rec.refs == n && !in_shared_layer {
                 s.exclusive_blocks += n;
@@ -637,10 +634,9 @@ impl Inner {
             return Ok(out);
         }
         // One read transaction for the whole walk; stop once every block has an entry.
-        let txn = self.db.begin_read()?;
-        let map = txn.open_table(meta::MAP)?;
+        let txn = self.db.read()?;
         for &layer in stack.iter().rev() {
-            scan_layer(&map, layer, b0, b1, &mut out)?;
+            scan_layer(&txn, layer, b0, b1, &mut out)?;
             if out.len() as u64 == b1 - b0 {
                 break;
             }
@@ -650,10 +646,9 @@ impl Inner {
 
     /// Committed map entries of `layer` in `[b0, b1)`.
     fn stored_range(&self, layer: u64, b0: u64, b1: u64) -> Result<BTreeMap<u64, u64>> {
-        let txn = self.db.begin_read()?;
-        let map = txn.open_table(meta::MAP)?;
+        let txn = self.db.read()?;
         let mut out = BTreeMap::new();
-        scan_layer(&map, layer, b0, b1, &mut out)?;
+        scan_layer(&txn, layer, b0, b1, &mut out)?;
         Ok(out)
     }
 
@@ -697,10 +692,8 @@ impl Inner {
                 return Ok(Some(*r));
             }
         }
-        let txn = self.db.begin_read()?;
-        let chunks = txn.open_table(meta::CHUNKS)?;
-        match chunks.get(id)? {
-            Some(v) => Ok(Some(format::ChunkRecord::decode(v.value())?)),
+        match self.db.read()?.get(meta::CHUNKS, &id)? {
+            Some(v) => Ok(Some(format::ChunkRecord::decode(&v)?)),
             None => Ok(None),
         }
     }
@@ -885,9 +878,7 @@ impl Inner {
         if !self.bloom().may_contain(fp) {
             return Ok(None);
         }
-        let txn = self.db.begin_read()?;
-        let fps = txn.open_table(meta::FPS)?;
-        Ok(fps.get(*fp)?.map(|v| v.value()))
+        self.db.read()?.get(meta::FPS, fp)
     }
 
     /// Installs prepared entries in the volume's map and drops the references they replace.
@@ -1056,22 +1047,24 @@ type LockedMap<'a> = (
 /// Adds `layer`'s committed entries in `[b0, b1)` to `out`, keeping entries already there
 /// (those of higher layers).
 fn scan_layer(
-    map: &redb::ReadOnlyTable<[u8; 16], u64>,
+    txn: &ReadTxn,
     layer: u64,
     b0: u64,
     b1: u64,
     out: &mut BTreeMap<u64, u64>,
 ) -> Result<()> {
     if b1 == b0 + 1 {
-        if let Some(v) = map.get(format::map_key(layer, b0))? {
-            out.entry(b0).or_insert(v.value());
+        if let Some(v) = txn.get(meta::MAP, &format::map_key(layer, b0))? {
+            out.entry(b0).or_insert(v);
         }
         return Ok(());
     }
-    for item in map.range(format::map_key(layer, b0)..format::map_key(layer, b1))? {
+    for item in txn.range(
+        meta::MAP,
+        format::map_key(layer, b0)..format::map_key(layer, b1),
+    )? {
         let (k, v) = item?;
-        out.entry(format::decode_map_key(&k.value()).1)
-            .or_insert(v.value());
+        out.entry(format::decode_map_key(&k).1).or_insert(v);
     }
     Ok(())
 }

@@ -39,7 +39,7 @@ pub const DEFAULT_VOLUME: (&str, u64) = ("disk0", 16 << 30);
 
 /// Runs the server until a shutdown signal, then closes the pool cleanly.
 pub fn run(opts: ServeOptions) -> anyhow::Result<()> {
-    let fresh = !opts.data.join("meta.redb").exists();
+    let fresh = !ibid_engine::store::exists(&opts.data);
     let config = PoolConfig {
         capacity_bytes: opts.capacity,
         ..PoolConfig::default()
