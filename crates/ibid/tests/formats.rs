@@ -12,7 +12,7 @@ use std::path::Path;
 const BLOCK: u64 = 4096;
 
 /// Pool space a thick volume reserves per block (`ibid_engine::RESERVED_BYTES_PER_BLOCK`).
-const RESERVED_PER_BLOCK: u64 = 4096 + 24 + 256;
+const RESERVED_PER_BLOCK: u64 = 4096 + 24 + 512;
 
 /// Writes `len` bytes of incompressible pseudo-random data, different for each seed.
 fn random_file(path: &Path, len: usize, seed: u64) {
