@@ -10,7 +10,7 @@
 use super::{fresh_pool, median, uptime, MIB};
 use anyhow::{ensure, Result};
 use clap::Args;
-use ibid_engine::{Pool, VolumeFormat};
+use ibid_engine::VolumeFormat;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -29,13 +29,6 @@ pub(crate) struct FormatsArgs {
     /// Runs of each measurement (median and spread are reported).
     #[arg(long)]
     runs: Option<usize>,
-}
-
-fn segment_bytes(pool: &Pool) -> u64 {
-    pool.segment_paths()
-        .iter()
-        .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
-        .sum()
 }
 
 fn row(what: &str, ms: &[f64]) {
@@ -67,7 +60,7 @@ pub(crate) fn formats(a: &FormatsArgs) -> Result<()> {
     let block: Vec<u8> = (0..64 * MIB).map(|i| (i * 7 + i / 4096) as u8).collect();
     seed.write(0, &block, false)?;
     pool.sync()?;
-    let data_before = segment_bytes(&pool);
+    let data_before = pool.stats().segment_file_bytes;
     println!();
     println!("| measurement | ms, median (min–max) | goal |");
     println!("|---|---|---|");
@@ -114,7 +107,7 @@ pub(crate) fn formats(a: &FormatsArgs) -> Result<()> {
         &eagerzero,
     );
     pool.sync()?;
-    let added = segment_bytes(&pool).saturating_sub(data_before);
+    let added = pool.stats().segment_file_bytes.saturating_sub(data_before);
     // The inflate runs wrote 16 MiB of duplicate data each (deduplicated against `seed`).
     println!();
     println!("segment-file bytes added by creations and conversions: {added}");

@@ -516,16 +516,19 @@ impl Pool {
         Ok(Volume::new(self.inner.clone(), state))
     }
 
-    /// Opens a handle on a volume.
-    pub fn volume(&self, name: &str) -> Result<Volume> {
-        let state = self
-            .inner
+    /// The in-memory state of the live volume `name`.
+    pub(crate) fn live_state(&self, name: &str) -> Result<Arc<VolumeState>> {
+        self.inner
             .volumes
             .read()
             .get(name)
             .cloned()
-            .ok_or_else(|| Error::NotFound(name.to_string()))?;
-        Ok(Volume::new(self.inner.clone(), state))
+            .ok_or_else(|| Error::NotFound(name.to_string()))
+    }
+
+    /// Opens a handle on a volume.
+    pub fn volume(&self, name: &str) -> Result<Volume> {
+        Ok(Volume::new(self.inner.clone(), self.live_state(name)?))
     }
 
     /// Opens a handle on a volume by its id.
@@ -556,13 +559,7 @@ impl Pool {
     pub fn resize_volume(&self, name: &str, new_size_bytes: u64) -> Result<()> {
         validate_volume_size(new_size_bytes)?;
         let _reserving = self.inner.reserve_lock.lock();
-        let state = self
-            .inner
-            .volumes
-            .read()
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        let state = self.live_state(name)?;
         {
             let mut map = state.map.lock();
             if new_size_bytes < map.size {

@@ -109,13 +109,7 @@ impl Pool {
     /// thick (`inflate`) are the seeds' conversions. Returns the previous format.
     pub fn set_volume_format(&self, name: &str, format: VolumeFormat) -> Result<VolumeFormat> {
         self.inner.check_failed()?;
-        let state = self
-            .inner
-            .volumes
-            .read()
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        let state = self.live_state(name)?;
         let _reserving = self.inner.reserve_lock.lock();
         let mut map = state.map.lock();
         if map.deleted {

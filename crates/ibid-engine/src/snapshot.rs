@@ -136,15 +136,6 @@ impl Inner {
 }
 
 impl Pool {
-    fn live_state(&self, name: &str) -> Result<Arc<VolumeState>> {
-        self.inner
-            .volumes
-            .read()
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Error::NotFound(name.to_string()))
-    }
-
     fn snapshot_state(&self, key: &str) -> Result<Arc<VolumeState>> {
         self.inner
             .snapshots

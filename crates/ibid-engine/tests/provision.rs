@@ -2,38 +2,13 @@
 //! Thick volumes reserve their space, keep their promise when thin volumes fill the pool, and
 //! every creation and conversion is a metadata operation.
 
-use ibid_engine::{Error, Pool, PoolConfig, VolumeFormat, RESERVED_BYTES_PER_BLOCK};
+mod common;
+
+use common::{quiet_config, random_block};
+use ibid_engine::{Error, Pool, VolumeFormat, RESERVED_BYTES_PER_BLOCK};
 
 const BLOCK: u64 = 4096;
 const PIB: u64 = 1 << 50;
-
-fn random_block(seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..BLOCK)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-fn quiet_config(capacity: u64) -> PoolConfig {
-    PoolConfig {
-        capacity_bytes: Some(capacity),
-        background: false,
-        segment_bytes_max: 1 << 20,
-        ..PoolConfig::default()
-    }
-}
-
-fn segment_bytes(pool: &Pool) -> u64 {
-    pool.segment_paths()
-        .iter()
-        .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
-        .sum()
-}
 
 fn info(pool: &Pool, name: &str) -> ibid_engine::VolumeInfo {
     pool.list_volumes()
@@ -49,12 +24,16 @@ fn every_format_creates_a_petabyte_volume_as_metadata() {
     let dir = tempfile::tempdir().expect("tempdir");
     let capacity = 4 * PIB / BLOCK * RESERVED_BYTES_PER_BLOCK;
     let pool = Pool::create(dir.path().join("p"), quiet_config(capacity)).expect("create");
-    let before = segment_bytes(&pool);
+    let before = pool.stats().segment_file_bytes;
     for f in VolumeFormat::ALL {
         pool.create_volume_with_format(f.as_str(), PIB, f)
             .expect("create 1 PiB");
     }
-    assert_eq!(segment_bytes(&pool), before, "creation wrote data");
+    assert_eq!(
+        pool.stats().segment_file_bytes,
+        before,
+        "creation wrote data"
+    );
     let blocks = PIB / BLOCK;
     let thin = info(&pool, "thin");
     assert_eq!(
@@ -207,7 +186,7 @@ fn conversions_move_the_reservation_and_survive_reopen() {
     v.write(BLOCK, &random_block(2), true).expect("write");
     drop(v);
     let blocks = (64 << 20) / BLOCK;
-    let data_before = segment_bytes(&pool);
+    let data_before = pool.stats().segment_file_bytes;
     // thin -> lazy (reserve), lazy -> eager (vmkfstools -k), eager -> thin, thin -> eager
     // (inflate).
     let prev = pool
@@ -237,7 +216,11 @@ fn conversions_move_the_reservation_and_survive_reopen() {
     assert_eq!(pool.stats().reserved_bytes, 0);
     pool.set_volume_format("v", VolumeFormat::EagerZeroedThick)
         .expect("inflate");
-    assert_eq!(segment_bytes(&pool), data_before, "a conversion wrote data");
+    assert_eq!(
+        pool.stats().segment_file_bytes,
+        data_before,
+        "a conversion wrote data"
+    );
     let mut buf = vec![0u8; BLOCK as usize];
     pool.volume("v")
         .expect("open")

@@ -2,29 +2,11 @@
 //! data comes back through the cleaner, zeroing is a metadata operation at any size, and
 //! concurrent writers lose no update.
 
+mod common;
+
+use common::{quiet_config, random_block};
 use ibid_engine::{Error, ExtentKind, Pool, PoolConfig};
 use std::sync::Arc;
-
-fn random_block(seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..4096)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-fn quiet_config(capacity: u64) -> PoolConfig {
-    PoolConfig {
-        capacity_bytes: Some(capacity),
-        background: false,
-        segment_bytes_max: 1 << 20,
-        ..PoolConfig::default()
-    }
-}
 
 /// A full pool fails only the writes that need new space; data stays readable; freeing space
 /// makes writes work again without a restart.

@@ -1,0 +1,28 @@
+//! Helpers shared by the engine's integration tests.
+
+#![allow(dead_code)]
+
+use ibid_engine::PoolConfig;
+
+/// 4 KiB of incompressible pseudo-random bytes, different for each seed.
+pub fn random_block(seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..4096)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A pool of `capacity` bytes with no background thread and small segments, stepped by hand.
+pub fn quiet_config(capacity: u64) -> PoolConfig {
+    PoolConfig {
+        capacity_bytes: Some(capacity),
+        background: false,
+        segment_bytes_max: 1 << 20,
+        ..PoolConfig::default()
+    }
+}
