@@ -451,7 +451,7 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
     Rng(7).fill(&mut data);
     let zeros = vec![0u8; MIB as usize];
     let rand_blocks = (4 << 30) / BLOCK as u64;
-    let names: [(&'static str, Goal); 9] = [
+    let names: [(&'static str, Goal); 10] = [
         (
             "seq write 1 MiB unique incompressible",
             Goal::MbpsMin(600.0),
@@ -464,6 +464,10 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
         ("rand read 4 KiB, QD1", Goal::None),
         ("rand write 4 KiB, QD1", Goal::None),
         ("write+flush 4 KiB, QD1", Goal::P99MaxUs(1000.0)),
+        (
+            "write+flush 4 KiB, QD1, beside N random writers",
+            Goal::None,
+        ),
     ];
     let mut rows: Vec<Row> = names
         .iter()
@@ -515,7 +519,19 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
                     pool.sync()?;
                     Ok(r)
                 })?,
-                _ => with_cpu(|| write_flush(&vf, s.secs, rand_blocks))?,
+                8 => with_cpu(|| write_flush(&vf, s.secs, rand_blocks))?,
+                // A database's log writes while its data pages are written at random.
+                _ => with_cpu(|| {
+                    let r = std::thread::scope(|scope| {
+                        let writers =
+                            scope.spawn(|| random_4k(&vr, s.threads, s.secs, rand_blocks, true));
+                        let r = write_flush(&vf, s.secs, rand_blocks);
+                        writers.join().expect("random writers")?;
+                        r
+                    })?;
+                    pool.sync()?;
+                    Ok(r)
+                })?,
             };
             eprintln!(
                 "  {:<40} {:>8.0} MB/s {:>8.0} IOPS p50 {:>7.0} µs p99 {:>7.0} µs {:.2} cores {:.0} MB/CPU-s",

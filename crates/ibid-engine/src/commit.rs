@@ -84,6 +84,7 @@ impl Inner {
         if batch.is_empty() && !orphans {
             self.publish(&batch, &Applied::default());
             self.committed.store(batch.no, Ordering::Release);
+            self.journal.forget_through(batch.no);
             return Ok(());
         }
         let mut record = cs.record.clone();
@@ -105,10 +106,13 @@ impl Inner {
             .store(cs.record.live_chunks, Ordering::Relaxed);
         self.pending_bytes
             .fetch_sub(batch.new_bytes, Ordering::Relaxed);
-        self.meta_bytes
-            .store(self.db.disk_bytes(), Ordering::Relaxed);
+        self.meta_bytes.store(
+            self.db.disk_bytes() + self.journal.disk_bytes(),
+            Ordering::Relaxed,
+        );
         self.publish(&batch, &applied);
         self.committed.store(batch.no, Ordering::Release);
+        self.journal.forget_through(batch.no);
         for seg in applied.dead_segments {
             self.segments.remove(seg)?;
         }
@@ -188,7 +192,7 @@ impl Inner {
     fn apply(&self, batch: &Batch, record: &mut meta::PoolRecord) -> Result<Applied> {
         let mut txn = self.db.write()?;
         let applied = self.apply_tables(&mut txn, batch, record)?;
-        record.commits += 1;
+        record.commits = batch.no;
         record.next_chunk_seq = self.chunk_seq.load(Ordering::Relaxed);
         record.next_segment_id = self.segments.next_id();
         txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());

@@ -22,6 +22,7 @@ pub mod config;
 pub mod error;
 pub mod format;
 mod gc;
+mod journal;
 pub mod meta;
 mod pool;
 mod provision;

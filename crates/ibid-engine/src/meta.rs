@@ -66,7 +66,8 @@ pub struct PoolRecord {
     pub live_chunks: u64,
     /// Physical bytes of live chunks (record headers included).
     pub live_bytes: u64,
-    /// Number of commits so far.
+    /// Number of the last batch committed (batches that were empty are never written, so
+    /// this can skip numbers; journal stamps are batch numbers, see `journal.rs`).
     pub commits: u64,
     /// Creation time, seconds since the Unix epoch.
     pub created_unix_s: u64,

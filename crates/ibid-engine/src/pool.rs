@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::format::{
     ChunkRecord, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
 };
+use crate::journal::{Change, Journal};
 use crate::meta::{self, PoolRecord};
 use crate::segment::Segments;
 use crate::stats::PoolStats;
@@ -101,6 +102,8 @@ pub(crate) struct Inner {
     pub config: PoolConfig,
     pub db: Store,
     pub segments: Segments,
+    /// Changes since the last commit, flushed to the journal files (see `journal.rs`).
+    pub journal: Journal,
     pub bloom: RwLock<Arc<Bloom>>,
     pub shards: Vec<Mutex<ShardState>>,
     pub volumes: RwLock<BTreeMap<String, Arc<VolumeState>>>,
@@ -324,16 +327,30 @@ impl Pool {
             }
             (record, volumes, snapshots, segment_ids)
         };
+        let (journaled, highest_stamp) = crate::journal::read(dir, record.commits)?;
+        // Batches resume after the last one journaled, so no stamp is ever used twice.
+        let mut record = record;
+        record.commits = highest_stamp;
+        let mut keep = segment_ids;
+        for (_, change) in &journaled {
+            if let Change::Chunk {
+                rec, inline: None, ..
+            } = change
+            {
+                keep.insert(rec.segment);
+            }
+        }
         let (segments, found) = Segments::open(
             &dir.join("segments"),
             DATA_WRITERS + 1,
             config.segment_bytes_max,
             record.next_segment_id,
         )?;
-        for id in found.iter().filter(|id| !segment_ids.contains(id)) {
-            // Written after the last commit: nothing references it.
+        for id in found.iter().filter(|id| !keep.contains(id)) {
+            // Written after the last commit and not journaled: nothing references it.
             segments.remove(*id)?;
         }
+        let journal = Journal::open(dir)?;
         let bloom = Bloom::with_capacity(bloom_capacity(record.live_chunks), false);
         let shards = (0..SHARDS)
             .map(|_| {
@@ -356,11 +373,12 @@ impl Pool {
                 (name, Arc::new(state))
             })
             .collect();
-        let meta_bytes = db.disk_bytes();
+        let meta_bytes = db.disk_bytes() + journal.disk_bytes();
         let inner = Arc::new(Inner {
             dir: dir.to_path_buf(),
             db,
             segments,
+            journal,
             bloom: RwLock::new(Arc::new(bloom)),
             shards,
             volumes: RwLock::new(vols),
@@ -400,6 +418,22 @@ impl Pool {
             _lock_file: lock,
         });
         let pool = Pool { inner };
+        if !journaled.is_empty() {
+            let replayed = journaled.len();
+            if let Err(e) = pool
+                .inner
+                .replay(journaled)
+                .and_then(|()| pool.inner.commit())
+            {
+                // Fail the pool so that dropping it does not commit a partial replay.
+                pool.inner.fail(&e);
+                return Err(e);
+            }
+            tracing::info!(
+                "pool {}: replayed {replayed} journaled changes",
+                dir.display()
+            );
+        }
         pool.inner.check_soft_threshold();
         pool.rebuild_bloom_async();
         if pool.inner.config.background {
@@ -453,9 +487,28 @@ impl Pool {
         }
     }
 
-    /// Makes everything written so far durable (one metadata commit).
+    /// Makes everything written so far durable and commits it to the metadata store (a
+    /// [`Volume::flush`] is cheaper: it only journals).
     pub fn sync(&self) -> Result<()> {
         self.inner.commit()
+    }
+
+    /// Makes every write acknowledged so far (on any volume) durable: one journal write and
+    /// fdatasync, not a metadata commit (see `journal.rs`).
+    pub fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
+
+    /// Drops the pool the way a crash would: nothing more is committed or written; what a
+    /// flush or commit made durable is all that survives (for tests of recovery). Volume
+    /// handles must be dropped too before the pool can be reopened.
+    #[doc(hidden)]
+    pub fn simulate_crash(self) {
+        self.stop_background();
+        self.inner
+            .failed
+            .lock()
+            .get_or_insert_with(|| "simulated crash".into());
     }
 
     /// Creates a thin volume of `size_bytes` (a multiple of 512, at most 1 PiB).

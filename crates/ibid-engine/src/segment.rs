@@ -66,6 +66,9 @@ pub struct Segments {
     dir_dirty: Mutex<bool>,
     /// Sealed segments and the commit number after which all their records are committed.
     sealed: Mutex<HashMap<u64, u64>>,
+    /// Serializes [`Segments::sync`]: a caller must not return while another still fsyncs
+    /// the files it drained.
+    sync_lock: Mutex<()>,
 }
 
 fn segment_path(dir: &Path, id: u64) -> PathBuf {
@@ -119,6 +122,7 @@ impl Segments {
             unsynced: Mutex::new(HashMap::new()),
             dir_dirty: Mutex::new(false),
             sealed: Mutex::new(HashMap::new()),
+            sync_lock: Mutex::new(()),
         };
         Ok((segs, ids))
     }
@@ -247,6 +251,7 @@ impl Segments {
     /// if files were created or removed. After it returns, every record appended before the call
     /// is durable.
     pub fn sync(&self) -> Result<()> {
+        let _syncing = self.sync_lock.lock();
         for writer in &self.writers {
             let mut guard = writer.open.lock();
             if let Some(o) = guard.as_mut() {

@@ -27,7 +27,7 @@ pub struct PoolStats {
     pub unique_chunks: u64,
     /// Bytes the live chunks occupy in segment files, after compression, headers included.
     pub physical_bytes: u64,
-    /// Size of the metadata store.
+    /// Size of the metadata store on disk, journal files included.
     pub metadata_bytes: u64,
     /// `physical + metadata`: what counts against capacity.
     pub used_bytes: u64,

@@ -6,6 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::format::{self, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
+use crate::journal::Change;
 use crate::meta;
 use crate::pool::{
     Entry, Inner, ShardState, VolumeMap, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
@@ -124,7 +125,8 @@ impl Volume {
         self.check_range(offset, data.len() as u64)?;
         self.inner.check_failed()?;
         if !data.is_empty() {
-            self.inner.write_range(&self.state, offset, data)?;
+            self.inner
+                .retry_after_commit(|| self.inner.write_range(&self.state, offset, data))?;
         }
         self.after_write(fua)
     }
@@ -158,7 +160,7 @@ impl Volume {
 
     fn after_write(&self, fua: bool) -> Result<()> {
         if fua {
-            return self.inner.commit();
+            return self.inner.flush();
         }
         let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed);
         if dirty >= self.inner.config.dirty_blocks_max {
@@ -171,7 +173,7 @@ impl Volume {
 
     /// Makes every write acknowledged so far (on any handle of the pool) durable.
     pub fn flush(&self) -> Result<()> {
-        self.inner.commit()
+        self.inner.flush()
     }
 
     /// Extents of data and zeros covering `[offset, offset + len)`, merged and in order.
@@ -230,9 +232,11 @@ impl Volume {
         self.check_writable()?;
         self.check_range(offset, new.len() as u64)?;
         self.inner.check_failed()?;
-        let outcome = self
-            .inner
-            .compare_and_write(&self.state, offset, expected, new)?;
+        // Nothing is installed unless everything was prepared, so a retry is safe.
+        let outcome = self.inner.retry_after_commit(|| {
+            self.inner
+                .compare_and_write(&self.state, offset, expected, new)
+        })?;
         if outcome.is_none() {
             self.after_write(fua)?;
         }
@@ -857,6 +861,14 @@ impl Inner {
         s.dirty.new_chunks.insert(id, rec);
         s.dirty.fps.insert(fp, id);
         *s.dirty.deltas.entry(id).or_default() += 1;
+        self.journal.append(
+            stamp,
+            Change::Chunk {
+                id,
+                rec,
+                inline: None,
+            },
+        );
         self.pending_bytes
             .fetch_add(physical as i64, Ordering::Relaxed);
         self.bloom().insert(&fp);
@@ -947,10 +959,72 @@ impl Inner {
         }
         self.note_mapped_change(v, mapped - map.mapped_blocks as i64);
         map.mapped_blocks = mapped as u64;
+        // The caller holds the gate, so no cut moves the stamp meanwhile.
+        let stamp = self.cut.load(Ordering::Acquire) + 1;
+        self.journal.append(
+            stamp,
+            Change::Install {
+                volume: v.id,
+                entries: prepared.iter().map(|p| (p.block, p.entry)).collect(),
+            },
+        );
         drop(map);
         self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
         self.release(&released);
         Ok(())
+    }
+
+    /// Runs `op`; if it fails for lack of space, commits (space freed by overwrites, zeroing
+    /// and deletes since the last commit is only counted back then) and runs it once more.
+    /// `op` must be safe to repeat after a partial run (a plain write is).
+    pub(crate) fn retry_after_commit<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
+        match op() {
+            Err(Error::NoSpace) => {
+                self.commit()?;
+                op()
+            }
+            other => other,
+        }
+    }
+
+    /// Replays a journaled chunk: it becomes an uncommitted new chunk again, with no reference
+    /// yet (the journaled map entries that use it add theirs).
+    pub(crate) fn adopt_chunk(&self, id: u64, rec: format::ChunkRecord) {
+        self.chunk_seq
+            .fetch_max((id >> SHARD_BITS) + 1, Ordering::Relaxed);
+        let mut s = self.shards[shard_of_chunk(id)].lock();
+        s.dirty.fps.insert(rec.fingerprint, id);
+        s.dirty.new_chunks.insert(id, rec);
+        s.dirty.deltas.entry(id).or_default();
+        drop(s);
+        self.pending_bytes
+            .fetch_add(rec.physical_bytes() as i64, Ordering::Relaxed);
+        self.bloom().insert(&rec.fingerprint);
+    }
+
+    /// Replays journaled map entries: each data entry takes its reference again, and the
+    /// entries are installed as the original write installed them.
+    pub(crate) fn replay_install(&self, v: &VolumeState, entries: Vec<(u64, Entry)>) -> Result<()> {
+        let (Some(b0), Some(last)) = (
+            entries.iter().map(|e| e.0).min(),
+            entries.iter().map(|e| e.0).max(),
+        ) else {
+            return Ok(());
+        };
+        let _gate = self.gate.read();
+        let prepared: Vec<Prepared> = entries
+            .into_iter()
+            .map(|(block, entry)| Prepared { block, entry })
+            .collect();
+        for id in prepared.iter().filter_map(Prepared::data) {
+            *self.shards[shard_of_chunk(id)]
+                .lock()
+                .dirty
+                .deltas
+                .entry(id)
+                .or_default() += 1;
+        }
+        self.install(v, b0, last + 1, prepared, false)
     }
 
     /// Drops one reference to each chunk (applied at the next commit).
@@ -996,6 +1070,17 @@ impl Inner {
         }
         map.mapped_blocks -= unmapped;
         self.note_mapped_change(v, -(unmapped as i64));
+        if unmapped > 0 {
+            let stamp = self.cut.load(Ordering::Acquire) + 1;
+            self.journal.append(
+                stamp,
+                Change::Zero {
+                    volume: v.id,
+                    b0,
+                    b1,
+                },
+            );
+        }
         drop(map);
         self.dirty_blocks.fetch_add(unmapped, Ordering::Relaxed);
         let released: Vec<u64> = top_now

@@ -101,6 +101,8 @@ enum Op {
         format: usize,
     },
     Reopen,
+    /// Flush (the journal only), then crash: every change must come back by replay.
+    Crash,
     Gc,
 }
 
@@ -144,6 +146,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => vol.clone().prop_map(|vol| Op::Delete { vol }),
         1 => (vol, 0..VolumeFormat::ALL.len()).prop_map(|(vol, format)| Op::SetFormat { vol, format }),
         1 => Just(Op::Reopen),
+        1 => Just(Op::Crash),
         1 => Just(Op::Gc),
     ]
 }
@@ -482,8 +485,14 @@ impl Harness {
                     ));
                 }
             }
-            Op::Reopen => {
-                self.pool.take().expect("open").close().expect("close");
+            Op::Reopen | Op::Crash => {
+                let pool = self.pool.take().expect("open");
+                if matches!(op, Op::Crash) {
+                    pool.flush().expect("flush");
+                    pool.simulate_crash();
+                } else {
+                    pool.close().expect("close");
+                }
                 self.pool = Some(
                     Pool::open(self.dir.path().join("pool"), self.config.clone()).expect("reopen"),
                 );
@@ -494,6 +503,10 @@ impl Harness {
                 }
                 for (v, sn) in self.snaps.keys().copied().collect::<Vec<_>>() {
                     self.check_snapshot(v, sn);
+                }
+                if matches!(op, Op::Crash) {
+                    // The replay recomputed reference counts, usage and reservations.
+                    self.pool().verify().expect("verify after replay");
                 }
             }
             Op::Gc => {

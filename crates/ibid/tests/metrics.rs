@@ -281,8 +281,10 @@ fn nbd_io_moves_the_counters_exactly() {
             &srv.url("vm"),
         ],
     );
-    let page = scrape_until(&srv, "mapped blocks after the commit", |p| {
+    // A flush only journals; pool figures follow at the next (background) commit.
+    let page = scrape_until(&srv, "mapped blocks and chunks after the commit", |p| {
         p.get("ibid_volume_mapped_blocks", &[("volume", "vm")]) == Some(128.0)
+            && p.get("ibid_pool_unique_chunks", &[]) == Some(1.0)
     });
     let mib = (1u64 << 20) as f64;
     assert_eq!(io(&page, "vm", "nbd", "write"), (1.0, Some(mib), 0.0));

@@ -1,0 +1,658 @@
+//! The journal: a flush costs one write and one fdatasync of a small log, not a metadata
+//! commit.
+//!
+//! Every change a write makes to the dirty state is also appended, in memory, to the pending
+//! journal, in the order the changes happen: a new chunk (where its record lies in a segment),
+//! map entries installed in a volume's top layer, a range of blocks zeroed. [`Journal::flush`]
+//! writes the pending records to a journal file and fdatasyncs it. The commit (`commit.rs`)
+//! remains what makes metadata durable in the store; the journal covers only the changes since
+//! the last commit and is replayed on top of it at open.
+//!
+//! # Files
+//! `POOL/journal.0` and `POOL/journal.1`, pre-written with zeros so that a flush overwrites
+//! (an fdatasync then has no file size or extent to persist). Every record carries the *stamp*
+//! of the commit batch its change belongs to (`cut + 1` while the writer holds the gate). Batch
+//! `s` is journaled in file `s % 2`, starting at offset 0. Commits are serialized, so when a
+//! file restarts for batch `s` (batch `s - 1` has been cut, so commit `s - 2` has finished), its
+//! old content is an older batch that is committed, or was empty (then its records change
+//! nothing).
+//!
+//! # Record format (little-endian)
+//! ```text
+//! header 24 B: magic u32 "IBJL" | kind u8 | reserved [u8; 3] | body length u32 | stamp u64 |
+//!              crc32c u32 of header bytes 0..20 and the body
+//! kind 1, chunk:   chunk id u64 | segment u64 | offset u32 | stored length u32 | record crc u32 |
+//!                  flags u16 | inline u8 | reserved u8 | fingerprint [u8; 32] |
+//!                  payload (stored length bytes, only if inline)
+//! kind 2, install: volume id u64 | count u32 | reserved u32 | count × (block u64, chunk id u64),
+//!                  chunk id 0 meaning "reads as zeros"
+//! kind 3, zero:    volume id u64 | first block u64 | end block u64 (exclusive)
+//! ```
+//!
+//! # Data before metadata
+//! A chunk record points at a record appended to a segment. A flush either syncs the segments
+//! first (the chunk records then point at durable data), or, when the new data is small, carries
+//! each payload inline so that the whole flush is one fdatasync; replay appends inline payloads
+//! to a fresh segment.
+//!
+//! # Recovery
+//! Open reads the last committed batch `C` and replays each file whose batch is newer, lower
+//! stamp first, each up to the first record that is torn, fails its checksum or carries another
+//! stamp. Flushes are serialized and each ends with an fdatasync, so the records that survive a
+//! crash are a prefix of what was journaled, and a completed flush's records are all in it. Replay runs the changes through the normal write path (reference counts
+//! are recomputed, not journaled) and one commit makes them durable. The commit counter then
+//! resumes after the highest stamp replayed, so a record is never replayed twice.
+
+use crate::error::{Error, Result};
+use crate::format::{self, ChunkRecord, RECORD_HEADER_BYTES};
+use crate::pool::{Entry, Inner};
+use parking_lot::Mutex;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+/// Magic at the start of every journal record ("IBJL").
+pub const JOURNAL_MAGIC: u32 = 0x4c4a_4249;
+/// Size of a journal record header.
+pub const JOURNAL_HEADER_BYTES: usize = 24;
+/// Bytes of zeros each journal file is created with.
+pub const JOURNAL_PREWRITTEN_BYTES: u64 = 4 << 20;
+/// A journal file never grows past this: a flush that would need more commits instead.
+pub const JOURNAL_FILE_BYTES_MAX: u64 = 128 << 20;
+/// New data a flush carries inline at most; above it, the flush syncs the segments instead.
+pub const INLINE_BYTES_MAX: u64 = 1 << 20;
+
+const KIND_CHUNK: u8 = 1;
+const KIND_INSTALL: u8 = 2;
+const KIND_ZERO: u8 = 3;
+const CHUNK_BODY_BYTES: usize = 64;
+
+/// One journaled change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Change {
+    /// A new chunk; `inline` holds its stored payload when the journal carries it.
+    Chunk {
+        id: u64,
+        rec: ChunkRecord,
+        inline: Option<Vec<u8>>,
+    },
+    /// Map entries installed in a volume's top layer, each data entry with a new reference.
+    Install {
+        volume: u64,
+        entries: Vec<(u64, Entry)>,
+    },
+    /// Blocks `[b0, b1)` of a volume zeroed.
+    Zero { volume: u64, b0: u64, b1: u64 },
+}
+
+fn file_name(i: usize) -> String {
+    format!("journal.{i}")
+}
+
+/// Encodes one record (header and body) onto `out`.
+pub(crate) fn encode(out: &mut Vec<u8>, stamp: u64, change: &Change) {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; JOURNAL_HEADER_BYTES]);
+    let kind = match change {
+        Change::Chunk { id, rec, inline } => {
+            out.extend_from_slice(&id.to_le_bytes());
+            out.extend_from_slice(&rec.segment.to_le_bytes());
+            out.extend_from_slice(&rec.offset.to_le_bytes());
+            out.extend_from_slice(&rec.stored_len.to_le_bytes());
+            out.extend_from_slice(&rec.crc.to_le_bytes());
+            out.extend_from_slice(&rec.flags.to_le_bytes());
+            out.push(u8::from(inline.is_some()));
+            out.push(0);
+            out.extend_from_slice(&rec.fingerprint);
+            if let Some(p) = inline {
+                out.extend_from_slice(p);
+            }
+            KIND_CHUNK
+        }
+        Change::Install { volume, entries } => {
+            out.extend_from_slice(&volume.to_le_bytes());
+            out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+            out.extend_from_slice(&0u32.to_le_bytes());
+            for &(block, entry) in entries {
+                let id = match entry {
+                    Entry::Data(id) => id,
+                    Entry::Zero => 0,
+                };
+                out.extend_from_slice(&block.to_le_bytes());
+                out.extend_from_slice(&id.to_le_bytes());
+            }
+            KIND_INSTALL
+        }
+        Change::Zero { volume, b0, b1 } => {
+            out.extend_from_slice(&volume.to_le_bytes());
+            out.extend_from_slice(&b0.to_le_bytes());
+            out.extend_from_slice(&b1.to_le_bytes());
+            KIND_ZERO
+        }
+    };
+    let body_len = (out.len() - start - JOURNAL_HEADER_BYTES) as u32;
+    let h = &mut out[start..start + JOURNAL_HEADER_BYTES];
+    h[0..4].copy_from_slice(&JOURNAL_MAGIC.to_le_bytes());
+    h[4] = kind;
+    h[8..12].copy_from_slice(&body_len.to_le_bytes());
+    h[12..20].copy_from_slice(&stamp.to_le_bytes());
+    let mut crc = crc32c::crc32c(&out[start..start + 20]);
+    crc = crc32c::crc32c_append(crc, &out[start + JOURNAL_HEADER_BYTES..]);
+    out[start + 20..start + 24].copy_from_slice(&crc.to_le_bytes());
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// Decodes a record body; `None` if it is malformed.
+fn decode_body(kind: u8, b: &[u8]) -> Option<Change> {
+    match kind {
+        KIND_CHUNK if b.len() >= CHUNK_BODY_BYTES => {
+            let rec = ChunkRecord {
+                segment: u64_at(b, 8),
+                offset: u32_at(b, 16),
+                stored_len: u32_at(b, 20),
+                crc: u32_at(b, 24),
+                flags: u16::from_le_bytes([b[28], b[29]]),
+                refs: 0,
+                fingerprint: b[32..64].try_into().expect("32 bytes"),
+            };
+            let inline = match b[30] {
+                0 if b.len() == CHUNK_BODY_BYTES => None,
+                1 if b.len() == CHUNK_BODY_BYTES + rec.stored_len as usize => {
+                    Some(b[CHUNK_BODY_BYTES..].to_vec())
+                }
+                _ => return None,
+            };
+            Some(Change::Chunk {
+                id: u64_at(b, 0),
+                rec,
+                inline,
+            })
+        }
+        KIND_INSTALL if b.len() >= 16 => {
+            let count = u32_at(b, 8) as usize;
+            if b.len() != 16 + count.checked_mul(16)? {
+                return None;
+            }
+            let entries = b[16..]
+                .chunks_exact(16)
+                .map(|e| {
+                    let id = u64_at(e, 8);
+                    let entry = if id == 0 {
+                        Entry::Zero
+                    } else {
+                        Entry::Data(id)
+                    };
+                    (u64_at(e, 0), entry)
+                })
+                .collect();
+            Some(Change::Install {
+                volume: u64_at(b, 0),
+                entries,
+            })
+        }
+        KIND_ZERO if b.len() == 24 => {
+            let (b0, b1) = (u64_at(b, 8), u64_at(b, 16));
+            (b0 < b1).then_some(Change::Zero {
+                volume: u64_at(b, 0),
+                b0,
+                b1,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The records stamped `stamp` at the start of `bytes`, up to the first record that is torn,
+/// fails its checksum, is malformed or carries another stamp. Never panics, whatever the bytes.
+pub(crate) fn parse(bytes: &[u8], stamp: u64) -> Vec<Change> {
+    let mut out = Vec::new();
+    let mut pos = 0usize;
+    while bytes.len() - pos >= JOURNAL_HEADER_BYTES {
+        let h = &bytes[pos..pos + JOURNAL_HEADER_BYTES];
+        if u32_at(h, 0) != JOURNAL_MAGIC || u64_at(h, 12) != stamp {
+            break;
+        }
+        let body_len = u32_at(h, 8) as usize;
+        let Some(end) = (pos + JOURNAL_HEADER_BYTES)
+            .checked_add(body_len)
+            .filter(|&e| e <= bytes.len())
+        else {
+            break;
+        };
+        let body = &bytes[pos + JOURNAL_HEADER_BYTES..end];
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&h[0..20]), body);
+        if crc != u32_at(h, 20) {
+            break;
+        }
+        let Some(change) = decode_body(h[4], body) else {
+            break;
+        };
+        out.push(change);
+        pos = end;
+    }
+    out
+}
+
+/// The changes journaled after batch `committed`, in order, with their stamps, and the highest
+/// stamp either file holds (batches must resume after it, so that no stamp is used twice).
+///
+/// Each file holds one batch: its records share the stamp of its first one. A file whose batch
+/// is `committed` or older is stale. Two files can both be newer: then the lower stamp comes
+/// first. (Batches that were empty when cut are never written to the store, so stamps newer
+/// than `committed` may skip numbers; their records change nothing.)
+pub(crate) fn read(dir: &Path, committed: u64) -> Result<(Vec<(u64, Change)>, u64)> {
+    let mut batches: Vec<(u64, Vec<Change>)> = Vec::new();
+    let mut highest = committed;
+    for i in 0..2 {
+        let bytes = match std::fs::read(dir.join(file_name(i))) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io("read journal", e)),
+        };
+        if bytes.len() < JOURNAL_HEADER_BYTES {
+            continue;
+        }
+        let stamp = u64_at(&bytes, 12);
+        let changes = parse(&bytes, stamp);
+        if changes.is_empty() {
+            continue;
+        }
+        highest = highest.max(stamp);
+        if stamp > committed {
+            batches.push((stamp, changes));
+        }
+    }
+    batches.sort_by_key(|(stamp, _)| *stamp);
+    let changes = batches
+        .into_iter()
+        .flat_map(|(stamp, changes)| changes.into_iter().map(move |c| (stamp, c)))
+        .collect();
+    Ok((changes, highest))
+}
+
+struct JournalFile {
+    file: File,
+    /// The batch this file currently holds (0: none yet).
+    stamp: u64,
+    /// Bytes of that batch written.
+    len: u64,
+    /// Size of the file on disk.
+    size: u64,
+}
+
+struct Files {
+    files: [JournalFile; 2],
+    /// Changes appended (counted from open) that are durable: journaled or committed.
+    durable: u64,
+}
+
+#[derive(Default)]
+struct Pending {
+    changes: Vec<(u64, Change)>,
+    /// Changes appended since open.
+    appended: u64,
+}
+
+/// The journal of a pool: pending changes in memory, and the two files they are flushed to.
+pub(crate) struct Journal {
+    pending: Mutex<Pending>,
+    files: Mutex<Files>,
+}
+
+/// What a flush found to do.
+pub(crate) enum FlushOutcome {
+    /// Everything asked for is durable.
+    Done,
+    /// The journal file would grow too large: the caller must commit instead.
+    NeedsCommit,
+}
+
+impl Journal {
+    /// Opens (creating if needed) the journal files of the pool in `dir`.
+    pub(crate) fn open(dir: &Path) -> Result<Journal> {
+        let mut created = false;
+        let mut open = |i: usize| -> Result<JournalFile> {
+            let path = dir.join(file_name(i));
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(|e| Error::io("open journal", e))?;
+            let mut size = file
+                .metadata()
+                .map_err(|e| Error::io("stat journal", e))?
+                .len();
+            if size < JOURNAL_PREWRITTEN_BYTES {
+                let zeros = vec![0u8; (JOURNAL_PREWRITTEN_BYTES - size) as usize];
+                file.write_all_at(&zeros, size)
+                    .and_then(|()| file.sync_all())
+                    .map_err(|e| Error::io("prepare journal", e))?;
+                size = JOURNAL_PREWRITTEN_BYTES;
+                created = true;
+            }
+            Ok(JournalFile {
+                file,
+                stamp: 0,
+                len: 0,
+                size,
+            })
+        };
+        let files = [open(0)?, open(1)?];
+        if created {
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| Error::io("sync pool directory", e))?;
+        }
+        Ok(Journal {
+            pending: Mutex::new(Pending::default()),
+            files: Mutex::new(Files { files, durable: 0 }),
+        })
+    }
+
+    /// Bytes the journal files take on disk.
+    pub(crate) fn disk_bytes(&self) -> u64 {
+        self.files.lock().files.iter().map(|f| f.size).sum()
+    }
+
+    /// Appends a change of batch `stamp`. Call it where the change becomes visible (with the
+    /// map or shard lock that orders it held), so the journal's order is the order of changes.
+    pub(crate) fn append(&self, stamp: u64, change: Change) {
+        let mut p = self.pending.lock();
+        p.changes.push((stamp, change));
+        p.appended += 1;
+    }
+
+    /// Forgets pending changes of batches up to `committed`: the store now holds them.
+    pub(crate) fn forget_through(&self, committed: u64) {
+        let mut p = self.pending.lock();
+        if p.changes.first().is_some_and(|(s, _)| *s <= committed) {
+            p.changes.retain(|(s, _)| *s > committed);
+        }
+        if p.changes.is_empty() {
+            let appended = p.appended;
+            drop(p);
+            let mut f = self.files.lock();
+            f.durable = f.durable.max(appended);
+        }
+    }
+
+    /// Makes every change appended before the call durable: writes the pending changes to the
+    /// journal files and fdatasyncs them. Concurrent callers queue, and a caller whose changes
+    /// an earlier flush already covered returns at once (group commit).
+    pub(crate) fn flush(&self, inner: &Inner) -> Result<FlushOutcome> {
+        let target = self.pending.lock().appended;
+        let mut files = self.files.lock();
+        if files.durable >= target {
+            return Ok(FlushOutcome::Done);
+        }
+        let (changes, upto) = {
+            let mut p = self.pending.lock();
+            (std::mem::take(&mut p.changes), p.appended)
+        };
+        let committed = inner.committed.load(Ordering::Acquire);
+        let live: Vec<&(u64, Change)> = changes.iter().filter(|(s, _)| *s > committed).collect();
+        let new_bytes: u64 = live
+            .iter()
+            .map(|(_, c)| match c {
+                Change::Chunk { rec, .. } => rec.stored_len as u64,
+                _ => 0,
+            })
+            .sum();
+        let inline = new_bytes <= INLINE_BYTES_MAX;
+        if !inline {
+            inner.segments.sync()?;
+        }
+        // Encode per batch; a batch goes to file `stamp % 2`.
+        let mut out: Vec<(u64, Vec<u8>)> = Vec::new();
+        for (stamp, change) in live {
+            if out.last().is_none_or(|(s, _)| s != stamp) {
+                out.push((*stamp, Vec::new()));
+            }
+            let buf = &mut out.last_mut().expect("pushed").1;
+            match change {
+                Change::Chunk { id, rec, .. } if inline => {
+                    let Some(record) =
+                        inner
+                            .segments
+                            .read_record(rec.segment, rec.offset, rec.stored_len)?
+                    else {
+                        // Its segment is gone: only a commit of its batch can have freed it.
+                        if inner.committed.load(Ordering::Acquire) >= *stamp {
+                            continue;
+                        }
+                        return Err(Error::Corrupt(format!(
+                            "journal: chunk {id:#x} of an uncommitted batch has no segment"
+                        )));
+                    };
+                    let payload = record[RECORD_HEADER_BYTES..].to_vec();
+                    let with_data = Change::Chunk {
+                        id: *id,
+                        rec: *rec,
+                        inline: Some(payload),
+                    };
+                    encode(buf, *stamp, &with_data);
+                }
+                other => encode(buf, *stamp, other),
+            }
+        }
+        for (stamp, bytes) in &out {
+            let f = &files.files[(*stamp % 2) as usize];
+            let start = if f.stamp == *stamp { f.len } else { 0 };
+            if start + bytes.len() as u64 > JOURNAL_FILE_BYTES_MAX {
+                // Put the changes back; the caller's commit will cover them.
+                let mut p = self.pending.lock();
+                let newer = std::mem::take(&mut p.changes);
+                p.changes = changes;
+                p.changes.extend(newer);
+                return Ok(FlushOutcome::NeedsCommit);
+            }
+        }
+        let mut touched = [false; 2];
+        for (stamp, bytes) in &out {
+            let i = (*stamp % 2) as usize;
+            let f = &mut files.files[i];
+            if f.stamp != *stamp {
+                f.stamp = *stamp;
+                f.len = 0;
+            }
+            f.file
+                .write_all_at(bytes, f.len)
+                .map_err(|e| Error::io("write journal", e))?;
+            f.len += bytes.len() as u64;
+            f.size = f.size.max(f.len);
+            touched[i] = true;
+        }
+        for (i, _) in touched.iter().enumerate().filter(|(_, t)| **t) {
+            files.files[i]
+                .file
+                .sync_data()
+                .map_err(|e| Error::io("sync journal", e))?;
+        }
+        files.durable = upto;
+        Ok(FlushOutcome::Done)
+    }
+}
+
+impl Inner {
+    /// Makes every write acknowledged so far durable: a journal flush, or a commit when the
+    /// journal cannot take it.
+    pub(crate) fn flush(&self) -> Result<()> {
+        self.check_failed()?;
+        match self.journal.flush(self) {
+            Ok(FlushOutcome::Done) => Ok(()),
+            Ok(FlushOutcome::NeedsCommit) => self.commit(),
+            Err(e) => {
+                // Changes may have left the pending list without reaching the disk.
+                self.fail(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Replays journaled changes into the dirty state (at open, before anything else runs).
+    pub(crate) fn replay(&self, changes: Vec<(u64, Change)>) -> Result<()> {
+        let volumes: std::collections::HashMap<u64, _> = self
+            .volumes
+            .read()
+            .values()
+            .map(|v| (v.id, v.clone()))
+            .collect();
+        for (_, change) in changes {
+            match change {
+                Change::Chunk {
+                    id,
+                    mut rec,
+                    inline,
+                } => {
+                    match inline {
+                        Some(payload) => {
+                            let stamp = self.cut.load(Ordering::Acquire) + 1;
+                            let placed = self.segments.append(0, id, rec.flags, &payload, stamp)?;
+                            if placed.crc != rec.crc {
+                                return Err(Error::Corrupt(format!(
+                                    "journal: chunk {id:#x} payload does not match its checksum"
+                                )));
+                            }
+                            rec.segment = placed.segment;
+                            rec.offset = placed.offset;
+                        }
+                        None => {
+                            let ok = self
+                                .segments
+                                .read_record(rec.segment, rec.offset, rec.stored_len)?
+                                .is_some_and(|r| format::record_crc_ok(&r, rec.crc));
+                            if !ok {
+                                return Err(Error::Corrupt(format!(
+                                    "journal: chunk {id:#x} is not in segment {:016x} at {}",
+                                    rec.segment, rec.offset
+                                )));
+                            }
+                        }
+                    }
+                    self.adopt_chunk(id, rec);
+                }
+                Change::Install { volume, entries } => {
+                    let Some(v) = volumes.get(&volume) else {
+                        continue;
+                    };
+                    self.replay_install(v, entries)?;
+                }
+                Change::Zero { volume, b0, b1 } => {
+                    let Some(v) = volumes.get(&volume) else {
+                        continue;
+                    };
+                    self.zero_blocks(v, b0, b1)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn chunk(id: u64, inline: Option<Vec<u8>>) -> Change {
+        Change::Chunk {
+            id,
+            rec: ChunkRecord {
+                segment: 7,
+                offset: 64,
+                stored_len: inline.as_ref().map_or(100, |p| p.len() as u32),
+                crc: 0xdead_beef,
+                flags: 1,
+                refs: 0,
+                fingerprint: [id as u8; 32],
+            },
+            inline,
+        }
+    }
+
+    fn sample() -> Vec<Change> {
+        vec![
+            chunk(0x40, None),
+            chunk(0x81, Some(vec![9u8; 33])),
+            Change::Install {
+                volume: 3,
+                entries: vec![(5, Entry::Data(0x40)), (6, Entry::Zero)],
+            },
+            Change::Zero {
+                volume: 3,
+                b0: 10,
+                b1: 1 << 40,
+            },
+        ]
+    }
+
+    fn encode_all(stamp: u64, changes: &[Change]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for c in changes {
+            encode(&mut out, stamp, c);
+        }
+        out
+    }
+
+    #[test]
+    fn round_trip() {
+        let bytes = encode_all(5, &sample());
+        assert_eq!(parse(&bytes, 5), sample());
+    }
+
+    #[test]
+    fn other_stamps_and_stale_tails_are_not_replayed() {
+        let mut bytes = encode_all(5, &sample());
+        assert!(parse(&bytes, 4).is_empty());
+        assert!(parse(&bytes, 7).is_empty());
+        // A stale tail from batch 3 after batch 5's records.
+        bytes.extend(encode_all(3, &sample()));
+        assert_eq!(parse(&bytes, 5), sample());
+    }
+
+    #[test]
+    fn torn_or_flipped_records_end_the_journal() {
+        let bytes = encode_all(5, &sample());
+        let first_two = {
+            let mut b = Vec::new();
+            encode(&mut b, 5, &sample()[0]);
+            encode(&mut b, 5, &sample()[1]);
+            b.len()
+        };
+        // Torn inside the third record: the first two survive.
+        assert_eq!(parse(&bytes[..first_two + 30], 5), sample()[..2].to_vec());
+        // A bit flipped in the third record's body: the same.
+        let mut flipped = bytes.clone();
+        flipped[first_two + JOURNAL_HEADER_BYTES + 3] ^= 0x10;
+        assert_eq!(parse(&flipped, 5), sample()[..2].to_vec());
+        // Zeros (a pre-written file) are no record.
+        assert!(parse(&vec![0u8; 4096], 0).is_empty());
+    }
+
+    proptest! {
+        #[test]
+        fn parse_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512), stamp in 0u64..4) {
+            let _ = parse(&bytes, stamp);
+        }
+
+        #[test]
+        fn any_corruption_yields_a_prefix(at in 0usize..400, bit in 0u8..8) {
+            let mut bytes = encode_all(2, &sample());
+            let at = at % bytes.len();
+            bytes[at] ^= 1 << bit;
+            let got = parse(&bytes, 2);
+            prop_assert!(got.len() < sample().len());
+            prop_assert_eq!(&got[..], &sample()[..got.len()]);
+        }
+    }
+}
