@@ -22,7 +22,7 @@ use crate::pool::{
     CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
 };
 use crate::store::{Reader, WriteTxn};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -207,7 +207,9 @@ impl Inner {
         record: &mut meta::PoolRecord,
     ) -> Result<Applied> {
         let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
-        let mut deltas: HashMap<u64, i64> = HashMap::new();
+        // Sorted by chunk id: the reference count updates then read the chunks table in key
+        // order (ids grow with time, so a copy of data written together reads neighbours).
+        let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
 
         for shard in &batch.shards {
             for (&id, rec) in &shard.new_chunks {

@@ -639,6 +639,18 @@ mod tests {
         assert!(parse(&vec![0u8; 4096], 0).is_empty());
     }
 
+    #[test]
+    fn the_fuzz_corpus_holds_valid_journals() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/corpus/journal");
+        let bytes = std::fs::read(format!("{dir}/chunks_and_installs")).expect("corpus file");
+        assert_eq!(parse(&bytes, 3), sample());
+        for entry in std::fs::read_dir(dir).expect("corpus") {
+            let bytes = std::fs::read(entry.expect("entry").path()).expect("corpus file");
+            crate::fuzzing::journal_bytes(&bytes);
+            assert!(!parse(&bytes, 3).is_empty());
+        }
+    }
+
     proptest! {
         #[test]
         fn parse_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512), stamp in 0u64..4) {

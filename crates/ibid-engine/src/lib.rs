@@ -21,6 +21,8 @@ mod commit;
 pub mod config;
 pub mod error;
 pub mod format;
+#[doc(hidden)]
+pub mod fuzzing;
 mod gc;
 mod journal;
 pub mod meta;
