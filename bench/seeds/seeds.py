@@ -325,7 +325,9 @@ class Ibid:
                 "du_bytes": du(self.pool_dir)}
 
     def stop(self):
+        """Stops the server and deletes its pool: the next system starts on a clean disk."""
         self.ctx.stop(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class PeerServer:
