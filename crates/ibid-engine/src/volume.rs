@@ -550,14 +550,7 @@ impl Inner {
     ) -> Result<()> {
         let _gate = self.gate.read();
         let entries = self.lookup_range(src, sb, sb + n)?;
-        for &id in entries.values() {
-            *self.shards[shard_of_chunk(id)]
-                .lock()
-                .dirty
-                .deltas
-                .entry(id)
-                .or_default() += 1;
-        }
+        self.add_refs(entries.values().copied(), 1);
         self.zero_blocks_gated(dst, db, db + n)?;
         let prepared = entries
             .into_iter()
@@ -1016,26 +1009,24 @@ impl Inner {
             .into_iter()
             .map(|(block, entry)| Prepared { block, entry })
             .collect();
-        for id in prepared.iter().filter_map(Prepared::data) {
-            *self.shards[shard_of_chunk(id)]
-                .lock()
-                .dirty
-                .deltas
-                .entry(id)
-                .or_default() += 1;
-        }
+        self.add_refs(prepared.iter().filter_map(Prepared::data), 1);
         self.install(v, b0, last + 1, prepared, false)
     }
 
     /// Drops one reference to each chunk (applied at the next commit).
     fn release(&self, ids: &[u64]) {
-        for &id in ids {
+        self.add_refs(ids.iter().copied(), -1);
+    }
+
+    /// Adds `delta` references to each chunk (applied at the next commit).
+    fn add_refs(&self, ids: impl IntoIterator<Item = u64>, delta: i64) {
+        for id in ids {
             *self.shards[shard_of_chunk(id)]
                 .lock()
                 .dirty
                 .deltas
                 .entry(id)
-                .or_default() -= 1;
+                .or_default() += delta;
         }
     }
 
