@@ -16,7 +16,7 @@
 //! pool: it must be reopened, which recovers the last committed state.
 
 use crate::error::{Error, Result};
-use crate::format::{self, ChunkRecord, SegmentUsage, VolumeRecord};
+use crate::format::{self, ChunkRecord, Frame, SegmentUsage, VolumeRecord};
 use crate::meta;
 use crate::pool::{
     CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
@@ -235,20 +235,7 @@ impl Inner {
                 (m.stack.clone(), m.committing.clone())
             };
             write_overlay(txn, &stack, &committing);
-            for &layer in &stack {
-                let refs = txn.get(meta::LAYERS, &layer)?.unwrap_or(0);
-                if refs > 1 {
-                    txn.insert(meta::LAYERS, &layer, &(refs - 1));
-                    continue;
-                }
-                txn.remove(meta::LAYERS, &layer);
-                let (lo, hi) = (format::map_key(layer, 0), format::map_key(layer, u64::MAX));
-                for (_, chunk) in txn.extract_range_if(meta::MAP, lo..=hi, |_, _| true)? {
-                    if chunk != format::ZERO_TOMBSTONE {
-                        *deltas.entry(chunk).or_default() -= 1;
-                    }
-                }
-            }
+            drop_layer_refs(txn, format::referenced_layers(&stack), &mut deltas)?;
             if v.read_only {
                 txn.remove(meta::SNAPSHOTS, v.name.as_str());
             } else {
@@ -268,16 +255,7 @@ impl Inner {
                 }
                 continue;
             }
-            let mut rec = load_chunk(txn, id)?;
-            let refs = rec.refs as i64 + d;
-            if refs < 0 {
-                return Err(Error::Corrupt(format!(
-                    "chunk {id:#x} refcount would go below zero ({refs})"
-                )));
-            }
-            rec.refs = refs as u64;
-            txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
-            if refs == 0 {
+            if add_refs_stored(txn, id, d)? == 0 {
                 zero_refs.push(id);
             }
         }
@@ -337,10 +315,65 @@ impl Inner {
     }
 }
 
+/// Drops one stack reference from each of `layers` (once per occurrence); a layer no stack
+/// includes any more has its entries removed, their chunk references dropped into `deltas`.
+pub(crate) fn drop_layer_refs(
+    txn: &mut WriteTxn,
+    layers: impl IntoIterator<Item = u64>,
+    deltas: &mut BTreeMap<u64, i64>,
+) -> Result<()> {
+    for layer in layers {
+        let refs = txn.get(meta::LAYERS, &layer)?.unwrap_or(0);
+        if refs > 1 {
+            txn.insert(meta::LAYERS, &layer, &(refs - 1));
+            continue;
+        }
+        txn.remove(meta::LAYERS, &layer);
+        let (lo, hi) = (format::map_key(layer, 0), format::map_key(layer, u64::MAX));
+        for (_, chunk) in txn.extract_range_if(meta::MAP, lo..=hi, |_, _| true)? {
+            if chunk != format::ZERO_TOMBSTONE {
+                *deltas.entry(chunk).or_default() -= 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Applies reference count changes to committed chunks inside a catalog transaction (one
+/// that is not a commit): a chunk that reaches zero becomes an orphan, which the next commit
+/// frees, or keeps if a newer write references it again. The caller sets `orphans_pending`.
+pub(crate) fn apply_ref_deltas(txn: &mut WriteTxn, deltas: &BTreeMap<u64, i64>) -> Result<bool> {
+    let mut orphaned = false;
+    for (&id, &d) in deltas {
+        if d == 0 {
+            continue;
+        }
+        if add_refs_stored(txn, id, d)? == 0 {
+            txn.insert(meta::ORPHANS, &id, &());
+            orphaned = true;
+        }
+    }
+    Ok(orphaned)
+}
+
+/// Adds `delta` to a committed chunk's reference count in `txn`; returns the new count.
+fn add_refs_stored(txn: &mut WriteTxn, id: u64, delta: i64) -> Result<u64> {
+    let mut rec = load_chunk(txn, id)?;
+    let refs = rec.refs as i64 + delta;
+    if refs < 0 {
+        return Err(Error::Corrupt(format!(
+            "chunk {id:#x} refcount would go below zero ({refs})"
+        )));
+    }
+    rec.refs = refs as u64;
+    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
+    Ok(rec.refs)
+}
+
 /// Writes a volume's changes into its top layer. A zeroed block is removed when nothing lies
 /// below the top layer, and becomes a tombstone hiding the lower layers otherwise.
-fn write_overlay(txn: &mut WriteTxn, stack: &[u64], overlay: &Overlay) {
-    let top = *stack.last().expect("a stack has a layer");
+fn write_overlay(txn: &mut WriteTxn, stack: &[Frame], overlay: &Overlay) {
+    let top = stack.last().expect("a stack has a layer").layer;
     for (&block, entry) in overlay {
         let key = format::map_key(top, block);
         match entry {

@@ -23,6 +23,9 @@ pub struct PoolConfig {
     /// Metadata store of a new pool. Ignored at open: a pool reopens with the backend it was
     /// created with. Default: [`crate::store::BACKEND_ENV`] if set, else redb.
     pub meta_backend: crate::store::Backend,
+    /// Whole 4 KiB blocks from which a range copy adds frames to the destination's stack (cost
+    /// independent of the length) instead of sharing each block's reference (see `copy.rs`).
+    pub frame_copy_blocks_min: u64,
 }
 
 impl Default for PoolConfig {
@@ -37,6 +40,7 @@ impl Default for PoolConfig {
             gc_live_pct_max: 50,
             background: true,
             meta_backend: crate::store::Backend::from_env(),
+            frame_copy_blocks_min: 256,
         }
     }
 }

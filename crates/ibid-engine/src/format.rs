@@ -192,10 +192,13 @@ impl ChunkRecord {
 /// A volume's or snapshot's persistent description: the value of the `volumes` table (key:
 /// volume name) and of the `snapshots` table (key: `VOLUME@SNAPSHOT`).
 ///
-/// Layout: id u64 | size u64 | mapped_blocks u64 | created_unix_s u64 | layer count u32 |
-/// layers (u64 each, bottom first) | provisioning format u8 | reserved (7). The last layer of a
-/// volume is its writable top layer; a snapshot's layers are all frozen. Records written before
-/// the format byte existed end after the layers and decode as thin.
+/// Layout: id u64 | size u64 | mapped_blocks u64 | created_unix_s u64 | frame count u32 |
+/// layer of each frame (u64 each, bottom first; 0 for a floor) | provisioning format u8 |
+/// reserved (7) | optionally, the windows: count u32, then per windowed frame: index u32 | lo
+/// u64 | hi u64 | src_lo u64. Frames not listed there are plain. The last frame of a volume is
+/// its writable top layer (always plain); a snapshot's frames are all frozen. Records written
+/// before the format byte existed end after the layers and decode as thin; records written
+/// before windows existed end after the reserved bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeRecord {
     /// Volume id, unique in the pool, never reused (snapshots get ids from the same counter).
@@ -206,8 +209,8 @@ pub struct VolumeRecord {
     pub mapped_blocks: u64,
     /// Creation time, seconds since the Unix epoch.
     pub created_unix_s: u64,
-    /// The stack of map layers, bottom first.
-    pub layers: Vec<u64>,
+    /// The stack of frames (map layers seen through windows), bottom first.
+    pub layers: Vec<Frame>,
     /// Space reservation policy (snapshots are always thin).
     pub format: VolumeFormat,
 }
@@ -287,17 +290,82 @@ impl std::str::FromStr for VolumeFormat {
     }
 }
 
+/// The layer id of a floor frame (layer ids start at 1).
+pub const FLOOR_LAYER: u64 = 0;
+
+/// One element of a volume's stack: a map layer seen through a window.
+///
+/// A plain frame shows every block of its layer at the same block number. A range copy puts
+/// the source's frozen frames into the destination's stack as windowed frames: block `b` of
+/// the volume, for `lo <= b < hi`, is block `b - lo + src_lo` of the layer; outside the window
+/// the frame holds nothing. A floor ([`FLOOR_LAYER`]) holds no entries and is opaque: inside
+/// its window, a block no frame above it maps reads as zeros, whatever the frames below hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// The map layer, or [`FLOOR_LAYER`].
+    pub layer: u64,
+    /// First block of the window (volume block numbers).
+    pub lo: u64,
+    /// End of the window (exclusive).
+    pub hi: u64,
+    /// The layer's block shown at `lo`.
+    pub src_lo: u64,
+}
+
+impl Frame {
+    /// A frame showing all of `layer`, unshifted.
+    pub const fn plain(layer: u64) -> Frame {
+        Frame {
+            layer,
+            lo: 0,
+            hi: u64::MAX,
+            src_lo: 0,
+        }
+    }
+
+    /// Whether the frame shows all of its layer, unshifted.
+    pub fn is_plain(&self) -> bool {
+        self.lo == 0 && self.hi == u64::MAX && self.src_lo == 0 && !self.is_floor()
+    }
+
+    /// Whether the frame is a floor (no layer; opaque zeros in its window).
+    pub fn is_floor(&self) -> bool {
+        self.layer == FLOOR_LAYER
+    }
+
+    /// The layer's block shown at volume block `b` (which must lie in the window).
+    pub fn source_block(&self, b: u64) -> u64 {
+        b - self.lo + self.src_lo
+    }
+
+    /// The volume block showing the layer's block `s` (which must map into the window).
+    pub fn volume_block(&self, s: u64) -> u64 {
+        s - self.src_lo + self.lo
+    }
+}
+
+/// The layers a stack references, once per frame that shows them (floors reference none):
+/// what the `layers` table counts.
+pub fn referenced_layers(stack: &[Frame]) -> impl Iterator<Item = u64> + '_ {
+    stack.iter().filter(|f| !f.is_floor()).map(|f| f.layer)
+}
+
 /// Encoded size of a [`VolumeRecord`] without its layers and trailer.
 pub const VOLUME_RECORD_FIXED_BYTES: usize = 36;
 /// Encoded size of the trailer after the layers (format byte and reserved bytes).
 pub const VOLUME_RECORD_TRAILER_BYTES: usize = 8;
-/// Most layers a stack may hold (clone and snapshot generations).
+/// Most frames a stack may hold (clone and snapshot generations, range copies).
 pub const LAYERS_MAX: usize = 4096;
+/// Encoded size of one window in a [`VolumeRecord`].
+const WINDOW_BYTES: usize = 4 + 3 * 8;
 
 impl VolumeRecord {
     /// The writable (top) layer.
     pub fn top(&self) -> u64 {
-        *self.layers.last().expect("a stack has at least one layer")
+        self.layers
+            .last()
+            .expect("a stack has at least one layer")
+            .layer
     }
 
     /// Encodes the record.
@@ -309,12 +377,27 @@ impl VolumeRecord {
             v.extend_from_slice(&x.to_le_bytes());
         }
         v.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
-        for l in &self.layers {
-            v.extend_from_slice(&l.to_le_bytes());
+        for f in &self.layers {
+            v.extend_from_slice(&f.layer.to_le_bytes());
         }
         let mut trailer = [0u8; VOLUME_RECORD_TRAILER_BYTES];
         trailer[0] = self.format.code();
         v.extend_from_slice(&trailer);
+        let windowed: Vec<(usize, &Frame)> = self
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| !f.is_plain())
+            .collect();
+        if !windowed.is_empty() {
+            v.extend_from_slice(&(windowed.len() as u32).to_le_bytes());
+            for (i, f) in windowed {
+                v.extend_from_slice(&(i as u32).to_le_bytes());
+                for x in [f.lo, f.hi, f.src_lo] {
+                    v.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
         v
     }
 
@@ -328,23 +411,60 @@ impl VolumeRecord {
         }
         let f = |i: usize| u64::from_le_bytes(v[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         let n = u32::from_le_bytes(v[32..36].try_into().expect("4 bytes")) as usize;
+        let bad = || {
+            Error::Corrupt(format!(
+                "volume record with {n} frames in {} bytes",
+                v.len()
+            ))
+        };
         let layers_end = VOLUME_RECORD_FIXED_BYTES + 8 * n;
         let with_trailer = layers_end + VOLUME_RECORD_TRAILER_BYTES;
-        if n == 0 || n > LAYERS_MAX || (v.len() != layers_end && v.len() != with_trailer) {
-            return Err(Error::Corrupt(format!(
-                "volume record with {n} layers in {} bytes",
-                v.len()
-            )));
+        if n == 0 || n > LAYERS_MAX || (v.len() != layers_end && v.len() < with_trailer) {
+            return Err(bad());
         }
         let format = match v.get(layers_end) {
             None => VolumeFormat::Thin,
             Some(&code) => VolumeFormat::from_code(code)
                 .ok_or_else(|| Error::Corrupt(format!("volume record with format code {code}")))?,
         };
-        let layers = v[VOLUME_RECORD_FIXED_BYTES..layers_end]
+        let mut layers: Vec<Frame> = v[VOLUME_RECORD_FIXED_BYTES..layers_end]
             .chunks(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .map(|c| Frame::plain(u64::from_le_bytes(c.try_into().expect("8 bytes"))))
             .collect();
+        if v.len() > with_trailer {
+            let windows = &v[with_trailer..];
+            let count = windows
+                .get(..4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")) as usize)
+                .ok_or_else(bad)?;
+            if count == 0 || windows.len() != 4 + count * WINDOW_BYTES {
+                return Err(bad());
+            }
+            let g = |c: &[u8], i: usize| {
+                u64::from_le_bytes(c[4 + i * 8..12 + i * 8].try_into().expect("8 bytes"))
+            };
+            for c in windows[4..].chunks(WINDOW_BYTES) {
+                let i = u32::from_le_bytes(c[..4].try_into().expect("4 bytes")) as usize;
+                let (lo, hi, src_lo) = (g(c, 0), g(c, 1), g(c, 2));
+                let frame = layers.get_mut(i).ok_or_else(bad)?;
+                if lo >= hi || src_lo.checked_add(hi - lo).is_none() {
+                    return Err(Error::Corrupt(format!(
+                        "volume record: frame {i} has window [{lo}, {hi}) from {src_lo}"
+                    )));
+                }
+                frame.lo = lo;
+                frame.hi = hi;
+                frame.src_lo = src_lo;
+            }
+        }
+        match layers.last() {
+            Some(top) if top.is_plain() => {}
+            _ => {
+                return Err(Error::Corrupt(
+                    "volume record: the top frame is not a plain layer".into(),
+                ))
+            }
+        }
         Ok(VolumeRecord {
             id: f(0),
             size: f(1),
@@ -447,7 +567,7 @@ mod tests {
                 size: 1 << 40,
                 mapped_blocks: 17,
                 created_unix_s: 99,
-                layers: vec![4, 9],
+                layers: vec![Frame::plain(4), Frame::plain(9)],
                 format,
             };
             let bytes = r.encode();
@@ -461,7 +581,7 @@ mod tests {
             size: 4096,
             mapped_blocks: 0,
             created_unix_s: 0,
-            layers: vec![1],
+            layers: vec![Frame::plain(1)],
             format: VolumeFormat::Thin,
         }
         .encode();
@@ -469,6 +589,55 @@ mod tests {
         bad[at] = 9;
         assert!(matches!(VolumeRecord::decode(&bad), Err(Error::Corrupt(_))));
         assert!(VolumeRecord::decode(&bad[..bad.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn volume_record_round_trips_windowed_frames_and_rejects_bad_windows() {
+        let r = VolumeRecord {
+            id: 5,
+            size: 1 << 30,
+            mapped_blocks: 3,
+            created_unix_s: 1,
+            layers: vec![
+                Frame::plain(2),
+                Frame {
+                    layer: FLOOR_LAYER,
+                    lo: 10,
+                    hi: 20,
+                    src_lo: 0,
+                },
+                Frame {
+                    layer: 7,
+                    lo: 10,
+                    hi: 20,
+                    src_lo: 500,
+                },
+                Frame::plain(8),
+            ],
+            format: VolumeFormat::LazyZeroedThick,
+        };
+        let bytes = r.encode();
+        assert_eq!(VolumeRecord::decode(&bytes).expect("decode"), r);
+        // An empty window, a window past u64 in the layer, a truncated list, a windowed top.
+        let windows_at = VOLUME_RECORD_FIXED_BYTES + 8 * 4 + VOLUME_RECORD_TRAILER_BYTES;
+        let mut empty = bytes.clone();
+        let hi_at = windows_at + 4 + 4 + 8;
+        empty[hi_at..hi_at + 8].copy_from_slice(&10u64.to_le_bytes());
+        assert!(matches!(
+            VolumeRecord::decode(&empty),
+            Err(Error::Corrupt(_))
+        ));
+        let mut overflow = bytes.clone();
+        let src_at = windows_at + 4 + WINDOW_BYTES + 4 + 16;
+        overflow[src_at..src_at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(
+            VolumeRecord::decode(&overflow),
+            Err(Error::Corrupt(_))
+        ));
+        assert!(VolumeRecord::decode(&bytes[..bytes.len() - 3]).is_err());
+        let mut top = r.clone();
+        top.layers[3].lo = 1;
+        assert!(VolumeRecord::decode(&top.encode()).is_err());
     }
 
     #[test]

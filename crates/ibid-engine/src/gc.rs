@@ -46,7 +46,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             tracing::error!("background commit: {e}");
             continue;
         }
-        if let Err(e) = inner.flatten_all() {
+        if let Err(e) = inner.flatten_all(false) {
             tracing::error!("flatten volume layers: {e}");
         }
         let bloom = inner.bloom();

@@ -19,6 +19,7 @@
 mod bloom;
 mod commit;
 pub mod config;
+mod copy;
 pub mod error;
 pub mod format;
 #[doc(hidden)]
@@ -30,6 +31,7 @@ mod pool;
 mod provision;
 mod segment;
 mod snapshot;
+mod stack;
 pub mod stats;
 pub mod store;
 pub mod verify;

@@ -4,7 +4,7 @@ use crate::bloom::Bloom;
 use crate::config::PoolConfig;
 use crate::error::{Error, Result};
 use crate::format::{
-    ChunkRecord, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
+    ChunkRecord, Frame, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
 };
 use crate::journal::{Change, Journal};
 use crate::meta::{self, PoolRecord};
@@ -55,13 +55,17 @@ pub(crate) struct VolumeState {
     pub format: AtomicU8,
     pub map: Mutex<VolumeMap>,
     pub stripes: Vec<Mutex<()>>,
+    /// When the last range copy by frames into this volume happened (see `copy.rs`).
+    pub frames_copied_at: Mutex<Option<std::time::Instant>>,
 }
 
 pub(crate) struct VolumeMap {
     pub size: u64,
-    /// Map layers, bottom first; the last is the writable top. Changes only with the gate held
+    /// Map frames (layers seen through windows), bottom first; the last is the writable top
+    /// layer. Changes only with the commit lock held (a catalog operation, or a range copy
+    /// made permanent, see `copy.rs`) and, except for the latter, the gate held
     /// exclusively and no uncommitted changes (see `snapshot.rs`).
-    pub stack: Vec<u64>,
+    pub stack: Vec<Frame>,
     /// Changes since the last swap.
     pub dirty: Overlay,
     /// Changes being committed (readers see them until the commit is durable).
@@ -542,7 +546,7 @@ impl Pool {
             size: size_bytes,
             mapped_blocks: 0,
             created_unix_s: now_unix_s(),
-            layers: vec![cs.record.next_layer_id],
+            layers: vec![Frame::plain(cs.record.next_layer_id)],
             format,
         };
         let mut pool_rec = cs.record.clone();
@@ -709,7 +713,7 @@ impl Pool {
                 .segments
                 .seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
         }
-        self.inner.flatten_all()?;
+        self.inner.flatten_all(true)?;
         self.inner.commit()?;
         let mut cleaned = 0;
         while self.inner.clean_one(true)? {
@@ -781,6 +785,7 @@ pub(crate) fn new_volume_state(name: String, r: &VolumeRecord, read_only: bool) 
             record_dirty: false,
         }),
         stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+        frames_copied_at: Mutex::new(None),
     }
 }
 

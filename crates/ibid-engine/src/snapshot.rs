@@ -12,13 +12,15 @@
 //! volume has no dirty entries, retrying if a write slipped in between.
 
 use crate::error::{Error, Result};
-use crate::format::{self, VolumeFormat, VolumeRecord, LAYERS_MAX};
+use crate::format::{self, Frame, VolumeFormat, VolumeRecord, LAYERS_MAX};
 use crate::meta;
 use crate::pool::{
     new_volume_state, validate_volume_name, CommitState, Inner, Pool, VolumeMap, VolumeState,
 };
-use crate::store::Reader;
+use crate::store::{Reader, WriteTxn};
 use crate::volume::Volume;
+use parking_lot::MutexGuard;
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -74,24 +76,62 @@ impl Inner {
         v: &VolumeState,
         f: impl FnOnce(&Inner, &mut CommitState, &mut VolumeMap) -> Result<T>,
     ) -> Result<T> {
+        self.with_quiesced_all(&[v], |inner, cs, maps| f(inner, cs, &mut maps[0]))
+    }
+
+    /// Runs `f` with the commit lock, the gate held exclusively and the maps of `volumes`
+    /// (distinct) locked in that order, at a moment when none has an uncommitted change.
+    pub(crate) fn with_quiesced_all<T>(
+        &self,
+        volumes: &[&VolumeState],
+        f: impl FnOnce(&Inner, &mut CommitState, &mut [MutexGuard<'_, VolumeMap>]) -> Result<T>,
+    ) -> Result<T> {
         let mut cs = self.commit.lock();
         for _ in 0..QUIESCE_TRIES_MAX {
             self.commit_with(&mut cs)?;
             let _gate = self.gate.write();
-            let mut map = v.map.lock();
-            if map.deleted {
-                return Err(Error::NotFound(v.name.clone()));
+            // Only holders of the commit lock take two maps at once, so the order is free.
+            let mut maps = Vec::with_capacity(volumes.len());
+            for v in volumes {
+                let map = v.map.lock();
+                if map.deleted {
+                    return Err(Error::NotFound(v.name.clone()));
+                }
+                maps.push(map);
             }
-            if map.dirty.is_empty() && map.committing.is_empty() {
-                let out = f(self, &mut cs, &mut map)?;
-                map.generation += 1;
+            if maps
+                .iter()
+                .all(|m| m.dirty.is_empty() && m.committing.is_empty())
+            {
+                let out = f(self, &mut cs, &mut maps)?;
+                for m in maps.iter_mut() {
+                    m.generation += 1;
+                }
                 return Ok(out);
             }
         }
+        let names: Vec<&str> = volumes.iter().map(|v| v.name.as_str()).collect();
         Err(Error::Metadata(format!(
             "volume {} kept changing; try again",
-            v.name
+            names.join(", ")
         )))
+    }
+
+    /// The record of `v` with `stack`, from its locked (quiesced) map.
+    pub(crate) fn record_of(
+        &self,
+        v: &VolumeState,
+        map: &VolumeMap,
+        stack: Vec<Frame>,
+    ) -> VolumeRecord {
+        VolumeRecord {
+            id: v.id,
+            size: map.size,
+            mapped_blocks: map.mapped_blocks,
+            created_unix_s: v.created_unix_s,
+            layers: stack,
+            format: v.format(),
+        }
     }
 
     /// Writes records and layer refcount changes in one durable transaction.
@@ -104,11 +144,35 @@ impl Inner {
         new_layers: &[u64],
         ids_used: u64,
     ) -> Result<()> {
+        self.write_catalog_with(
+            cs,
+            volumes,
+            snapshots,
+            layer_increments,
+            new_layers,
+            ids_used,
+            |_| Ok(()),
+        )
+    }
+
+    /// [`Inner::write_catalog`] with more changes (`extra`) in the same transaction.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn write_catalog_with(
+        &self,
+        cs: &mut CommitState,
+        volumes: &[(&str, &VolumeRecord)],
+        snapshots: &[(&str, &VolumeRecord)],
+        layer_increments: &[u64],
+        new_layers: &[u64],
+        ids_used: u64,
+        extra: impl FnOnce(&mut WriteTxn) -> Result<()>,
+    ) -> Result<()> {
         let mut pool_rec = cs.record.clone();
         pool_rec.next_volume_id += ids_used;
         pool_rec.next_layer_id += new_layers.len() as u64;
         let mut txn = self.db.write()?;
         {
+            extra(&mut txn)?;
             for (name, r) in volumes {
                 txn.insert(meta::VOLUMES, *name, r.encode().as_slice());
             }
@@ -170,7 +234,7 @@ impl Pool {
                 format: VolumeFormat::Thin,
             };
             let mut stack = map.stack.clone();
-            stack.push(new_top);
+            stack.push(Frame::plain(new_top));
             let vol = VolumeRecord {
                 id: v.id,
                 size: map.size,
@@ -179,11 +243,12 @@ impl Pool {
                 layers: stack.clone(),
                 format: v.format(),
             };
+            let shown: Vec<u64> = format::referenced_layers(&snap.layers).collect();
             inner.write_catalog(
                 cs,
                 &[(volume, &vol)],
                 &[(&key, &snap)],
-                &snap.layers,
+                &shown,
                 &[new_top],
                 1,
             )?;
@@ -247,7 +312,7 @@ impl Pool {
             let map = snap.map.lock();
             let clone_top = cs.record.next_layer_id;
             let mut layers = map.stack.clone();
-            layers.push(clone_top);
+            layers.push(Frame::plain(clone_top));
             let rec = VolumeRecord {
                 id: cs.record.next_volume_id,
                 size: map.size,
@@ -256,14 +321,9 @@ impl Pool {
                 layers,
                 format: VolumeFormat::Thin,
             };
-            self.inner.write_catalog(
-                &mut cs,
-                &[(new_name, &rec)],
-                &[],
-                &map.stack,
-                &[clone_top],
-                1,
-            )?;
+            let shown: Vec<u64> = format::referenced_layers(&map.stack).collect();
+            self.inner
+                .write_catalog(&mut cs, &[(new_name, &rec)], &[], &shown, &[clone_top], 1)?;
             rec
         } else {
             let v = self.live_state(source)?;
@@ -275,9 +335,9 @@ impl Pool {
                 }
                 let (vol_top, clone_top) = (cs.record.next_layer_id, cs.record.next_layer_id + 1);
                 let mut vol_stack = map.stack.clone();
-                vol_stack.push(vol_top);
+                vol_stack.push(Frame::plain(vol_top));
                 let mut clone_stack = map.stack.clone();
-                clone_stack.push(clone_top);
+                clone_stack.push(Frame::plain(clone_top));
                 let vol = VolumeRecord {
                     id: v.id,
                     size: map.size,
@@ -294,11 +354,12 @@ impl Pool {
                     layers: clone_stack,
                     format: VolumeFormat::Thin,
                 };
+                let shown: Vec<u64> = format::referenced_layers(&map.stack).collect();
                 inner.write_catalog(
                     cs,
                     &[(source, &vol), (new_name, &rec)],
                     &[],
-                    &map.stack,
+                    &shown,
                     &[vol_top, clone_top],
                     1,
                 )?;
@@ -319,7 +380,8 @@ impl Pool {
 
     /// Creates volume `new_name` as a full clone of `source` (a volume or `VOLUME@SNAPSHOT`):
     /// its map refers to no other volume's layers, yet it still shares every chunk, so no data
-    /// is read or written and no space is added. Cost: proportional to the mapped blocks.
+    /// is read or written and no space is added. Cost: proportional to the mapped blocks (a
+    /// range copy, made permanent at once).
     pub fn full_clone(&self, source: &str, new_name: &str) -> Result<Volume> {
         let src = match source.split_once('@') {
             Some((v, s)) => self.snapshot(v, s)?,
@@ -327,6 +389,7 @@ impl Pool {
         };
         let dst = self.create_volume(new_name, src.size())?;
         dst.copy_from(&src, 0, 0, src.size())?;
+        self.inner.materialize_frames(dst.state())?;
         Ok(dst)
     }
 }
@@ -335,9 +398,22 @@ impl Inner {
     /// Flattens every live volume's stack: a frozen layer that no other stack includes (its
     /// snapshots and clones are gone) is merged into the layer above it, so reads stay shallow
     /// and the data the upper layer hides is released. Returns the number of merges.
-    pub(crate) fn flatten_all(&self) -> Result<u64> {
+    /// First, a volume's range-copy frames are made permanent (`copy.rs`) when it has had no
+    /// range copy for a while, or at once with `now`.
+    pub(crate) fn flatten_all(&self, now: bool) -> Result<u64> {
         let volumes: Vec<Arc<VolumeState>> = self.volumes.read().values().cloned().collect();
         let mut merged = 0;
+        // All copies first: a source's frozen layers become private only once every copy of
+        // them is permanent.
+        for v in &volumes {
+            let due = now
+                || v.frames_copied_at
+                    .lock()
+                    .is_none_or(|t| t.elapsed() >= crate::copy::MATERIALIZE_DELAY);
+            if due && self.materialize_frames(v)? {
+                merged += 1;
+            }
+        }
         for v in volumes {
             while self.flatten_one(&v)? {
                 merged += 1;
@@ -346,14 +422,21 @@ impl Inner {
         Ok(merged)
     }
 
-    /// The lowest frozen layer of `stack` that only this stack includes.
-    fn private_frozen_layer(&self, stack: &[u64]) -> Result<Option<usize>> {
+    /// The lowest frozen layer of `stack` that only this stack includes, shown by a plain
+    /// frame with a plain frame above it (windowed frames are made permanent first, see
+    /// `copy.rs`).
+    fn private_frozen_layer(&self, stack: &[Frame]) -> Result<Option<usize>> {
         if stack.len() < 2 {
             return Ok(None);
         }
         let txn = self.db.read()?;
-        for (i, &l) in stack[..stack.len() - 1].iter().enumerate() {
-            if txn.get(meta::LAYERS, &l)? == Some(1) {
+        for (i, pair) in stack.windows(2).enumerate() {
+            let (f, above) = (pair[0], pair[1]);
+            if !f.is_plain() || !above.is_plain() {
+                continue;
+            }
+            let in_this_stack = stack.iter().filter(|g| g.layer == f.layer).count();
+            if in_this_stack == 1 && txn.get(meta::LAYERS, &f.layer)? == Some(1) {
                 return Ok(Some(i));
             }
         }
@@ -372,8 +455,8 @@ impl Inner {
             let Some(i) = inner.private_frozen_layer(&map.stack)? else {
                 return Ok(false);
             };
-            let (lower, upper) = (map.stack[i], map.stack[i + 1]);
-            let mut released = Vec::new();
+            let (lower, upper) = (map.stack[i].layer, map.stack[i + 1].layer);
+            let mut released: BTreeMap<u64, i64> = BTreeMap::new();
             let mut stack = map.stack.clone();
             stack.remove(i);
             let record = VolumeRecord {
@@ -396,7 +479,7 @@ impl Inner {
                     let key = format::map_key(upper, block);
                     if txn.get(meta::MAP, &key)?.is_some() {
                         if id != format::ZERO_TOMBSTONE {
-                            released.push(id);
+                            *released.entry(id).or_default() -= 1;
                         }
                     } else if id != format::ZERO_TOMBSTONE || i > 0 {
                         txn.insert(meta::MAP, &key, &id);
@@ -412,20 +495,8 @@ impl Inner {
                 txn.remove(meta::LAYERS, &lower);
                 txn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
                 // Drop the overridden entries' references in the same transaction, so a crash
-                // never leaves a count too high; a chunk at zero becomes an orphan, which the
-                // next commit frees (or keeps, if a newer write references it again).
-                for id in released {
-                    let mut rec = crate::commit::load_chunk(&txn, id)?;
-                    rec.refs = rec.refs.checked_sub(1).ok_or_else(|| {
-                        Error::Corrupt(format!(
-                            "chunk {id:#x}: refcount below zero while flattening"
-                        ))
-                    })?;
-                    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
-                    if rec.refs == 0 {
-                        txn.insert(meta::ORPHANS, &id, &());
-                    }
-                }
+                // never leaves a count too high.
+                crate::commit::apply_ref_deltas(&mut txn, &released)?;
             }
             txn.commit()?;
             let _ = cs;

@@ -59,7 +59,7 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     }
     let mut expected_layer_refs: HashMap<u64, u64> = HashMap::new();
     for (_, r) in &stacks {
-        for &l in &r.layers {
+        for l in format::referenced_layers(&r.layers) {
             *expected_layer_refs.entry(l).or_default() += 1;
         }
     }
@@ -88,12 +88,17 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         report.map_entries += 1;
     }
     for (name, r) in &stacks {
-        let mut visible: BTreeMap<u64, u64> = BTreeMap::new();
-        for l in r.layers.iter().rev() {
-            for (&b, &id) in entries.get(l).into_iter().flatten() {
-                visible.entry(b).or_insert(id);
+        let scan = |layer: u64, s0: u64, s1: u64, found: &mut crate::stack::Found<'_>| {
+            for (&b, &id) in entries
+                .get(&layer)
+                .into_iter()
+                .flat_map(|m| m.range(s0..s1))
+            {
+                found(b, id);
             }
-        }
+            Ok::<(), Error>(())
+        };
+        let mut visible = crate::stack::resolve(&r.layers, 0, u64::MAX, scan)?.values();
         visible.retain(|_, id| *id != format::ZERO_TOMBSTONE);
         if let Some((&b, _)) = visible.iter().next_back() {
             if (b + 1) * BLOCK_BYTES as u64 > r.size.next_multiple_of(BLOCK_BYTES as u64) {

@@ -5,12 +5,13 @@
 //! the block's stripe lock so concurrent partial writes to one block never lose each other.
 
 use crate::error::{Error, Result};
-use crate::format::{self, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
+use crate::format::{self, Frame, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
 use crate::journal::Change;
 use crate::meta;
 use crate::pool::{
     Entry, Inner, ShardState, VolumeMap, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
 };
+use crate::stack::{Found, Resolved};
 use crate::stats::VolumeSpace;
 use crate::store::{ReadTxn, Reader};
 use parking_lot::MutexGuard;
@@ -61,6 +62,11 @@ impl Volume {
         Volume { inner, state }
     }
 
+    /// The volume's in-memory state.
+    pub(crate) fn state(&self) -> &Arc<VolumeState> {
+        &self.state
+    }
+
     /// The volume's name.
     pub fn name(&self) -> &str {
         &self.state.name
@@ -74,6 +80,13 @@ impl Volume {
     /// A stable identifier of the volume, unique in its pool.
     pub fn id(&self) -> u64 {
         self.state.id
+    }
+
+    /// Frames in the volume's stack: its own layer, snapshot and clone ancestry, range copies
+    /// not yet made permanent (for tests and benchmarks).
+    #[doc(hidden)]
+    pub fn stack_depth(&self) -> usize {
+        self.state.map.lock().stack.len()
     }
 
     /// Blocks mapped to data, including uncommitted writes.
@@ -245,9 +258,12 @@ impl Volume {
 
     /// Copies `len` bytes from `src` at `src_offset` to this volume at `dst_offset`, like
     /// `memmove` (the ranges may overlap when `src` is this volume). Where both offsets have
-    /// the same alignment within a 4 KiB block, whole blocks are copied by reference: nothing
-    /// is read or written and no space is added (the SCSI EXTENDED COPY case). Partial blocks at
-    /// the edges, and ranges whose alignments differ, are copied as data.
+    /// the same alignment within a 4 KiB block, whole blocks are shared: nothing is read or
+    /// written and no space is added (the SCSI EXTENDED COPY case). From
+    /// [`crate::PoolConfig::frame_copy_blocks_min`] blocks on, the cost does not depend on the
+    /// length (the source's frozen layers are put in this volume's stack, see `copy.rs`);
+    /// shorter copies share each block's reference. Partial blocks at the edges, and ranges
+    /// whose alignments differ, are copied as data.
     pub fn copy_from(
         &self,
         src: &Volume,
@@ -323,22 +339,21 @@ impl Volume {
             map.stack.clone()
         };
         let txn = self.inner.db.read()?;
-        // Visible block -> (chunk, whether its layer is shared), top layer first.
-        let mut visible: BTreeMap<u64, (u64, bool)> = BTreeMap::new();
-        for &layer in stack.iter().rev() {
-            let shared = txn.get(meta::LAYERS, &layer)?.unwrap_or(0) > 1;
-            let mut entries = BTreeMap::new();
-            scan_layer(&txn, layer, 0, size.div_ceil(BLOCK), &mut entries)?;
-            for (b, id) in entries {
-                visible.entry(b).or_insert((id, shared));
-            }
+        // A frame's layer is shared when another stack, or another frame of this one, shows it.
+        let mut shared_frame = Vec::with_capacity(stack.len());
+        for f in &stack {
+            let in_this_stack = stack.iter().filter(|g| g.layer == f.layer).count() as u64;
+            let refs = txn.get(meta::LAYERS, &f.layer)?.unwrap_or(0);
+            shared_frame.push(refs > 1 || in_this_stack > 1);
         }
+        let visible = resolve_stored(&txn, &stack, 0, size.div_ceil(BLOCK))?;
         // Chunk -> (blocks of this volume showing it, whether any is in a shared layer).
         let mut counts: HashMap<u64, (u64, bool)> = HashMap::new();
-        for (id, shared) in visible.into_values() {
+        for (id, frame) in visible.entries.into_values() {
             if id == format::ZERO_TOMBSTONE {
                 continue;
             }
+            let shared = shared_frame[frame];
             let c = counts.entry(id).or_default();
             c.0 += 1;
             c.1 |= shared;
@@ -377,7 +392,8 @@ const COPY_WINDOW_BLOCKS: u64 = 1 << 20;
 /// Bytes a data copy moves per step.
 const COPY_DATA_STEP_BYTES: u64 = 1 << 20;
 
-/// One step of a copy: bytes copied as data, or whole blocks shared by reference.
+/// One step of a copy: bytes copied as data, or whole blocks shared (by frames, or by
+/// reference for small copies).
 enum CopyPiece {
     Data { src: u64, dst: u64, len: u64 },
     Share { src: u64, dst: u64, blocks: u64 },
@@ -498,12 +514,11 @@ impl Inner {
                 len: head,
             });
         }
-        for w in (0..blocks).step_by(COPY_WINDOW_BLOCKS as usize) {
-            let n = COPY_WINDOW_BLOCKS.min(blocks - w);
+        if blocks > 0 {
             pieces.push(CopyPiece::Share {
-                src: sb + w,
-                dst: db + w,
-                blocks: n,
+                src: sb,
+                dst: db,
+                blocks,
             });
         }
         if tail > 0 {
@@ -529,12 +544,38 @@ impl Inner {
                     src: s,
                     dst: d,
                     blocks,
-                } => self.share_blocks(src, s, dst, d, blocks)?,
+                } => {
+                    let framed = blocks >= self.config.frame_copy_blocks_min
+                        && self.copy_by_frames(src, s, dst, d, blocks)?;
+                    if !framed {
+                        self.share_windows(src, s, dst, d, blocks)?;
+                    }
+                }
             }
         }
         report.data_bytes = head + tail;
         report.shared_bytes = blocks * BLOCK;
         Ok(report)
+    }
+
+    /// Shares `n` blocks in windows of [`COPY_WINDOW_BLOCKS`], in memmove order.
+    fn share_windows(
+        &self,
+        src: &VolumeState,
+        sb: u64,
+        dst: &VolumeState,
+        db: u64,
+        n: u64,
+    ) -> Result<()> {
+        let mut windows: Vec<u64> = (0..n).step_by(COPY_WINDOW_BLOCKS as usize).collect();
+        if std::ptr::eq(src, dst) && db > sb {
+            windows.reverse();
+        }
+        for w in windows {
+            let len = COPY_WINDOW_BLOCKS.min(n - w);
+            self.share_blocks(src, sb + w, dst, db + w, len)?;
+        }
+        Ok(())
     }
 
     /// Makes `n` blocks of `dst` from `db` reference the chunks of `src` from `sb`: no data I/O.
@@ -595,20 +636,27 @@ impl Inner {
         b0: u64,
         b1: u64,
     ) -> Result<BTreeMap<u64, u64>> {
-        let (stack, overlay): (Vec<u64>, Vec<(u64, Entry)>) = {
-            let map = v.map.lock();
-            if map.deleted {
-                return Err(Error::NotFound(v.name.clone()));
+        // The stack can change under a reader (a range copy's frames made permanent drop
+        // layers); the map's generation moves when it does, and the walk is done again.
+        let (mut out, overlay) = loop {
+            let (generation, stack, overlay): (u64, Vec<Frame>, Vec<(u64, Entry)>) = {
+                let map = v.map.lock();
+                if map.deleted {
+                    return Err(Error::NotFound(v.name.clone()));
+                }
+                let mut o: BTreeMap<u64, Entry> = map
+                    .committing
+                    .range(b0..b1)
+                    .map(|(&b, &e)| (b, e))
+                    .collect();
+                o.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
+                (map.generation, map.stack.clone(), o.into_iter().collect())
+            };
+            let out = self.stored_stack(&stack, b0, b1)?;
+            if v.map.lock().generation == generation {
+                break (out, overlay);
             }
-            let mut o: BTreeMap<u64, Entry> = map
-                .committing
-                .range(b0..b1)
-                .map(|(&b, &e)| (b, e))
-                .collect();
-            o.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
-            (map.stack.clone(), o.into_iter().collect())
         };
-        let mut out = self.stored_stack(&stack, b0, b1)?;
         out.retain(|_, id| *id != format::ZERO_TOMBSTONE);
         for (b, e) in overlay {
             match e {
@@ -623,29 +671,29 @@ impl Inner {
         Ok(out)
     }
 
-    /// Committed entries visible through `stack` (top first wins) in `[b0, b1)`; tombstones
-    /// are kept (as [`format::ZERO_TOMBSTONE`]) so callers can tell "zero here" from "absent".
-    fn stored_stack(&self, stack: &[u64], b0: u64, b1: u64) -> Result<BTreeMap<u64, u64>> {
-        let mut out = BTreeMap::new();
+    /// Committed entries visible through `stack` (top first wins) in `[b0, b1)`, tombstones
+    /// included (as [`format::ZERO_TOMBSTONE`]). A block absent from the result reads as zeros.
+    pub(crate) fn stored_stack(
+        &self,
+        stack: &[Frame],
+        b0: u64,
+        b1: u64,
+    ) -> Result<BTreeMap<u64, u64>> {
         if stack.is_empty() {
-            return Ok(out);
+            return Ok(BTreeMap::new());
         }
-        // One read transaction for the whole walk; stop once every block has an entry.
+        // One read transaction for the whole walk.
         let txn = self.db.read()?;
-        for &layer in stack.iter().rev() {
-            scan_layer(&txn, layer, b0, b1, &mut out)?;
-            if out.len() as u64 == b1 - b0 {
-                break;
-            }
-        }
-        Ok(out)
+        Ok(resolve_stored(&txn, stack, b0, b1)?.values())
     }
 
     /// Committed map entries of `layer` in `[b0, b1)`.
     fn stored_range(&self, layer: u64, b0: u64, b1: u64) -> Result<BTreeMap<u64, u64>> {
         let txn = self.db.read()?;
         let mut out = BTreeMap::new();
-        scan_layer(&txn, layer, b0, b1, &mut out)?;
+        scan_layer(&txn, layer, b0, b1, &mut |b, v| {
+            out.insert(b, v);
+        })?;
         Ok(out)
     }
 
@@ -1100,7 +1148,7 @@ impl Inner {
                 (m.generation, m.stack.clone())
             };
             let (top, lower) = stack.split_last().expect("a stack has a layer");
-            let stored_top = self.stored_range(*top, b0, b1)?;
+            let stored_top = self.stored_range(top.layer, b0, b1)?;
             let stored_lower = self.stored_stack(lower, b0, b1)?;
             let map = v.map.lock();
             if map.deleted {
@@ -1120,18 +1168,18 @@ type LockedMap<'a> = (
     BTreeMap<u64, u64>,
 );
 
-/// Adds `layer`'s committed entries in `[b0, b1)` to `out`, keeping entries already there
-/// (those of higher layers).
-fn scan_layer(
-    txn: &ReadTxn,
-    layer: u64,
-    b0: u64,
-    b1: u64,
-    out: &mut BTreeMap<u64, u64>,
-) -> Result<()> {
+/// Resolves `[b0, b1)` through `stack` from the committed map in `txn`.
+pub(crate) fn resolve_stored(txn: &ReadTxn, stack: &[Frame], b0: u64, b1: u64) -> Result<Resolved> {
+    crate::stack::resolve(stack, b0, b1, |layer, s0, s1, found| {
+        scan_layer(txn, layer, s0, s1, found)
+    })
+}
+
+/// Calls `found(block, value)` for `layer`'s committed entries in `[b0, b1)`.
+fn scan_layer(txn: &ReadTxn, layer: u64, b0: u64, b1: u64, found: &mut Found<'_>) -> Result<()> {
     if b1 == b0 + 1 {
         if let Some(v) = txn.get(meta::MAP, &format::map_key(layer, b0))? {
-            out.entry(b0).or_insert(v);
+            found(b0, v);
         }
         return Ok(());
     }
@@ -1140,7 +1188,7 @@ fn scan_layer(
         format::map_key(layer, b0)..format::map_key(layer, b1),
     )? {
         let (k, v) = item?;
-        out.entry(format::decode_map_key(&k).1).or_insert(v);
+        found(format::decode_map_key(&k).1, v);
     }
     Ok(())
 }

@@ -3,9 +3,10 @@
 //! consistency check, and every sector reads back either its last flushed content or the
 //! content of a write issued after that flush — never anything else, never another sector's.
 //!
-//! Snapshots and clones are taken and deleted along the way: each one that exists after a kill
-//! must hold exactly its source's content at the moment it was taken (taking one commits), and
-//! the cleaner flattens layers once their sharers are gone.
+//! Snapshots, clones and range copies (2 MiB into a new volume, by frames) are made and
+//! deleted along the way: each one that exists after a kill must hold exactly its source's
+//! content at the moment it was made (making one commits), and the cleaner makes copies
+//! permanent and flattens layers once their sharers are gone.
 //!
 //! Every sector written carries its own identity (volume, sector number, version) and a fill
 //! derived from it, so a sector showing another sector's or volume's data is caught.
@@ -115,6 +116,26 @@ fn crash_child() {
                 out.flush().expect("stdout");
                 made.push((vol, n));
             }
+            35 => {
+                // A range copy into a new volume, at the same offsets (so every sector keeps
+                // its identity): 2 MiB goes by frames (a catalog operation that commits) unless
+                // the source's stack is too deep for them; the flush covers that case.
+                let n = version & 0xffff_ffff;
+                let blocks = 512u64;
+                let first = rng.random_range(0..VOLUME_SECTORS / 8 - blocks) * 8;
+                let name = format!("r{seed}-{n}");
+                let dst = pool
+                    .create_volume(&name, VOLUME_SECTORS * 512)
+                    .expect("create copy target");
+                let report = dst
+                    .copy_from(&vols[vol], first * 512, first * 512, blocks * 4096)
+                    .expect("range copy");
+                assert_eq!(report.shared_bytes, blocks * 4096);
+                dst.flush().expect("flush");
+                writeln!(out, "R {vol} {name} {first} {}", blocks * 8).expect("stdout");
+                out.flush().expect("stdout");
+                made.push((vol, n));
+            }
             38 if !made.is_empty() => {
                 // Delete one made in this round (it may survive the kill, or not).
                 let (v, n) = made.swap_remove(rng.random_range(0..made.len()));
@@ -123,9 +144,10 @@ fn crash_child() {
                 if pool
                     .delete_snapshot(VOLUMES[v], &format!("s{seed}-{n}"))
                     .is_err()
+                    && pool.delete_volume(&format!("c{seed}-{n}")).is_err()
                 {
-                    pool.delete_volume(&format!("c{seed}-{n}"))
-                        .expect("delete clone");
+                    pool.delete_volume(&format!("r{seed}-{n}"))
+                        .expect("delete clone or copy");
                 }
             }
             39 => {
@@ -184,7 +206,8 @@ fn crash_recovers_every_flushed_sector() {
     let exe = std::env::current_exe().expect("test binary");
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x1b1d);
     let mut gc_rounds = 0;
-    // Snapshots and clones that must exist: name → (source volume, is snapshot, versions).
+    // Snapshots, clones and copies that must exist: name → (source volume, is snapshot,
+    // versions).
     let mut copies: HashMap<String, (usize, bool, Vec<u64>)> = HashMap::new();
     let mut copies_checked = 0usize;
     let (mut ops_total, mut flushes_total) = (0usize, 0usize);
@@ -211,14 +234,14 @@ fn crash_recovers_every_flushed_sector() {
         let lines: Vec<String> = BufReader::new(child.stdout.take().expect("stdout"))
             .lines()
             .map_while(Result::ok)
-            .filter(|l| l.starts_with(['W', 'Z', 'F', 'S', 'C', 'X']))
+            .filter(|l| l.starts_with(['W', 'Z', 'F', 'S', 'C', 'R', 'X']))
             .collect();
         ops_total += lines.iter().filter(|l| l.starts_with(['W', 'Z'])).count();
         flushes_total += lines.iter().filter(|l| *l == "F").count();
         // Apply everything up to the last flush to the durable state; remember what follows.
         let last_flush = lines
             .iter()
-            .rposition(|l| l == "F" || l.starts_with(['S', 'C']));
+            .rposition(|l| l == "F" || l.starts_with(['S', 'C', 'R']));
         let mut maybe: HashMap<(usize, u64), Vec<u64>> = HashMap::new();
         for (i, line) in lines.iter().enumerate() {
             let f: Vec<&str> = line.split(' ').collect();
@@ -232,6 +255,19 @@ fn crash_recovers_every_flushed_sector() {
                     .map(|s| durable.get(&(vol, s)).copied().unwrap_or(0))
                     .collect();
                 copies.insert(f[2].to_string(), (vol, f[0] == "S", content));
+                continue;
+            }
+            if f[0] == "R" {
+                let vol: usize = f[1].parse().expect("vol");
+                let first: u64 = f[3].parse().expect("first");
+                let n: u64 = f[4].parse().expect("sectors");
+                let content: Vec<u64> = (0..VOLUME_SECTORS)
+                    .map(|s| match s >= first && s < first + n {
+                        true => durable.get(&(vol, s)).copied().unwrap_or(0),
+                        false => 0,
+                    })
+                    .collect();
+                copies.insert(f[2].to_string(), (vol, false, content));
                 continue;
             }
             if f[0] == "X" {
@@ -294,7 +330,27 @@ fn crash_recovers_every_flushed_sector() {
                 let got =
                     decode_sector(*vi, s, &buf[s as usize * SECTOR..(s as usize + 1) * SECTOR])
                         .unwrap_or_else(|e| panic!("round {round}: {name}: {e}"));
-                assert_eq!(got, want[s as usize], "round {round}: {name} sector {s}");
+                if got != want[s as usize] {
+                    let bad: Vec<u64> = (0..VOLUME_SECTORS)
+                        .filter(|&t| {
+                            decode_sector(
+                                *vi,
+                                t,
+                                &buf[t as usize * SECTOR..(t as usize + 1) * SECTOR],
+                            )
+                            .ok()
+                                != Some(want[t as usize])
+                        })
+                        .collect();
+                    panic!(
+                        "round {round}: {name} sector {s}: {got:#x}, want {:#x}; {} bad sectors {:?}..{:?}; depth {}",
+                        want[s as usize],
+                        bad.len(),
+                        bad.first(),
+                        bad.last(),
+                        handle.stack_depth()
+                    );
+                }
             }
             copies_checked += 1;
         }

@@ -221,6 +221,8 @@ impl Harness {
             segment_bytes_max: 256 << 10,
             background,
             background_interval_ms: 20,
+            // Most aligned copies go through frames (the default keeps them for >= 1 MiB).
+            frame_copy_blocks_min: 8,
             ..PoolConfig::default()
         };
         let pool = Pool::create(dir.path().join("pool"), config.clone()).expect("create pool");
@@ -358,6 +360,9 @@ impl Harness {
                 let d = self.pool().volume(VOLUMES[*dst]).expect("dst");
                 let report = d.copy_from(&s, src_off, dst_off, len).expect("copy");
                 assert_eq!(report.shared_bytes + report.data_bytes, len);
+                // A copy by frames keeps the source's frozen layer alive until the copy is
+                // made permanent (a cleaner pass): it may hold blocks nothing shows.
+                self.layered |= report.shared_bytes > 0;
                 let bytes = self.model[src][src_off as usize..(src_off + len) as usize].to_vec();
                 self.model.get_mut(dst).expect("model")[dst_off as usize..(dst_off + len) as usize]
                     .copy_from_slice(&bytes);
@@ -418,8 +423,9 @@ impl Harness {
                     self.sharing.remove(slot);
                     self.formats.remove(slot);
                 }
+                // A full clone freezes its source's top layer too (until the cleaner flattens it).
+                self.layered = true;
                 if !*full {
-                    self.layered = true;
                     self.sharing.insert(*src);
                     self.sharing.insert(*slot);
                 }

@@ -1,0 +1,393 @@
+//! Range copies by frames: a copy whose cost does not depend on its length.
+//!
+//! Copying blocks `[sb, sb + n)` of `src` to `[db, db + n)` of `dst` freezes `src`'s top
+//! layer (as a snapshot does; skipped when it holds nothing) and puts, just below `dst`'s top
+//! layer, a **group** of frames: a floor over `[db, db + n)` and, above it, each frame of
+//! `src`'s frozen stack seen through that window, shifted by `db - sb`. The floor keeps
+//! `dst`'s older frames from showing through blocks `src` does not map. Layer reference
+//! counts keep the frozen layers alive; no chunk reference count changes, and nothing is read
+//! or written but the catalog: one transaction, plus a walk over the mapped blocks of the two
+//! ranges to keep `dst`'s mapped-block count exact (a read-only range scan).
+//!
+//! Copies shorter than [`crate::PoolConfig::frame_copy_blocks_min`] blocks (default 1 MiB)
+//! share each block's chunk reference instead: cheaper than a catalog transaction and a deeper
+//! stack when there is little to share.
+//!
+//! A copy next to the previous one, from the same frozen source with the same shift (a
+//! sequential XCOPY in segments), widens that group's windows instead of adding a group.
+//!
+//! The background later makes a volume's windowed frames **permanent** once it has had no
+//! range copy for [`MATERIALIZE_DELAY`] ([`Inner::materialize_frames`]): the frames from the
+//! lowest windowed one up to the top layer become one new private plain layer holding what
+//! they showed, taking a chunk reference for each of its entries; the source layers lose the
+//! group's references (and are deleted if nothing else shows them). That work is proportional
+//! to the mapped blocks, but it runs off the copy's path; it keeps stacks shallow and lets the
+//! source flatten its own layers again.
+
+use crate::commit::{apply_ref_deltas, drop_layer_refs};
+use crate::error::{Error, Result};
+use crate::format::{self, Frame, FLOOR_LAYER};
+use crate::meta;
+use crate::pool::{Inner, VolumeState};
+use crate::store::{ReadTxn, Reader};
+use crate::volume::resolve_stored;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Most frames a range copy lets a stack reach; past it, copies share block references
+/// until the background has made the earlier copies permanent.
+pub(crate) const COPY_FRAMES_MAX: usize = 64;
+/// How long after its last range copy the background makes a volume's copies permanent.
+pub(crate) const MATERIALIZE_DELAY: Duration = Duration::from_secs(5);
+/// Blocks examined per step when counting or materializing (bounds memory).
+const WALK_WINDOW_BLOCKS: u64 = 1 << 20;
+
+impl Inner {
+    /// Makes blocks `[db, db + n)` of `dst` show what blocks `[sb, sb + n)` of `src` show now.
+    /// Returns `false`, having changed nothing, when `dst`'s stack has no room for the frames.
+    pub(crate) fn copy_by_frames(
+        &self,
+        src: &VolumeState,
+        sb: u64,
+        dst: &VolumeState,
+        db: u64,
+        n: u64,
+    ) -> Result<bool> {
+        let same = std::ptr::eq(src, dst);
+        let volumes: Vec<&VolumeState> = if same { vec![src] } else { vec![src, dst] };
+        let done = self.with_quiesced_all(&volumes, |inner, cs, maps| {
+            let txn = inner.db.read()?;
+            let src_stack = maps[0].stack.clone();
+            let src_top = *src_stack.last().expect("a stack has a layer");
+            // What the copy shows: src's frozen frames. A live volume's top is frozen, unless
+            // it holds nothing (then it is left out and stays src's top).
+            let mut new_layers = Vec::new();
+            let (embedded, src_new_stack) = if src.read_only {
+                (src_stack.clone(), None)
+            } else if layer_is_empty(&txn, src_top.layer)? {
+                (src_stack[..src_stack.len() - 1].to_vec(), None)
+            } else {
+                let t = cs.record.next_layer_id;
+                new_layers.push(t);
+                let mut s = src_stack.clone();
+                s.push(Frame::plain(t));
+                (src_stack.clone(), Some(s))
+            };
+            let group = group_for(&embedded, sb, db, n);
+            let dst_old_stack = if same {
+                src_stack.clone()
+            } else {
+                maps[1].stack.clone()
+            };
+            let mut dst_stack = match (&src_new_stack, same) {
+                (Some(s), true) => s.clone(),
+                _ => dst_old_stack.clone(),
+            };
+            let dst_top = dst_stack.pop().expect("a stack has a layer");
+            let widened = widen_group(&mut dst_stack, &group);
+            if !widened {
+                if dst_stack.len() + group.len() + 1 > COPY_FRAMES_MAX {
+                    return Ok(false);
+                }
+                dst_stack.extend(group.iter().copied());
+            }
+            dst_stack.push(dst_top);
+
+            // The destination's mapped-block count: what the window showed, what it shows now.
+            let before = count_data(&txn, &dst_old_stack, db, db + n)?;
+            let after = count_data(&txn, &src_stack, sb, sb + n)?;
+            // Entries of dst's top layer in the window are overwritten by the copy.
+            let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
+            let mut overwritten = Vec::new();
+            for item in txn.range(
+                meta::MAP,
+                format::map_key(dst_top.layer, db)..format::map_key(dst_top.layer, db + n),
+            )? {
+                let (k, id) = item?;
+                overwritten.push(k);
+                if id != format::ZERO_TOMBSTONE {
+                    *deltas.entry(id).or_default() -= 1;
+                }
+            }
+            drop(txn);
+
+            let dst_map_index = if same { 0 } else { 1 };
+            let mapped = (maps[dst_map_index].mapped_blocks + after)
+                .checked_sub(before)
+                .ok_or_else(|| {
+                    Error::Corrupt(format!(
+                        "{}: {before} mapped blocks in the copy's window, {} in the volume",
+                        dst.name, maps[dst_map_index].mapped_blocks
+                    ))
+                })?;
+            let shown: Vec<u64> = if widened {
+                Vec::new()
+            } else {
+                format::referenced_layers(&group).collect()
+            };
+            let mut src_record = None;
+            if let (Some(s), false) = (&src_new_stack, same) {
+                src_record = Some(inner.record_of(src, &maps[0], s.clone()));
+            }
+            let mut dst_record = inner.record_of(dst, &maps[dst_map_index], dst_stack.clone());
+            dst_record.mapped_blocks = mapped;
+            let mut records: Vec<(&str, &format::VolumeRecord)> = vec![(&dst.name, &dst_record)];
+            if let Some(r) = &src_record {
+                records.push((&src.name, r));
+            }
+            let mut orphaned = false;
+            inner.write_catalog_with(cs, &records, &[], &shown, &new_layers, 0, |txn| {
+                for k in &overwritten {
+                    txn.remove(meta::MAP, k);
+                }
+                orphaned = apply_ref_deltas(txn, &deltas)?;
+                Ok(())
+            })?;
+            if orphaned {
+                inner.orphans_pending.store(true, Ordering::Release);
+            }
+            if let (Some(s), false) = (src_new_stack, same) {
+                maps[0].stack = s;
+            }
+            let dst_map = &mut maps[dst_map_index];
+            inner.note_mapped_change(dst, mapped as i64 - dst_map.mapped_blocks as i64);
+            dst_map.mapped_blocks = mapped;
+            dst_map.stack = dst_stack;
+            Ok(true)
+        })?;
+        if done {
+            *dst.frames_copied_at.lock() = Some(Instant::now());
+        }
+        Ok(done)
+    }
+
+    /// Makes `v`'s windowed frames permanent (see the module doc). Returns whether it did.
+    /// Holds the commit lock throughout (commits and catalog operations wait); writes and
+    /// reads of the volume go on, and see the same data through either stack.
+    pub(crate) fn materialize_frames(&self, v: &VolumeState) -> Result<bool> {
+        if v.read_only || v.map.lock().stack.iter().all(Frame::is_plain) {
+            return Ok(false);
+        }
+        let mut cs = self.commit.lock();
+        let (stack, size) = {
+            let m = v.map.lock();
+            if m.deleted {
+                return Ok(false);
+            }
+            (m.stack.clone(), m.size)
+        };
+        let Some(j) = stack.iter().position(|f| !f.is_plain()) else {
+            return Ok(false);
+        };
+        let k = stack.len() - 1;
+        let (lower, upper) = (&stack[..j], &stack[j..k]);
+        let layer = cs.record.next_layer_id;
+        let txn = self.db.read()?;
+        let mut record = match txn.get(meta::VOLUMES, v.name.as_str())? {
+            Some(r) => format::VolumeRecord::decode(&r)?,
+            None => return Ok(false),
+        };
+        if record.layers != stack {
+            return Err(Error::Corrupt(format!(
+                "{}: stored stack differs from the open volume's",
+                v.name
+            )));
+        }
+        // The new layer: what the upper frames show, plus tombstones where they hide data
+        // of the lower frames (a floor, or a tombstone of the source).
+        let mut entries: Vec<(u64, u64)> = Vec::new();
+        let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
+        let end = size.div_ceil(format::BLOCK_BYTES as u64);
+        let mut w0 = 0;
+        while w0 < end {
+            let w1 = end.min(w0 + WALK_WINDOW_BLOCKS);
+            let shown = resolve_stored(&txn, upper, w0, w1)?;
+            let below = if lower.is_empty() {
+                BTreeMap::new()
+            } else {
+                resolve_stored(&txn, lower, w0, w1)?.values()
+            };
+            let lower_has_data = |b: u64| {
+                below
+                    .get(&b)
+                    .is_some_and(|&id| id != format::ZERO_TOMBSTONE)
+            };
+            for (&b, &(id, _)) in &shown.entries {
+                if id != format::ZERO_TOMBSTONE {
+                    entries.push((b, id));
+                    *deltas.entry(id).or_default() += 1;
+                } else if lower_has_data(b) {
+                    entries.push((b, id));
+                }
+            }
+            for (&b, &id) in &below {
+                let closed = shown.closed.iter().any(|&(s, e)| s <= b && b < e);
+                if id != format::ZERO_TOMBSTONE && closed && !shown.entries.contains_key(&b) {
+                    entries.push((b, format::ZERO_TOMBSTONE));
+                }
+            }
+            w0 = w1;
+        }
+        drop(txn);
+        let mut new_stack = lower.to_vec();
+        new_stack.push(Frame::plain(layer));
+        new_stack.push(stack[k]);
+        record.layers = new_stack.clone();
+        let mut pool_rec = cs.record.clone();
+        pool_rec.next_layer_id += 1;
+        let mut wtxn = self.db.write()?;
+        for &(b, id) in &entries {
+            wtxn.insert(meta::MAP, &format::map_key(layer, b), &id);
+        }
+        wtxn.insert(meta::LAYERS, &layer, &1);
+        drop_layer_refs(&mut wtxn, format::referenced_layers(upper), &mut deltas)?;
+        let orphaned = apply_ref_deltas(&mut wtxn, &deltas)?;
+        wtxn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
+        wtxn.insert(meta::POOL, meta::POOL_KEY, pool_rec.encode().as_slice());
+        // Swap under the map lock: a reader that walked the old stack sees the generation
+        // move and walks again (the old frames' layers may be gone after this commit).
+        let mut map = v.map.lock();
+        if map.deleted || map.stack != stack {
+            return Ok(false);
+        }
+        wtxn.commit()?;
+        cs.record = pool_rec;
+        map.stack = new_stack;
+        map.generation += 1;
+        drop(map);
+        if orphaned {
+            self.orphans_pending.store(true, Ordering::Release);
+        }
+        Ok(true)
+    }
+}
+
+/// The frames a copy of `[sb, sb + n)` to `[db, db + n)` puts in the destination's stack,
+/// bottom first: a floor over the window, then each of `embedded` (the source's frozen
+/// frames) clipped to the window and shifted. Frames that miss the window are left out.
+fn group_for(embedded: &[Frame], sb: u64, db: u64, n: u64) -> Vec<Frame> {
+    let mut group = vec![Frame {
+        layer: FLOOR_LAYER,
+        lo: db,
+        hi: db + n,
+        src_lo: 0,
+    }];
+    for f in embedded {
+        let (lo, hi) = (f.lo.max(sb), f.hi.min(sb + n));
+        if lo >= hi {
+            continue;
+        }
+        group.push(Frame {
+            layer: f.layer,
+            lo: lo - sb + db,
+            hi: hi - sb + db,
+            src_lo: if f.is_floor() { 0 } else { f.source_block(lo) },
+        });
+    }
+    group
+}
+
+/// Widens the group of frames at the end of `stack` (the top layer removed) to also cover
+/// `group`, when `group` continues it exactly: the same layers in the same order, each window
+/// starting where the old one ends, and showing the source blocks that follow. Equivalent to
+/// pushing `group`, without deepening the stack.
+fn widen_group(stack: &mut [Frame], group: &[Frame]) -> bool {
+    let m = group.len();
+    if stack.len() < m {
+        return false;
+    }
+    let at = stack.len() - m;
+    let continues = stack[at..].iter().zip(group).all(|(p, g)| {
+        p.layer == g.layer
+            && p.hi == g.lo
+            && !p.is_plain()
+            && (p.is_floor() || p.src_lo + (p.hi - p.lo) == g.src_lo)
+    });
+    if !continues {
+        return false;
+    }
+    for (p, g) in stack[at..].iter_mut().zip(group) {
+        p.hi = g.hi;
+    }
+    true
+}
+
+/// Whether `layer` has no committed entry.
+fn layer_is_empty(txn: &ReadTxn, layer: u64) -> Result<bool> {
+    let mut it = txn.range(
+        meta::MAP,
+        format::map_key(layer, 0)..=format::map_key(layer, u64::MAX),
+    )?;
+    Ok(it.next().transpose()?.is_none())
+}
+
+/// Blocks of `[b0, b1)` that `stack` maps to data (committed state).
+fn count_data(txn: &ReadTxn, stack: &[Frame], b0: u64, b1: u64) -> Result<u64> {
+    let mut count = 0;
+    let mut w0 = b0;
+    while w0 < b1 {
+        let w1 = b1.min(w0 + WALK_WINDOW_BLOCKS);
+        count += resolve_stored(txn, stack, w0, w1)?
+            .entries
+            .values()
+            .filter(|(id, _)| *id != format::ZERO_TOMBSTONE)
+            .count() as u64;
+        w0 = w1;
+    }
+    Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn window(layer: u64, lo: u64, hi: u64, src_lo: u64) -> Frame {
+        Frame {
+            layer,
+            lo,
+            hi,
+            src_lo,
+        }
+    }
+
+    #[test]
+    fn group_clips_and_shifts_the_source_frames() {
+        let embedded = [
+            Frame::plain(3),
+            window(FLOOR_LAYER, 5, 50, 0),
+            window(4, 5, 50, 100),
+        ];
+        let g = group_for(&embedded, 40, 1000, 20);
+        assert_eq!(
+            g,
+            vec![
+                window(FLOOR_LAYER, 1000, 1020, 0),
+                window(3, 1000, 1020, 40),
+                window(FLOOR_LAYER, 1000, 1010, 0),
+                window(4, 1000, 1010, 135),
+            ]
+        );
+        // A source frame outside the copied range is left out.
+        let g = group_for(&embedded, 60, 0, 10);
+        assert_eq!(g, vec![window(FLOOR_LAYER, 0, 10, 0), window(3, 0, 10, 60)]);
+    }
+
+    #[test]
+    fn a_sequential_copy_widens_the_previous_group() {
+        let embedded = [Frame::plain(3)];
+        let mut stack = vec![Frame::plain(1)];
+        stack.extend(group_for(&embedded, 0, 100, 10));
+        assert!(widen_group(&mut stack, &group_for(&embedded, 10, 110, 10)));
+        assert_eq!(stack[1..], [window(0, 100, 120, 0), window(3, 100, 120, 0)]);
+        // Not adjacent, or not the next source blocks: a new group.
+        assert!(!widen_group(&mut stack, &group_for(&embedded, 30, 130, 10)));
+        assert!(!widen_group(&mut stack, &group_for(&embedded, 0, 120, 10)));
+        // Plain frames never widen.
+        let mut plain = vec![Frame::plain(0), Frame::plain(3)];
+        assert!(!widen_group(
+            &mut plain,
+            &[Frame::plain(0), Frame::plain(3)]
+        ));
+    }
+}

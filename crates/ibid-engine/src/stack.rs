@@ -1,0 +1,208 @@
+//! How a stack of frames resolves blocks: the one walk shared by reads, writes, range
+//! copies, space accounting, flattening and verification.
+//!
+//! A volume's map is a stack of [`Frame`]s, bottom first. Block `b` shows the entry of the
+//! topmost frame whose window holds `b` and whose layer has an entry for the block the frame
+//! shows there; a floor whose window holds `b` stops the walk (the block reads as zeros unless
+//! a frame above it had an entry). A map value of [`crate::format::ZERO_TOMBSTONE`] is an
+//! entry too: it hides the frames below.
+
+use crate::format::Frame;
+use std::collections::BTreeMap;
+
+/// What a stack shows in a block range.
+#[derive(Debug, Default)]
+pub(crate) struct Resolved {
+    /// Block → (map value, index in the stack of the frame it came from); tombstones included.
+    pub entries: BTreeMap<u64, (u64, usize)>,
+    /// Ranges closed by floors (sorted, disjoint, clipped to the asked range): blocks there
+    /// without an entry read as zeros whatever the frames below hold.
+    pub closed: Vec<(u64, u64)>,
+}
+
+impl Resolved {
+    /// The map values, tombstones included.
+    pub fn values(&self) -> BTreeMap<u64, u64> {
+        self.entries.iter().map(|(&b, &(v, _))| (b, v)).collect()
+    }
+}
+
+/// A layer scanner: `scan(layer, s0, s1, found)` calls `found(block, value)` for every entry
+/// of `layer` with block in `[s0, s1)`, in any order.
+pub(crate) type Found<'a> = dyn FnMut(u64, u64) + 'a;
+
+/// Resolves `[b0, b1)` through `stack` with `scan` reading the layers (top frame first; the
+/// walk stops once every block is decided).
+pub(crate) fn resolve<E>(
+    stack: &[Frame],
+    b0: u64,
+    b1: u64,
+    mut scan: impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), E>,
+) -> Result<Resolved, E> {
+    let mut r = Resolved::default();
+    if b0 >= b1 {
+        return Ok(r);
+    }
+    for (i, f) in stack.iter().enumerate().rev() {
+        let (lo, hi) = (f.lo.max(b0), f.hi.min(b1));
+        if lo >= hi {
+            continue;
+        }
+        let open = if r.closed.is_empty() {
+            vec![(lo, hi)]
+        } else {
+            subtract(&r.closed, lo, hi)
+        };
+        if f.is_floor() {
+            for (s, e) in open {
+                close(&mut r.closed, s, e);
+            }
+        } else {
+            for (s, e) in open {
+                let entries = &mut r.entries;
+                scan(
+                    f.layer,
+                    f.source_block(s),
+                    f.source_block(e - 1) + 1,
+                    &mut |src, value| {
+                        entries.entry(f.volume_block(src)).or_insert((value, i));
+                    },
+                )?;
+            }
+        }
+        let all_closed = r.closed.first() == Some(&(b0, b1));
+        if all_closed || (r.closed.is_empty() && r.entries.len() as u64 == b1 - b0) {
+            break;
+        }
+    }
+    Ok(r)
+}
+
+/// The parts of `[lo, hi)` outside the sorted, disjoint ranges `closed`.
+fn subtract(closed: &[(u64, u64)], lo: u64, hi: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = lo;
+    for &(s, e) in closed {
+        if e <= at {
+            continue;
+        }
+        if s >= hi {
+            break;
+        }
+        if s > at {
+            out.push((at, s));
+        }
+        at = at.max(e);
+        if at >= hi {
+            break;
+        }
+    }
+    if at < hi {
+        out.push((at, hi));
+    }
+    out
+}
+
+/// Adds `[lo, hi)` to the sorted, disjoint ranges `closed`, merging neighbours.
+fn close(closed: &mut Vec<(u64, u64)>, lo: u64, hi: u64) {
+    closed.push((lo, hi));
+    closed.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(closed.len());
+    for &(s, e) in closed.iter() {
+        match merged.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    *closed = merged;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::FLOOR_LAYER;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    type Layers = HashMap<u64, BTreeMap<u64, u64>>;
+
+    fn scan_mem(
+        layers: &Layers,
+    ) -> impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), ()> + '_ {
+        move |layer, s0, s1, found| {
+            for (&b, &v) in layers.get(&layer).into_iter().flat_map(|m| m.range(s0..s1)) {
+                found(b, v);
+            }
+            Ok(())
+        }
+    }
+
+    /// The definition, block by block.
+    fn naive(stack: &[Frame], layers: &Layers, b: u64) -> Option<u64> {
+        for f in stack.iter().rev() {
+            if b < f.lo || b >= f.hi {
+                continue;
+            }
+            if f.is_floor() {
+                return None;
+            }
+            if let Some(&v) = layers.get(&f.layer).and_then(|m| m.get(&f.source_block(b))) {
+                return Some(v);
+            }
+        }
+        None
+    }
+
+    fn arb_frame() -> impl Strategy<Value = Frame> {
+        (0u64..4, 0u64..40, 1u64..40, 0u64..40, any::<bool>()).prop_map(
+            |(layer, lo, len, src_lo, plain)| {
+                if plain && layer != FLOOR_LAYER {
+                    Frame::plain(layer)
+                } else {
+                    Frame {
+                        layer,
+                        lo,
+                        hi: lo + len,
+                        src_lo,
+                    }
+                }
+            },
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn resolve_matches_the_block_by_block_definition(
+            stack in proptest::collection::vec(arb_frame(), 1..8),
+            entries in proptest::collection::vec((1u64..4, 0u64..80, 0u64..5), 0..120),
+            b0 in 0u64..60,
+            len in 1u64..40,
+        ) {
+            let mut layers: Layers = HashMap::new();
+            for (layer, b, v) in entries {
+                layers.entry(layer).or_default().insert(b, v);
+            }
+            let r = resolve(&stack, b0, b0 + len, scan_mem(&layers)).expect("in memory");
+            for b in b0..b0 + len {
+                let want = naive(&stack, &layers, b);
+                prop_assert_eq!(r.entries.get(&b).map(|e| e.0), want, "block {}", b);
+                if let Some(&(_, i)) = r.entries.get(&b) {
+                    prop_assert!(stack[i].lo <= b && b < stack[i].hi);
+                }
+            }
+            prop_assert!(r.entries.keys().all(|&b| b >= b0 && b < b0 + len));
+        }
+    }
+
+    #[test]
+    fn subtract_and_close_keep_ranges_sorted_and_disjoint() {
+        let mut closed = Vec::new();
+        close(&mut closed, 10, 20);
+        close(&mut closed, 30, 40);
+        close(&mut closed, 20, 25);
+        assert_eq!(closed, vec![(10, 25), (30, 40)]);
+        assert_eq!(subtract(&closed, 0, 50), vec![(0, 10), (25, 30), (40, 50)]);
+        assert_eq!(subtract(&closed, 12, 24), vec![]);
+        assert_eq!(subtract(&closed, 24, 31), vec![(25, 30)]);
+    }
+}

@@ -1,0 +1,267 @@
+//! Range copies by frames (`copy.rs`): a copy of any length is one catalog transaction — no
+//! map entry per block, no reference count change — that reads back exactly like the source
+//! did, survives a crash, keeps the source's old data alive only while the copy needs it, and
+//! becomes an ordinary layer when the cleaner makes it permanent.
+
+mod common;
+
+use common::{quiet_config, random_block};
+use ibid_engine::{Pool, PoolConfig, Volume};
+
+const MIB: u64 = 1 << 20;
+const BLOCK: u64 = 4096;
+
+fn config() -> PoolConfig {
+    quiet_config(1 << 30)
+}
+
+/// `blocks` blocks of unique data, block i from seed `seed + i`.
+fn data(seed: u64, blocks: u64) -> Vec<u8> {
+    (0..blocks).flat_map(|i| random_block(seed + i)).collect()
+}
+
+fn read_all(v: &Volume) -> Vec<u8> {
+    let mut buf = vec![0u8; v.size() as usize];
+    v.read(0, &mut buf).expect("read");
+    buf
+}
+
+fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("{what}: byte {i} (block {}) differs", i as u64 / BLOCK);
+    }
+}
+
+#[test]
+fn a_large_copy_adds_no_map_entry_until_the_cleaner_makes_it_permanent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
+    let src = pool.create_volume("src", 16 * MIB).expect("src");
+    let dst = pool.create_volume("dst", 16 * MIB).expect("dst");
+    let content = data(1, 4096);
+    src.write(0, &content, false).expect("write");
+    pool.sync().expect("sync");
+    let before = pool.verify().expect("verify");
+    let stats_before = pool.stats();
+
+    let report = dst.copy_from(&src, 0, 0, 16 * MIB).expect("copy");
+    assert_eq!((report.shared_bytes, report.data_bytes), (16 * MIB, 0));
+    assert_eq!(dst.mapped_blocks(), 4096);
+    pool.sync().expect("sync");
+    let after = pool.verify().expect("verify");
+    assert_eq!(
+        after.map_entries, before.map_entries,
+        "a copy by frames adds no map entry"
+    );
+    assert_eq!(after.chunks, before.chunks);
+    assert_eq!(pool.stats().physical_bytes, stats_before.physical_bytes);
+    assert_eq!(pool.stats().logical_written_bytes, 2 * 16 * MIB);
+    assert_same(&read_all(&dst), &content, "dst after the copy");
+
+    // The source moves on; the copy keeps what it copied.
+    let newer = data(100_000, 256);
+    src.write(0, &newer, false).expect("overwrite");
+    src.write_zeroes(4 * MIB, MIB, false).expect("zero");
+    assert_same(&read_all(&dst), &content, "dst after the source changed");
+    let mut src_model = content.clone();
+    src_model[..MIB as usize].copy_from_slice(&newer);
+    src_model[4 * MIB as usize..5 * MIB as usize].fill(0);
+    assert_same(&read_all(&src), &src_model, "src");
+
+    // Made permanent: one entry per mapped block of the copy, the same data, and the
+    // source's overwritten blocks still alive (the copy references them).
+    pool.gc_now().expect("gc");
+    assert_eq!(
+        dst.stack_depth(),
+        1,
+        "the copy's frames became a layer, merged into the top"
+    );
+    assert_eq!(
+        src.stack_depth(),
+        1,
+        "the source flattened its frozen layer"
+    );
+    let permanent = pool.verify().expect("verify");
+    assert_eq!(permanent.map_entries, 4096 + (4096 - 256));
+    assert_eq!(permanent.chunks, 4096 + 256);
+    assert_same(&read_all(&dst), &content, "dst made permanent");
+    assert_same(&read_all(&src), &src_model, "src after gc");
+
+    // Deleting the source keeps the copy; deleting both gives everything back.
+    pool.delete_volume("src").expect("delete src");
+    pool.gc_now().expect("gc");
+    assert_same(&read_all(&dst), &content, "dst without its source");
+    assert_eq!(pool.verify().expect("verify").chunks, 4096);
+    pool.delete_volume("dst").expect("delete dst");
+    pool.gc_now().expect("gc");
+    let empty = pool.verify().expect("verify");
+    assert_eq!((empty.chunks, empty.map_entries), (0, 0));
+    assert_eq!(pool.stats().physical_bytes, 0);
+}
+
+#[test]
+fn sequential_segment_copies_widen_one_group_of_frames() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
+    let src = pool.create_volume("src", 32 * MIB).expect("src");
+    let dst = pool.create_volume("dst", 40 * MIB).expect("dst");
+    let content = data(7, 8192);
+    src.write(0, &content, false).expect("write");
+    // Like an XCOPY of the whole disk in 1 MiB segments, 8 MiB further on.
+    for seg in 0..32 {
+        dst.copy_from(&src, seg * MIB, 8 * MIB + seg * MIB, MIB)
+            .expect("copy segment");
+    }
+    assert_eq!(
+        dst.stack_depth(),
+        3,
+        "top layer, one floor and one source frame"
+    );
+    let got = read_all(&dst);
+    assert!(got[..8 * MIB as usize].iter().all(|&b| b == 0));
+    assert_same(&got[8 * MIB as usize..], &content, "dst");
+    assert_eq!(dst.mapped_blocks(), 8192);
+    pool.verify().expect("verify");
+}
+
+#[test]
+fn copies_within_a_volume_overlap_like_memmove_and_nest_through_other_copies() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
+    let a = pool.create_volume("a", 16 * MIB).expect("a");
+    let b = pool.create_volume("b", 16 * MIB).expect("b");
+    let mut model_a = data(11, 4096);
+    // Holes and zeros in the source: a copy must carry them too.
+    model_a[3 * MIB as usize..4 * MIB as usize].fill(0);
+    a.write(0, &model_a, false).expect("write a");
+    let mut model_b = data(50_000, 4096);
+    b.write(0, &model_b, false).expect("write b");
+
+    // Forward and backward overlapping copies within a (with a 512-byte unaligned edge).
+    a.copy_from(&a, 512, 2 * MIB + 512, 6 * MIB)
+        .expect("forward");
+    model_a.copy_within(512..512 + 6 * MIB as usize, 2 * MIB as usize + 512);
+    assert_same(&read_all(&a), &model_a, "a after the forward copy");
+    a.copy_from(&a, 5 * MIB, 4 * MIB, 8 * MIB)
+        .expect("backward");
+    model_a.copy_within(5 * MIB as usize..13 * MIB as usize, 4 * MIB as usize);
+    assert_same(&read_all(&a), &model_a, "a after the backward copy");
+
+    // b gets part of a, shifted; then a writes over it; then a copy of b's window goes back
+    // into a, shifted again: frames of frames.
+    b.copy_from(&a, 2 * MIB, 9 * MIB, 5 * MIB).expect("a to b");
+    model_b[9 * MIB as usize..14 * MIB as usize]
+        .copy_from_slice(&model_a[2 * MIB as usize..7 * MIB as usize]);
+    let patch = data(90_000, 64);
+    a.write(2 * MIB, &patch, false).expect("patch a");
+    model_a[2 * MIB as usize..2 * MIB as usize + patch.len()].copy_from_slice(&patch);
+    b.write_zeroes(10 * MIB, 256 * 1024, false)
+        .expect("zero in b's window");
+    model_b[10 * MIB as usize..10 * MIB as usize + 256 * 1024].fill(0);
+    a.copy_from(&b, 8 * MIB, MIB, 7 * MIB).expect("b to a");
+    model_a[MIB as usize..8 * MIB as usize]
+        .copy_from_slice(&model_b[8 * MIB as usize..15 * MIB as usize]);
+    assert_same(&read_all(&a), &model_a, "a");
+    assert_same(&read_all(&b), &model_b, "b");
+    assert_eq!(
+        a.mapped_blocks(),
+        model_a
+            .chunks(BLOCK as usize)
+            .filter(|c| c.iter().any(|&x| x != 0))
+            .count() as u64
+    );
+    pool.verify().expect("verify");
+    pool.gc_now().expect("gc");
+    assert_same(&read_all(&a), &model_a, "a made permanent");
+    assert_same(&read_all(&b), &model_b, "b made permanent");
+    pool.verify().expect("verify after gc");
+}
+
+#[test]
+fn a_copy_survives_a_crash_and_later_writes_replay_over_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("pool");
+    let pool = Pool::create(&path, config()).expect("create");
+    let src = pool.create_volume("src", 8 * MIB).expect("src");
+    let dst = pool.create_volume("dst", 8 * MIB).expect("dst");
+    let content = data(3, 2048);
+    src.write(0, &content, false).expect("write");
+    dst.copy_from(&src, 0, 0, 8 * MIB).expect("copy");
+    let mut model = content.clone();
+    let patch = data(70_000, 16);
+    dst.write(MIB, &patch, false).expect("write over the copy");
+    model[MIB as usize..MIB as usize + patch.len()].copy_from_slice(&patch);
+    pool.flush().expect("flush");
+    drop((src, dst));
+    pool.simulate_crash();
+    let pool = Pool::open(&path, config()).expect("reopen");
+    assert_same(
+        &read_all(&pool.volume("dst").expect("dst")),
+        &model,
+        "dst after the crash",
+    );
+    assert_same(
+        &read_all(&pool.volume("src").expect("src")),
+        &content,
+        "src after the crash",
+    );
+    pool.verify().expect("verify");
+}
+
+#[test]
+fn scattered_copies_stop_adding_frames_at_the_limit_and_stay_correct() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
+    let src = pool.create_volume("src", 64 * MIB).expect("src");
+    let dst = pool.create_volume("dst", 64 * MIB).expect("dst");
+    let content = data(5, 16384);
+    src.write(0, &content, false).expect("write");
+    let mut model = vec![0u8; 64 * MIB as usize];
+    // Every copy lands 2 MiB further but reads 1 MiB further: no two groups can merge.
+    for i in 0..40u64 {
+        let (s, d) = (
+            (i * MIB) % (63 * MIB),
+            (i * 2 * MIB + 512 * 1024) % (62 * MIB),
+        );
+        dst.copy_from(&src, s, d, MIB).expect("copy");
+        model[d as usize..(d + MIB) as usize]
+            .copy_from_slice(&content[s as usize..(s + MIB) as usize]);
+    }
+    assert!(dst.stack_depth() <= 64, "depth {}", dst.stack_depth());
+    assert_same(&read_all(&dst), &model, "dst");
+    pool.verify().expect("verify");
+    pool.gc_now().expect("gc");
+    assert_eq!(dst.stack_depth(), 1);
+    assert_same(&read_all(&dst), &model, "dst made permanent");
+    pool.verify().expect("verify after gc");
+}
+
+#[test]
+fn a_copy_of_a_layered_source_reads_the_same_before_and_after_it_is_made_permanent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
+    let src = pool.create_volume("src", 8 * MIB).expect("src");
+    let mut model = vec![0u8; 8 * MIB as usize];
+    for (i, at) in [0u64, 3 * MIB, MIB + 4096].into_iter().enumerate() {
+        let d = data(1000 * (i as u64 + 1), 512);
+        src.write(at, &d, false).expect("write");
+        model[at as usize..at as usize + d.len()].copy_from_slice(&d);
+        src.write_zeroes(at + 4 * 4096, 8 * 4096, false)
+            .expect("zero");
+        model[(at + 4 * 4096) as usize..(at + 12 * 4096) as usize].fill(0);
+        pool.create_snapshot("src", &format!("s{i}"))
+            .expect("snapshot");
+    }
+    let dst = pool.create_volume("dst", 8 * MIB).expect("dst");
+    dst.copy_from(&src, 0, 0, 8 * MIB).expect("copy");
+    assert_same(&read_all(&dst), &model, "dst before it is made permanent");
+    for i in 0..3 {
+        pool.delete_snapshot("src", &format!("s{i}"))
+            .expect("delete");
+    }
+    pool.gc_now().expect("gc");
+    assert_same(&read_all(&dst), &model, "dst made permanent");
+    assert_same(&read_all(&src), &model, "src");
+    pool.verify().expect("verify");
+}
