@@ -96,8 +96,7 @@ pub(crate) async fn negotiate(
                 let Some(acceptor) = ctx.tls.clone() else {
                     return Err(ConnError::Protocol("STARTTLS without TLS".into()));
                 };
-                let tls = acceptor.accept(stream).await.map_err(ConnError::Tls)?;
-                stream = Box::new(tls);
+                stream = acceptor.accept(stream).await.map_err(ConnError::Tls)?;
                 // The spec forbids keeping negotiation state from before STARTTLS.
                 state.tls_active = true;
                 state.mode = ReplyMode::Simple;

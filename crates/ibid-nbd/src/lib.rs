@@ -10,7 +10,7 @@
 //! - [`memory`]: an in-memory backend for tests and fuzzing;
 //! - `handshake`: the option-haggling state machine;
 //! - `transmission`: request validation and the concurrent request loop of one connection;
-//! - [`tls`]: rustls configuration for STARTTLS;
+//! - [`tls`]: STARTTLS: X.509 with rustls, pre-shared keys with OpenSSL;
 //! - `server`: the accept loop, connection limits and shutdown.
 #![deny(missing_docs, clippy::unwrap_used)]
 
@@ -33,7 +33,7 @@ pub use server::{
     serve, serve_until, ServeError, ServerConfig, CONNECTIONS_MAX, HANDSHAKE_TIMEOUT,
     SHUTDOWN_GRACE,
 };
-pub use tls::{TlsConfig, TlsConfigError};
+pub use tls::{TlsConfig, TlsConfigError, TlsCredentials};
 pub use transmission::{validate_request, INFLIGHT_BYTES_MAX, INFLIGHT_REQUESTS_MAX};
 
 use tokio::io::{AsyncRead, AsyncWrite};

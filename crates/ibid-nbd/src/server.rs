@@ -56,7 +56,7 @@ pub enum ServeError {
 /// What every connection shares.
 pub(crate) struct Context {
     pub exports: Arc<dyn Exports>,
-    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    pub tls: Option<crate::tls::Acceptor>,
     pub tls_required: bool,
     /// Becomes `true` when the server shuts down.
     pub stop: watch::Receiver<bool>,

@@ -5,7 +5,7 @@ mod common;
 
 use common::{cmd, exports, logs, nbdsh, ok, text, TestServer};
 use ibid_nbd::memory::MemoryExport;
-use ibid_nbd::ServerConfig;
+use ibid_nbd::{ServerConfig, TlsConfig, TlsCredentials};
 
 /// Writes a raw image with data at [1 MiB, 2 MiB) (pattern 0xab) and [5 MiB, 5 MiB + 64 KiB).
 fn source_image(dir: &std::path::Path) -> String {
@@ -394,6 +394,81 @@ fn tls_required_refuses_plain_and_accepts_x509() {
     assert!(out.contains("64 MiB"), "{out}");
 }
 
+/// Proves TLS with pre-shared keys: nbdinfo (libnbd's `tls-psk-file`) and qemu-io / qemu-img
+/// (`tls-creds-psk`) connect with the right key; a plain client, a wrong key and an unknown
+/// identity are refused.
+#[test]
+fn tls_psk_accepts_the_right_key_and_refuses_others() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let key = "5c0ffee5aa11ce0011223344556677889900aabbccddeeff0011223344556677";
+    let other = "6c0ffee5aa11ce0011223344556677889900aabbccddeeff0011223344556677";
+    let write_keys = |sub: &str, line: String| {
+        let d = dir.path().join(sub);
+        std::fs::create_dir_all(&d).expect("mkdir");
+        std::fs::write(d.join("keys.psk"), line + "\n").expect("write keys");
+        d.to_string_lossy().into_owned()
+    };
+    let good = write_keys("good", format!("alice:{key}"));
+    let wrong = write_keys("wrong", format!("alice:{other}"));
+    let stranger = write_keys("stranger", format!("mallory:{key}"));
+    let config = ServerConfig {
+        tls: Some(TlsConfig {
+            credentials: TlsCredentials::Psk {
+                keys_file: format!("{good}/keys.psk").into(),
+            },
+            required: true,
+        }),
+        ..ServerConfig::default()
+    };
+    let srv = TestServer::start(exports(), config);
+    let plain = cmd("nbdinfo", &[&srv.uri("disk")]);
+    assert!(!plain.status.success(), "plain client must be refused");
+
+    let uri = |user: &str, d: &str| {
+        format!(
+            "nbds://{user}@127.0.0.1:{}/disk?tls-psk-file={d}/keys.psk",
+            srv.port
+        )
+    };
+    let info = ok("nbdinfo", &[&uri("alice", &good)]);
+    assert!(info.contains("export-size: 67108864"), "{info}");
+    for (what, u) in [
+        ("wrong key", uri("alice", &wrong)),
+        ("unknown identity", uri("mallory", &stranger)),
+    ] {
+        let out = cmd("nbdinfo", &[&u]);
+        assert!(
+            !out.status.success(),
+            "{what} must be refused:\n{}",
+            text(&out)
+        );
+    }
+
+    let object = format!("tls-creds-psk,id=tls0,endpoint=client,dir={good},username=alice");
+    let opts = format!(
+        "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export=disk,tls-creds=tls0",
+        srv.port
+    );
+    ok(
+        "qemu-io",
+        &[
+            "--object",
+            &object,
+            "--image-opts",
+            "-c",
+            "write -P 0x62 0 64k",
+            "-c",
+            "read -P 0x62 0 64k",
+            &opts,
+        ],
+    );
+    let out = ok(
+        "qemu-img",
+        &["info", "--object", &object, "--image-opts", &opts],
+    );
+    assert!(out.contains("64 MiB"), "{out}");
+}
+
 /// Undoes the nbdfuse mount, loop device and filesystem mount, whatever step failed.
 struct FsGuard {
     fuse_dir: String,
@@ -501,7 +576,9 @@ fn nbdfuse_loop_ext4_fstrim_returns_space() {
 fn tls_client_certificates_required_when_configured() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut tls = common::tls_material(dir.path());
-    tls.client_ca_pem = Some(dir.path().join("ca-cert.pem"));
+    if let TlsCredentials::X509 { client_ca_pem, .. } = &mut tls.credentials {
+        *client_ca_pem = Some(dir.path().join("ca-cert.pem"));
+    }
     let config = ServerConfig {
         tls: Some(tls),
         ..ServerConfig::default()

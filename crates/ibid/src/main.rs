@@ -66,8 +66,13 @@ struct ServeArgs {
     /// Private key (PEM) for NBD TLS.
     #[arg(long, requires = "nbd_tls_cert")]
     nbd_tls_key: Option<PathBuf>,
+    /// Pre-shared keys for NBD TLS instead of a certificate: a file of `identity:hexkey`
+    /// lines (as `psktool` writes it; qemu's `tls-creds-psk` and libnbd's `tls-psk-file` read
+    /// the same format).
+    #[arg(long, conflicts_with = "nbd_tls_cert")]
+    nbd_tls_psk: Option<PathBuf>,
     /// Refuse NBD clients that do not use TLS.
-    #[arg(long, requires = "nbd_tls_cert")]
+    #[arg(long)]
     nbd_tls_required: bool,
 }
 
@@ -125,17 +130,27 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         no_default_volume,
         nbd_tls_cert,
         nbd_tls_key,
+        nbd_tls_psk,
         nbd_tls_required,
     } = args;
-    let nbd_tls = match (nbd_tls_cert, nbd_tls_key) {
-        (Some(cert), Some(key)) => Some(ibid_nbd::TlsConfig {
+    let credentials = match (nbd_tls_cert, nbd_tls_key, nbd_tls_psk) {
+        (Some(cert), Some(key), None) => Some(ibid_nbd::TlsCredentials::X509 {
             cert_chain_pem: cert,
             private_key_pem: key,
             client_ca_pem: None,
-            required: nbd_tls_required,
         }),
+        (None, None, Some(keys_file)) => Some(ibid_nbd::TlsCredentials::Psk { keys_file }),
         _ => None,
     };
+    if nbd_tls_required && credentials.is_none() {
+        return Err(anyhow::anyhow!(
+            "--nbd-tls-required needs --nbd-tls-cert and --nbd-tls-key, or --nbd-tls-psk"
+        ));
+    }
+    let nbd_tls = credentials.map(|credentials| ibid_nbd::TlsConfig {
+        credentials,
+        required: nbd_tls_required,
+    });
     serve::run(serve::ServeOptions {
         data,
         capacity,

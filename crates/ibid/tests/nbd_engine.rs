@@ -340,3 +340,31 @@ fn snapshots_are_read_only_exports() {
         &["-f", "raw", "-r", "-c", "read -P 0xa5 0 1M", &snap],
     );
 }
+
+/// `ibid serve --nbd-tls-psk FILE --nbd-tls-required`: a plain client is refused, nbdinfo with
+/// the key file gets in (TLS-PSK, as qemu's `tls-creds-psk` and libnbd's `tls-psk-file` use).
+#[test]
+fn serve_with_tls_psk_required() {
+    let work = tempfile::tempdir().expect("tempdir");
+    let keys = work.path().join("keys.psk");
+    std::fs::write(
+        &keys,
+        "admin:00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n",
+    )
+    .expect("write keys");
+    let keys = keys.to_str().expect("utf8");
+    let srv = Server::start(&[
+        "--volume",
+        "t=8M",
+        "--no-default-volume",
+        "--nbd-tls-psk",
+        keys,
+        "--nbd-tls-required",
+    ]);
+    let plain = output("nbdinfo", &[&srv.url("t")]);
+    assert!(!plain.status.success(), "a plain client must be refused");
+    let tls_url =
+        srv.url("t").replacen("nbd://", "nbds://admin@", 1) + &format!("?tls-psk-file={keys}");
+    let info = run("nbdinfo", &[&tls_url]);
+    assert!(info.contains("export-size: 8388608"), "{info}");
+}

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use ibid_nbd::memory::{MemoryExport, MemoryExports};
-use ibid_nbd::{Exports, ServerConfig, TlsConfig};
+use ibid_nbd::{Exports, ServerConfig, TlsConfig, TlsCredentials};
 use std::io::Write;
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex, Once};
@@ -205,9 +205,11 @@ pub fn tls_material(dir: &std::path::Path) -> TlsConfig {
     write("client/client-cert.pem", client_cert.pem());
     write("client/client-key.pem", client_key.serialize_pem());
     TlsConfig {
-        cert_chain_pem: dir.join("server-cert.pem"),
-        private_key_pem: dir.join("server-key.pem"),
-        client_ca_pem: None,
+        credentials: TlsCredentials::X509 {
+            cert_chain_pem: dir.join("server-cert.pem"),
+            private_key_pem: dir.join("server-key.pem"),
+            client_ca_pem: None,
+        },
         required: true,
     }
 }
