@@ -21,6 +21,9 @@ need script bsdutils
 need curl curl
 /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need_pkgs+=(python3-matplotlib)
 [ -f /usr/include/iscsi/iscsi.h ] || need_pkgs+=(libiscsi-dev)
+# Build dependencies: openssl-sys (NBD TLS-PSK) finds libssl through pkg-config.
+[ -f /usr/include/openssl/ssl.h ] || need_pkgs+=(libssl-dev)
+need pkg-config pkg-config
 qemu_ok=1
 command -v qemu-img >/dev/null 2>&1 || qemu_ok=0
 ls /usr/lib/x86_64-linux-gnu/qemu/block-iscsi.so >/dev/null 2>&1 || qemu_ok=0
