@@ -1489,6 +1489,15 @@ def main():
                     help="also report the experiments of an earlier run that this one did not run")
     args = ap.parse_args()
 
+    if not args.report_only:
+        # Fail now, not half an hour in: every experiment checks results with libnbd's Python
+        # binding, which Debian installs for /usr/bin/python3 only (not for a pyenv python3).
+        try:
+            import nbd  # noqa: F401
+        except ImportError:
+            sys.exit(f"seeds.py: {sys.executable} cannot import nbd (python3-libnbd); "
+                     "run it as bench/seeds/seeds.py, i.e. with /usr/bin/python3")
+
     if args.report_only:
         path = os.path.join(args.report_only, "results.json")
         if not os.path.exists(path):  # an interrupted run
