@@ -202,18 +202,18 @@ impl Inner {
         let mut w0 = 0;
         while w0 < end {
             let w1 = end.min(w0 + WALK_WINDOW_BLOCKS);
-            let shown = resolve_stored(&txn, upper, w0, w1)?;
+            let shown = resolve_stored(&txn, upper, w0, w1, false)?;
             let below = if lower.is_empty() {
                 BTreeMap::new()
             } else {
-                resolve_stored(&txn, lower, w0, w1)?.values()
+                resolve_stored(&txn, lower, w0, w1, false)?.entries
             };
             let lower_has_data = |b: u64| {
                 below
                     .get(&b)
                     .is_some_and(|&id| id != format::ZERO_TOMBSTONE)
             };
-            for (&b, &(id, _)) in &shown.entries {
+            for (&b, &id) in &shown.entries {
                 if id != format::ZERO_TOMBSTONE {
                     entries.push((b, id));
                     *deltas.entry(id).or_default() += 1;
@@ -328,10 +328,10 @@ fn count_data(txn: &ReadTxn, stack: &[Frame], b0: u64, b1: u64) -> Result<u64> {
     let mut w0 = b0;
     while w0 < b1 {
         let w1 = b1.min(w0 + WALK_WINDOW_BLOCKS);
-        count += resolve_stored(txn, stack, w0, w1)?
+        count += resolve_stored(txn, stack, w0, w1, false)?
             .entries
             .values()
-            .filter(|(id, _)| *id != format::ZERO_TOMBSTONE)
+            .filter(|&&id| id != format::ZERO_TOMBSTONE)
             .count() as u64;
         w0 = w1;
     }

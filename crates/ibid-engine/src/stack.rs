@@ -13,18 +13,13 @@ use std::collections::BTreeMap;
 /// What a stack shows in a block range.
 #[derive(Debug, Default)]
 pub(crate) struct Resolved {
-    /// Block → (map value, index in the stack of the frame it came from); tombstones included.
-    pub entries: BTreeMap<u64, (u64, usize)>,
+    /// Block → map value; tombstones included.
+    pub entries: BTreeMap<u64, u64>,
+    /// Block → index in the stack of the frame its entry came from (only when asked for).
+    pub frames: BTreeMap<u64, usize>,
     /// Ranges closed by floors (sorted, disjoint, clipped to the asked range): blocks there
     /// without an entry read as zeros whatever the frames below hold.
     pub closed: Vec<(u64, u64)>,
-}
-
-impl Resolved {
-    /// The map values, tombstones included.
-    pub fn values(&self) -> BTreeMap<u64, u64> {
-        self.entries.iter().map(|(&b, &(v, _))| (b, v)).collect()
-    }
 }
 
 /// A layer scanner: `scan(layer, s0, s1, found)` calls `found(block, value)` for every entry
@@ -32,11 +27,13 @@ impl Resolved {
 pub(crate) type Found<'a> = dyn FnMut(u64, u64) + 'a;
 
 /// Resolves `[b0, b1)` through `stack` with `scan` reading the layers (top frame first; the
-/// walk stops once every block is decided).
+/// walk stops once every block is decided). With `track_frames`, also records which frame
+/// each entry came from.
 pub(crate) fn resolve<E>(
     stack: &[Frame],
     b0: u64,
     b1: u64,
+    track_frames: bool,
     mut scan: impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), E>,
 ) -> Result<Resolved, E> {
     let mut r = Resolved::default();
@@ -59,13 +56,19 @@ pub(crate) fn resolve<E>(
             }
         } else {
             for (s, e) in open {
-                let entries = &mut r.entries;
+                let (entries, frames) = (&mut r.entries, &mut r.frames);
                 scan(
                     f.layer,
                     f.source_block(s),
                     f.source_block(e - 1) + 1,
                     &mut |src, value| {
-                        entries.entry(f.volume_block(src)).or_insert((value, i));
+                        let b = f.volume_block(src);
+                        if let std::collections::btree_map::Entry::Vacant(v) = entries.entry(b) {
+                            v.insert(value);
+                            if track_frames {
+                                frames.insert(b, i);
+                            }
+                        }
                     },
                 )?;
             }
@@ -182,13 +185,14 @@ mod tests {
             for (layer, b, v) in entries {
                 layers.entry(layer).or_default().insert(b, v);
             }
-            let r = resolve(&stack, b0, b0 + len, scan_mem(&layers)).expect("in memory");
+            let r = resolve(&stack, b0, b0 + len, true, scan_mem(&layers)).expect("in memory");
             for b in b0..b0 + len {
                 let want = naive(&stack, &layers, b);
-                prop_assert_eq!(r.entries.get(&b).map(|e| e.0), want, "block {}", b);
-                if let Some(&(_, i)) = r.entries.get(&b) {
+                prop_assert_eq!(r.entries.get(&b).copied(), want, "block {}", b);
+                if let Some(&i) = r.frames.get(&b) {
                     prop_assert!(stack[i].lo <= b && b < stack[i].hi);
                 }
+                prop_assert_eq!(r.frames.contains_key(&b), want.is_some());
             }
             prop_assert!(r.entries.keys().all(|&b| b >= b0 && b < b0 + len));
         }

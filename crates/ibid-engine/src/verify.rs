@@ -98,7 +98,7 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             }
             Ok::<(), Error>(())
         };
-        let mut visible = crate::stack::resolve(&r.layers, 0, u64::MAX, scan)?.values();
+        let mut visible = crate::stack::resolve(&r.layers, 0, u64::MAX, false, scan)?.entries;
         visible.retain(|_, id| *id != format::ZERO_TOMBSTONE);
         if let Some((&b, _)) = visible.iter().next_back() {
             if (b + 1) * BLOCK_BYTES as u64 > r.size.next_multiple_of(BLOCK_BYTES as u64) {

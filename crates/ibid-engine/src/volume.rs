@@ -346,14 +346,14 @@ impl Volume {
             let refs = txn.get(meta::LAYERS, &f.layer)?.unwrap_or(0);
             shared_frame.push(refs > 1 || in_this_stack > 1);
         }
-        let visible = resolve_stored(&txn, &stack, 0, size.div_ceil(BLOCK))?;
+        let visible = resolve_stored(&txn, &stack, 0, size.div_ceil(BLOCK), true)?;
         // Chunk -> (blocks of this volume showing it, whether any is in a shared layer).
         let mut counts: HashMap<u64, (u64, bool)> = HashMap::new();
-        for (id, frame) in visible.entries.into_values() {
+        for (b, id) in visible.entries {
             if id == format::ZERO_TOMBSTONE {
                 continue;
             }
-            let shared = shared_frame[frame];
+            let shared = shared_frame[visible.frames[&b]];
             let c = counts.entry(id).or_default();
             c.0 += 1;
             c.1 |= shared;
@@ -684,7 +684,7 @@ impl Inner {
         }
         // One read transaction for the whole walk.
         let txn = self.db.read()?;
-        Ok(resolve_stored(&txn, stack, b0, b1)?.values())
+        Ok(resolve_stored(&txn, stack, b0, b1, false)?.entries)
     }
 
     /// Committed map entries of `layer` in `[b0, b1)`.
@@ -1169,8 +1169,14 @@ type LockedMap<'a> = (
 );
 
 /// Resolves `[b0, b1)` through `stack` from the committed map in `txn`.
-pub(crate) fn resolve_stored(txn: &ReadTxn, stack: &[Frame], b0: u64, b1: u64) -> Result<Resolved> {
-    crate::stack::resolve(stack, b0, b1, |layer, s0, s1, found| {
+pub(crate) fn resolve_stored(
+    txn: &ReadTxn,
+    stack: &[Frame],
+    b0: u64,
+    b1: u64,
+    track_frames: bool,
+) -> Result<Resolved> {
+    crate::stack::resolve(stack, b0, b1, track_frames, |layer, s0, s1, found| {
         scan_layer(txn, layer, s0, s1, found)
     })
 }
