@@ -324,6 +324,23 @@ fn layer_is_empty(txn: &ReadTxn, layer: u64) -> Result<bool> {
 
 /// Blocks of `[b0, b1)` that `stack` maps to data (committed state).
 fn count_data(txn: &ReadTxn, stack: &[Frame], b0: u64, b1: u64) -> Result<u64> {
+    let shown: Vec<&Frame> = stack.iter().filter(|f| f.lo < b1 && b0 < f.hi).collect();
+    if let [f] = shown[..] {
+        if !f.is_floor() {
+            // One frame (a volume without snapshots or copies): count its entries in place.
+            let (lo, hi) = (f.lo.max(b0), f.hi.min(b1));
+            let mut count = 0;
+            for item in txn.range(
+                meta::MAP,
+                format::map_key(f.layer, f.source_block(lo))
+                    ..format::map_key(f.layer, f.source_block(hi - 1) + 1),
+            )? {
+                let (_, id) = item?;
+                count += u64::from(id != format::ZERO_TOMBSTONE);
+            }
+            return Ok(count);
+        }
+    }
     let mut count = 0;
     let mut w0 = b0;
     while w0 < b1 {
