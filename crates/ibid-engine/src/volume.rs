@@ -687,16 +687,6 @@ impl Inner {
         Ok(resolve_stored(&txn, stack, b0, b1, false)?.entries)
     }
 
-    /// Committed map entries of `layer` in `[b0, b1)`.
-    fn stored_range(&self, layer: u64, b0: u64, b1: u64) -> Result<BTreeMap<u64, u64>> {
-        let txn = self.db.read()?;
-        let mut out = BTreeMap::new();
-        scan_layer(&txn, layer, b0, b1, &mut |b, v| {
-            out.insert(b, v);
-        })?;
-        Ok(out)
-    }
-
     /// Reads block `b` (mapped to `chunk` when looked up) into `out`, retrying if the chunk was
     /// concurrently overwritten and freed, or moved by the cleaner.
     pub(crate) fn read_block(
@@ -1148,8 +1138,18 @@ impl Inner {
                 (m.generation, m.stack.clone())
             };
             let (top, lower) = stack.split_last().expect("a stack has a layer");
-            let stored_top = self.stored_range(top.layer, b0, b1)?;
-            let stored_lower = self.stored_stack(lower, b0, b1)?;
+            // One read transaction for the top layer and the frames below it.
+            let txn = self.db.read()?;
+            let mut stored_top = BTreeMap::new();
+            scan_layer(&txn, top.layer, b0, b1, &mut |b, v| {
+                stored_top.insert(b, v);
+            })?;
+            let stored_lower = if lower.is_empty() {
+                BTreeMap::new()
+            } else {
+                resolve_stored(&txn, lower, b0, b1, false)?.entries
+            };
+            drop(txn);
             let map = v.map.lock();
             if map.deleted {
                 return Err(Error::NotFound(v.name.clone()));
