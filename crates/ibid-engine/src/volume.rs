@@ -567,11 +567,7 @@ impl Inner {
         db: u64,
         n: u64,
     ) -> Result<()> {
-        let mut windows: Vec<u64> = (0..n).step_by(COPY_WINDOW_BLOCKS as usize).collect();
-        if std::ptr::eq(src, dst) && db > sb {
-            windows.reverse();
-        }
-        for w in windows {
+        for w in memmove_steps(src, sb, dst, db, n, COPY_WINDOW_BLOCKS) {
             let len = COPY_WINDOW_BLOCKS.min(n - w);
             self.share_blocks(src, sb + w, dst, db + w, len)?;
         }
@@ -612,15 +608,8 @@ impl Inner {
         dst_off: u64,
         len: u64,
     ) -> Result<()> {
-        let steps: Vec<u64> = (0..len).step_by(COPY_DATA_STEP_BYTES as usize).collect();
-        let forward = std::ptr::eq(src, dst) && dst_off > src_off;
-        let order: Box<dyn Iterator<Item = &u64>> = if forward {
-            Box::new(steps.iter().rev())
-        } else {
-            Box::new(steps.iter())
-        };
         let mut buf = Vec::new();
-        for &at in order {
+        for at in memmove_steps(src, src_off, dst, dst_off, len, COPY_DATA_STEP_BYTES) {
             let n = COPY_DATA_STEP_BYTES.min(len - at);
             buf.resize(n as usize, 0);
             self.read_range(src, src_off + at, &mut buf)?;
@@ -1197,6 +1186,24 @@ fn scan_layer(txn: &ReadTxn, layer: u64, b0: u64, b1: u64, found: &mut Found<'_>
         found(format::decode_map_key(&k).1, v);
     }
     Ok(())
+}
+
+/// Offsets `0, step, 2 * step, ...` below `len`, in the order a copy of `len` units from
+/// `src_at` to `dst_at` must take them: from the far end when copying forward within one
+/// volume, so no step overwrites source units a later step still reads.
+fn memmove_steps(
+    src: &VolumeState,
+    src_at: u64,
+    dst: &VolumeState,
+    dst_at: u64,
+    len: u64,
+    step: u64,
+) -> Vec<u64> {
+    let mut steps: Vec<u64> = (0..len).step_by(step as usize).collect();
+    if std::ptr::eq(src, dst) && dst_at > src_at {
+        steps.reverse();
+    }
+    steps
 }
 
 /// A committed map value as an entry.

@@ -369,29 +369,12 @@ fn tls_required_refuses_plain_and_accepts_x509() {
     assert!(info.contains("export-size: 67108864"), "{info}");
     assert!(info.contains("tls: true") || info.contains("TLS"), "{info}");
 
-    let object = format!("tls-creds-x509,id=tls0,endpoint=client,dir={d}");
-    let opts = format!(
-        "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export=disk,tls-creds=tls0",
-        srv.port
+    qemu_over_tls(
+        srv.port,
+        &format!("tls-creds-x509,id=tls0,endpoint=client,dir={d}"),
+        0x61,
+        true,
     );
-    ok(
-        "qemu-io",
-        &[
-            "--object",
-            &object,
-            "--image-opts",
-            "-c",
-            "write -P 0x61 0 64k",
-            "-c",
-            "read -P 0x61 0 64k",
-            &opts,
-        ],
-    );
-    let out = ok(
-        "qemu-img",
-        &["info", "--object", &object, "--image-opts", &opts],
-    );
-    assert!(out.contains("64 MiB"), "{out}");
 }
 
 /// Proves TLS with pre-shared keys: nbdinfo (libnbd's `tls-psk-file`) and qemu-io / qemu-img
@@ -444,29 +427,44 @@ fn tls_psk_accepts_the_right_key_and_refuses_others() {
         );
     }
 
-    let object = format!("tls-creds-psk,id=tls0,endpoint=client,dir={good},username=alice");
+    qemu_over_tls(
+        srv.port,
+        &format!("tls-creds-psk,id=tls0,endpoint=client,dir={good},username=alice"),
+        0x62,
+        true,
+    );
+}
+
+/// Writes and reads back a pattern with qemu-io over TLS (`object`: a `tls-creds-*` object
+/// with id `tls0`), and with `info` checks qemu-img sees the 64 MiB export too.
+fn qemu_over_tls(port: u16, object: &str, pattern: u8, info: bool) {
     let opts = format!(
-        "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export=disk,tls-creds=tls0",
-        srv.port
+        "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={port},export=disk,tls-creds=tls0"
+    );
+    let (write, read) = (
+        format!("write -P {pattern:#x} 0 64k"),
+        format!("read -P {pattern:#x} 0 64k"),
     );
     ok(
         "qemu-io",
         &[
             "--object",
-            &object,
+            object,
             "--image-opts",
             "-c",
-            "write -P 0x62 0 64k",
+            &write,
             "-c",
-            "read -P 0x62 0 64k",
+            &read,
             &opts,
         ],
     );
-    let out = ok(
-        "qemu-img",
-        &["info", "--object", &object, "--image-opts", &opts],
-    );
-    assert!(out.contains("64 MiB"), "{out}");
+    if info {
+        let out = ok(
+            "qemu-img",
+            &["info", "--object", object, "--image-opts", &opts],
+        );
+        assert!(out.contains("64 MiB"), "{out}");
+    }
 }
 
 /// Undoes the nbdfuse mount, loop device and filesystem mount, whatever step failed.
@@ -599,22 +597,10 @@ fn tls_client_certificates_required_when_configured() {
     );
     let info = ok("nbdinfo", &[&with_cert]);
     assert!(info.contains("export-size: 67108864"), "{info}");
-    let object = format!("tls-creds-x509,id=tls0,endpoint=client,dir={d}/client");
-    let opts = format!(
-        "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={},export=disk,tls-creds=tls0",
-        srv.port
-    );
-    ok(
-        "qemu-io",
-        &[
-            "--object",
-            &object,
-            "--image-opts",
-            "-c",
-            "write -P 0x62 0 4k",
-            "-c",
-            "read -P 0x62 0 4k",
-            &opts,
-        ],
+    qemu_over_tls(
+        srv.port,
+        &format!("tls-creds-x509,id=tls0,endpoint=client,dir={d}/client"),
+        0x62,
+        false,
     );
 }
