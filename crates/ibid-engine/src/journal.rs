@@ -408,55 +408,37 @@ impl Journal {
                 _ => 0,
             })
             .sum();
-        let inline = new_bytes <= INLINE_BYTES_MAX;
-        if !inline {
-            inner.segments.sync()?;
-        }
-        // Encode per batch; a batch goes to file `stamp % 2`.
-        let mut out: Vec<(u64, Vec<u8>)> = Vec::new();
-        for (stamp, change) in live {
-            if out.last().is_none_or(|(s, _)| s != stamp) {
-                out.push((*stamp, Vec::new()));
+        // Small flushes carry the new chunks' data inline (one fdatasync); a flush whose
+        // inline data would overfill the journal file syncs the segments and journals only
+        // the metadata instead; only when even that does not fit must the caller commit (which
+        // may mean waiting for a long commit already running).
+        let mut out = None;
+        for inline in [new_bytes <= INLINE_BYTES_MAX, false] {
+            if !inline {
+                inner.segments.sync()?;
             }
-            let buf = &mut out.last_mut().expect("pushed").1;
-            match change {
-                Change::Chunk { id, rec, .. } if inline => {
-                    let Some(record) =
-                        inner
-                            .segments
-                            .read_record(rec.segment, rec.offset, rec.stored_len)?
-                    else {
-                        // Its segment is gone: only a commit of its batch can have freed it.
-                        if inner.committed.load(Ordering::Acquire) >= *stamp {
-                            continue;
-                        }
-                        return Err(Error::Corrupt(format!(
-                            "journal: chunk {id:#x} of an uncommitted batch has no segment"
-                        )));
-                    };
-                    let payload = record[RECORD_HEADER_BYTES..].to_vec();
-                    let with_data = Change::Chunk {
-                        id: *id,
-                        rec: *rec,
-                        inline: Some(payload),
-                    };
-                    encode(buf, *stamp, &with_data);
-                }
-                other => encode(buf, *stamp, other),
+            let batches = encode_batches(inner, &live, inline)?;
+            let fits = batches.iter().all(|(stamp, bytes)| {
+                let f = &files.files[(*stamp % 2) as usize];
+                let start = if f.stamp == *stamp { f.len } else { 0 };
+                start + bytes.len() as u64 <= JOURNAL_FILE_BYTES_MAX
+            });
+            if fits {
+                out = Some(batches);
+                break;
+            }
+            if !inline {
+                break;
             }
         }
-        for (stamp, bytes) in &out {
-            let f = &files.files[(*stamp % 2) as usize];
-            let start = if f.stamp == *stamp { f.len } else { 0 };
-            if start + bytes.len() as u64 > JOURNAL_FILE_BYTES_MAX {
-                // Put the changes back; the caller's commit will cover them.
-                let mut p = self.pending.lock();
-                let newer = std::mem::take(&mut p.changes);
-                p.changes = changes;
-                p.changes.extend(newer);
-                return Ok(FlushOutcome::NeedsCommit);
-            }
-        }
+        let Some(out) = out else {
+            // Put the changes back; the caller's commit will cover them.
+            let mut p = self.pending.lock();
+            let newer = std::mem::take(&mut p.changes);
+            p.changes = changes;
+            p.changes.extend(newer);
+            return Ok(FlushOutcome::NeedsCommit);
+        };
         let mut touched = [false; 2];
         for (stamp, bytes) in &out {
             let i = (*stamp % 2) as usize;
@@ -481,6 +463,48 @@ impl Journal {
         files.durable = upto;
         Ok(FlushOutcome::Done)
     }
+}
+
+/// Encodes `live` changes per batch (a batch goes to file `stamp % 2`), with the new chunks'
+/// data read back from their segments when `inline`.
+fn encode_batches(
+    inner: &Inner,
+    live: &[&(u64, Change)],
+    inline: bool,
+) -> Result<Vec<(u64, Vec<u8>)>> {
+    let mut out: Vec<(u64, Vec<u8>)> = Vec::new();
+    for (stamp, change) in live.iter().copied() {
+        if out.last().is_none_or(|(s, _)| s != stamp) {
+            out.push((*stamp, Vec::new()));
+        }
+        let buf = &mut out.last_mut().expect("pushed").1;
+        match change {
+            Change::Chunk { id, rec, .. } if inline => {
+                let Some(record) =
+                    inner
+                        .segments
+                        .read_record(rec.segment, rec.offset, rec.stored_len)?
+                else {
+                    // Its segment is gone: only a commit of its batch can have freed it.
+                    if inner.committed.load(Ordering::Acquire) >= *stamp {
+                        continue;
+                    }
+                    return Err(Error::Corrupt(format!(
+                        "journal: chunk {id:#x} of an uncommitted batch has no segment"
+                    )));
+                };
+                let payload = record[RECORD_HEADER_BYTES..].to_vec();
+                let with_data = Change::Chunk {
+                    id: *id,
+                    rec: *rec,
+                    inline: Some(payload),
+                };
+                encode(buf, *stamp, &with_data);
+            }
+            other => encode(buf, *stamp, other),
+        }
+    }
+    Ok(out)
 }
 
 impl Inner {

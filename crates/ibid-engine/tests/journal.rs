@@ -199,6 +199,35 @@ fn a_large_flush_syncs_segments_and_journals_only_metadata() {
 }
 
 #[test]
+fn a_journal_too_full_for_inline_data_takes_metadata_instead_of_a_commit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("pool");
+    let (pool, mut model) = setup(&path);
+    let vol = pool.volume("j-thin").expect("volume");
+    pool.wait_filters_built();
+    let before = pool.stats().committed_batches;
+    // Flushes of 1020 KiB of new data each (inline: 1.02 MiB a flush with the records'
+    // headers). 125 of them fill most of a journal file (128 MiB); the next one's inline data
+    // does not fit, so it and the next few sync the segments and journal only metadata
+    // (26 KiB each: about 12 fit in what is left). None of them may need a commit (which
+    // could wait behind a long one); before, the 126th did.
+    for i in 0..130u64 {
+        let d: Vec<u8> = (0..255).flat_map(|b| random_block(i * 1000 + b)).collect();
+        vol.write(0, &d, false).expect("write");
+        model.write("j-thin", 0, &d);
+        vol.flush().expect("flush");
+    }
+    assert_eq!(
+        pool.stats().committed_batches,
+        before,
+        "a full journal file must not force a commit while metadata still fits"
+    );
+    drop(vol);
+    let pool = crash_and_check(pool, &path, &model);
+    assert_eq!(pool.stats().unique_chunks, 255);
+}
+
+#[test]
 fn flushes_between_commits_accumulate_and_unflushed_writes_may_be_lost() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("pool");
