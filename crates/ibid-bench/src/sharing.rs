@@ -510,6 +510,14 @@ fn deep_reads(s: &Settings, t: &mut Table, pool: &Pool, full: &Volume) -> Result
     );
     let deep = pool.volume(&format!("gen{}", s.depth))?;
     pool.sync()?;
+    // What lets a deep lookup skip the layers that cannot hold a block (layer_filter.rs).
+    t.add(
+        "layer filters RAM, whole pool (all volumes' layers)",
+        "KiB",
+        1,
+        Goal::None,
+        pool.stats().layer_filter_ram_bytes as f64 / 1024.0,
+    );
     read_pair(s, t, &orig, &deep, "intermediates exist")?;
 
     for g in 1..s.depth {

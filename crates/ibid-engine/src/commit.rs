@@ -17,6 +17,7 @@
 
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, Frame, SegmentUsage, VolumeRecord};
+use crate::layer_filter::LayerFilters;
 use crate::meta;
 use crate::pool::{
     CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
@@ -210,9 +211,27 @@ impl Inner {
         // Sorted by chunk id: the reference count updates then read the chunks table in key
         // order (ids grow with time, so a copy of data written together reads neighbours).
         let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
-
+        for shard in &batch.shards {
+            for (&id, &d) in &shard.deltas {
+                *deltas.entry(id).or_default() += d;
+            }
+        }
+        // Chunks no longer referenced, to free unless something still or again refers to them.
+        let mut zero_refs = Vec::new();
         for shard in &batch.shards {
             for (&id, rec) in &shard.new_chunks {
+                // A new chunk is stored with its references already counted (no second
+                // lookup and rewrite of its record below).
+                let refs = deltas.remove(&id).unwrap_or(0);
+                if refs < 0 {
+                    return Err(Error::Corrupt(format!(
+                        "new chunk {id:#x} would have {refs} references"
+                    )));
+                }
+                let rec = ChunkRecord {
+                    refs: refs as u64,
+                    ..*rec
+                };
                 txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
                 txn.insert(meta::FPS, &rec.fingerprint, &id);
                 let u = segment_usage(&mut usage, txn, rec.segment)?;
@@ -220,13 +239,14 @@ impl Inner {
                 u.live_bytes += rec.physical_bytes();
                 record.live_chunks += 1;
                 record.live_bytes += rec.physical_bytes();
-            }
-            for (&id, &d) in &shard.deltas {
-                *deltas.entry(id).or_default() += d;
+                if refs == 0 {
+                    // Written, then overwritten before this commit: never referenced.
+                    zero_refs.push(id);
+                }
             }
         }
         for (v, overlay, vrec) in &batch.volumes {
-            write_overlay(txn, &vrec.layers, overlay);
+            write_overlay(txn, &self.layer_filters, &vrec.layers, overlay);
             txn.insert(meta::VOLUMES, v.name.as_str(), vrec.encode().as_slice());
         }
         for v in &batch.deleted {
@@ -234,8 +254,13 @@ impl Inner {
                 let m = v.map.lock();
                 (m.stack.clone(), m.committing.clone())
             };
-            write_overlay(txn, &stack, &committing);
-            drop_layer_refs(txn, format::referenced_layers(&stack), &mut deltas)?;
+            write_overlay(txn, &self.layer_filters, &stack, &committing);
+            drop_layer_refs(
+                txn,
+                &self.layer_filters,
+                format::referenced_layers(&stack),
+                &mut deltas,
+            )?;
             if v.read_only {
                 txn.remove(meta::SNAPSHOTS, v.name.as_str());
             } else {
@@ -243,16 +268,8 @@ impl Inner {
             }
         }
         let mut applied = Applied::default();
-        let mut zero_refs = Vec::new();
         for (&id, &d) in &deltas {
             if d == 0 {
-                // Unchanged, unless it is new in this batch: then it was never referenced.
-                if batch.shards[crate::volume::shard_of_chunk(id)]
-                    .new_chunks
-                    .contains_key(&id)
-                {
-                    zero_refs.push(id);
-                }
                 continue;
             }
             if add_refs_stored(txn, id, d)? == 0 {
@@ -316,9 +333,11 @@ impl Inner {
 }
 
 /// Drops one stack reference from each of `layers` (once per occurrence); a layer no stack
-/// includes any more has its entries removed, their chunk references dropped into `deltas`.
+/// includes any more has its entries removed, their chunk references dropped into `deltas`,
+/// and its filter forgotten.
 pub(crate) fn drop_layer_refs(
     txn: &mut WriteTxn,
+    filters: &LayerFilters,
     layers: impl IntoIterator<Item = u64>,
     deltas: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
@@ -329,6 +348,7 @@ pub(crate) fn drop_layer_refs(
             continue;
         }
         txn.remove(meta::LAYERS, &layer);
+        filters.forget(layer);
         let (lo, hi) = (format::map_key(layer, 0), format::map_key(layer, u64::MAX));
         for (_, chunk) in txn.extract_range_if(meta::MAP, lo..=hi, |_, _| true)? {
             if chunk != format::ZERO_TOMBSTONE {
@@ -371,14 +391,23 @@ fn add_refs_stored(txn: &mut WriteTxn, id: u64, delta: i64) -> Result<u64> {
 }
 
 /// Writes a volume's changes into its top layer. A zeroed block is removed when nothing lies
-/// below the top layer, and becomes a tombstone hiding the lower layers otherwise.
-fn write_overlay(txn: &mut WriteTxn, stack: &[Frame], overlay: &Overlay) {
+/// below the top layer, and becomes a tombstone hiding the lower layers otherwise. The
+/// layer's filter learns the new entries first (they become visible when `txn` commits).
+fn write_overlay(txn: &mut WriteTxn, filters: &LayerFilters, stack: &[Frame], overlay: &Overlay) {
     let top = stack.last().expect("a stack has a layer").layer;
+    let tombstones = stack.len() > 1;
+    filters.grow(
+        top,
+        overlay
+            .iter()
+            .filter(|(_, e)| tombstones || **e != Entry::Zero)
+            .map(|(&b, _)| b),
+    );
     for (&block, entry) in overlay {
         let key = format::map_key(top, block);
         match entry {
             Entry::Data(id) => txn.insert(meta::MAP, &key, id),
-            Entry::Zero if stack.len() > 1 => txn.insert(meta::MAP, &key, &format::ZERO_TOMBSTONE),
+            Entry::Zero if tombstones => txn.insert(meta::MAP, &key, &format::ZERO_TOMBSTONE),
             Entry::Zero => txn.remove(meta::MAP, &key),
         }
     }

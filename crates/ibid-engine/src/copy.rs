@@ -6,8 +6,9 @@
 //! `src`'s frozen stack seen through that window, shifted by `db - sb`. The floor keeps
 //! `dst`'s older frames from showing through blocks `src` does not map. Layer reference
 //! counts keep the frozen layers alive; no chunk reference count changes, and nothing is read
-//! or written but the catalog: one transaction, plus a walk over the mapped blocks of the two
-//! ranges to keep `dst`'s mapped-block count exact (a read-only range scan).
+//! or written but the catalog: one transaction (two when `src`'s top must be frozen), plus a
+//! walk over the mapped blocks of the two ranges to keep `dst`'s mapped-block count exact (a
+//! read-only range scan; the source's, usually the long one, runs with writers going on).
 //!
 //! Copies shorter than [`crate::PoolConfig::frame_copy_blocks_min`] blocks (default 1 MiB)
 //! share each block's chunk reference instead: cheaper than a catalog transaction and a deeper
@@ -27,8 +28,9 @@
 use crate::commit::{apply_ref_deltas, drop_layer_refs};
 use crate::error::{Error, Result};
 use crate::format::{self, Frame, FLOOR_LAYER};
+use crate::layer_filter::LayerFilters;
 use crate::meta;
-use crate::pool::{Inner, VolumeState};
+use crate::pool::{CommitState, Inner, VolumeMap, VolumeState};
 use crate::store::{ReadTxn, Reader};
 use crate::volume::resolve_stored;
 use std::collections::BTreeMap;
@@ -45,7 +47,13 @@ const WALK_WINDOW_BLOCKS: u64 = 1 << 20;
 
 impl Inner {
     /// Makes blocks `[db, db + n)` of `dst` show what blocks `[sb, sb + n)` of `src` show now.
-    /// Returns `false`, having changed nothing, when `dst`'s stack has no room for the frames.
+    /// Returns `false`, having changed only `src`'s stack (its top frozen), when `dst`'s stack
+    /// has no room for the frames.
+    ///
+    /// Holds the commit lock throughout, so the frozen layers the copy shows cannot change
+    /// (flattening and making copies permanent need that lock). Writers are stopped (the
+    /// gate held exclusively) only while `src`'s top is frozen and while the catalog
+    /// transaction is prepared — not while the source range's mapped blocks are counted.
     pub(crate) fn copy_by_frames(
         &self,
         src: &VolumeState,
@@ -56,34 +64,26 @@ impl Inner {
     ) -> Result<bool> {
         let same = std::ptr::eq(src, dst);
         let volumes: Vec<&VolumeState> = if same { vec![src] } else { vec![src, dst] };
-        let done = self.with_quiesced_all(&volumes, |inner, cs, maps| {
+        let mut cs = self.commit.lock();
+        // 1. What the copy shows: src's frozen frames, as of now.
+        let embedded = self.with_quiesced_in(&mut cs, &[src], |inner, cs, maps| {
+            inner.freeze_for_copy(cs, src, &mut maps[0])
+        })?;
+        // 2. Blocks the copy maps (a range scan of frozen layers; writers go on).
+        let after = count_data(&self.db.read()?, &self.layer_filters, &embedded, sb, sb + n)?;
+        // 3. The catalog transaction.
+        let done = self.with_quiesced_in(&mut cs, &volumes, |inner, cs, maps| {
+            if !maps[0].stack.starts_with(&embedded) {
+                return Err(Error::Corrupt(format!(
+                    "{}: frozen frames changed under a range copy holding the commit lock",
+                    src.name
+                )));
+            }
             let txn = inner.db.read()?;
-            let src_stack = maps[0].stack.clone();
-            let src_top = *src_stack.last().expect("a stack has a layer");
-            // What the copy shows: src's frozen frames. A live volume's top is frozen, unless
-            // it holds nothing (then it is left out and stays src's top).
-            let mut new_layers = Vec::new();
-            let (embedded, src_new_stack) = if src.read_only {
-                (src_stack.clone(), None)
-            } else if layer_is_empty(&txn, src_top.layer)? {
-                (src_stack[..src_stack.len() - 1].to_vec(), None)
-            } else {
-                let t = cs.record.next_layer_id;
-                new_layers.push(t);
-                let mut s = src_stack.clone();
-                s.push(Frame::plain(t));
-                (src_stack.clone(), Some(s))
-            };
             let group = group_for(&embedded, sb, db, n);
-            let dst_old_stack = if same {
-                src_stack.clone()
-            } else {
-                maps[1].stack.clone()
-            };
-            let mut dst_stack = match (&src_new_stack, same) {
-                (Some(s), true) => s.clone(),
-                _ => dst_old_stack.clone(),
-            };
+            let dst_map_index = if same { 0 } else { 1 };
+            let dst_old_stack = maps[dst_map_index].stack.clone();
+            let mut dst_stack = dst_old_stack.clone();
             let dst_top = dst_stack.pop().expect("a stack has a layer");
             let widened = widen_group(&mut dst_stack, &group);
             if !widened {
@@ -95,8 +95,7 @@ impl Inner {
             dst_stack.push(dst_top);
 
             // The destination's mapped-block count: what the window showed, what it shows now.
-            let before = count_data(&txn, &dst_old_stack, db, db + n)?;
-            let after = count_data(&txn, &src_stack, sb, sb + n)?;
+            let before = count_data(&txn, &inner.layer_filters, &dst_old_stack, db, db + n)?;
             // Entries of dst's top layer in the window are overwritten by the copy.
             let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
             let mut overwritten = Vec::new();
@@ -112,7 +111,6 @@ impl Inner {
             }
             drop(txn);
 
-            let dst_map_index = if same { 0 } else { 1 };
             let mapped = (maps[dst_map_index].mapped_blocks + after)
                 .checked_sub(before)
                 .ok_or_else(|| {
@@ -126,29 +124,26 @@ impl Inner {
             } else {
                 format::referenced_layers(&group).collect()
             };
-            let mut src_record = None;
-            if let (Some(s), false) = (&src_new_stack, same) {
-                src_record = Some(inner.record_of(src, &maps[0], s.clone()));
-            }
             let mut dst_record = inner.record_of(dst, &maps[dst_map_index], dst_stack.clone());
             dst_record.mapped_blocks = mapped;
-            let mut records: Vec<(&str, &format::VolumeRecord)> = vec![(&dst.name, &dst_record)];
-            if let Some(r) = &src_record {
-                records.push((&src.name, r));
-            }
             let mut orphaned = false;
-            inner.write_catalog_with(cs, &records, &[], &shown, &new_layers, 0, |txn| {
-                for k in &overwritten {
-                    txn.remove(meta::MAP, k);
-                }
-                orphaned = apply_ref_deltas(txn, &deltas)?;
-                Ok(())
-            })?;
+            inner.write_catalog_with(
+                cs,
+                &[(&dst.name, &dst_record)],
+                &[],
+                &shown,
+                &[],
+                0,
+                |txn| {
+                    for k in &overwritten {
+                        txn.remove(meta::MAP, k);
+                    }
+                    orphaned = apply_ref_deltas(txn, &deltas)?;
+                    Ok(())
+                },
+            )?;
             if orphaned {
                 inner.orphans_pending.store(true, Ordering::Release);
-            }
-            if let (Some(s), false) = (src_new_stack, same) {
-                maps[0].stack = s;
             }
             let dst_map = &mut maps[dst_map_index];
             inner.note_mapped_change(dst, mapped as i64 - dst_map.mapped_blocks as i64);
@@ -156,10 +151,40 @@ impl Inner {
             dst_map.stack = dst_stack;
             Ok(true)
         })?;
+        drop(cs);
         if done {
             *dst.frames_copied_at.lock() = Some(Instant::now());
         }
         Ok(done)
+    }
+
+    /// The frames a copy from `src` shows: its stack with the top frozen, as a snapshot
+    /// freezes it (a new empty top takes its place, durably); a top with no entry is left
+    /// out and stays `src`'s top; a snapshot's stack is already frozen.
+    fn freeze_for_copy(
+        &self,
+        cs: &mut CommitState,
+        src: &VolumeState,
+        map: &mut VolumeMap,
+    ) -> Result<Vec<Frame>> {
+        let stack = map.stack.clone();
+        if src.read_only {
+            return Ok(stack);
+        }
+        let top = stack.last().expect("a stack has a layer").layer;
+        if !self.layer_filters.may_hold(top, 0, u64::MAX) || layer_is_empty(&self.db.read()?, top)?
+        {
+            return Ok(stack[..stack.len() - 1].to_vec());
+        }
+        let new_top = cs.record.next_layer_id;
+        let mut frozen = stack.clone();
+        frozen.push(Frame::plain(new_top));
+        let record = self.record_of(src, map, frozen.clone());
+        self.write_catalog_with(cs, &[(&src.name, &record)], &[], &[], &[new_top], 0, |_| {
+            Ok(())
+        })?;
+        map.stack = frozen;
+        Ok(stack)
     }
 
     /// Makes `v`'s windowed frames permanent (see the module doc). Returns whether it did.
@@ -202,11 +227,11 @@ impl Inner {
         let mut w0 = 0;
         while w0 < end {
             let w1 = end.min(w0 + WALK_WINDOW_BLOCKS);
-            let shown = resolve_stored(&txn, upper, w0, w1, false)?;
+            let shown = resolve_stored(&txn, &self.layer_filters, upper, w0, w1, false)?;
             let below = if lower.is_empty() {
                 BTreeMap::new()
             } else {
-                resolve_stored(&txn, lower, w0, w1, false)?.entries
+                resolve_stored(&txn, &self.layer_filters, lower, w0, w1, false)?.entries
             };
             let lower_has_data = |b: u64| {
                 below
@@ -241,7 +266,12 @@ impl Inner {
             wtxn.insert(meta::MAP, &format::map_key(layer, b), &id);
         }
         wtxn.insert(meta::LAYERS, &layer, &1);
-        drop_layer_refs(&mut wtxn, format::referenced_layers(upper), &mut deltas)?;
+        drop_layer_refs(
+            &mut wtxn,
+            &self.layer_filters,
+            format::referenced_layers(upper),
+            &mut deltas,
+        )?;
         let orphaned = apply_ref_deltas(&mut wtxn, &deltas)?;
         wtxn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
         wtxn.insert(meta::POOL, meta::POOL_KEY, pool_rec.encode().as_slice());
@@ -251,6 +281,9 @@ impl Inner {
         if map.deleted || map.stack != stack {
             return Ok(false);
         }
+        self.layer_filters.fresh(layer);
+        self.layer_filters
+            .grow(layer, entries.iter().map(|&(b, _)| b));
         wtxn.commit()?;
         cs.record = pool_rec;
         map.stack = new_stack;
@@ -323,7 +356,13 @@ fn layer_is_empty(txn: &ReadTxn, layer: u64) -> Result<bool> {
 }
 
 /// Blocks of `[b0, b1)` that `stack` maps to data (committed state).
-fn count_data(txn: &ReadTxn, stack: &[Frame], b0: u64, b1: u64) -> Result<u64> {
+fn count_data(
+    txn: &ReadTxn,
+    filters: &LayerFilters,
+    stack: &[Frame],
+    b0: u64,
+    b1: u64,
+) -> Result<u64> {
     let shown: Vec<&Frame> = stack.iter().filter(|f| f.lo < b1 && b0 < f.hi).collect();
     if let [f] = shown[..] {
         if !f.is_floor() {
@@ -345,7 +384,7 @@ fn count_data(txn: &ReadTxn, stack: &[Frame], b0: u64, b1: u64) -> Result<u64> {
     let mut w0 = b0;
     while w0 < b1 {
         let w1 = b1.min(w0 + WALK_WINDOW_BLOCKS);
-        count += resolve_stored(txn, stack, w0, w1, false)?
+        count += resolve_stored(txn, filters, stack, w0, w1, false)?
             .entries
             .values()
             .filter(|&&id| id != format::ZERO_TOMBSTONE)

@@ -26,6 +26,7 @@ pub mod format;
 pub mod fuzzing;
 mod gc;
 mod journal;
+mod layer_filter;
 pub mod meta;
 mod pool;
 mod provision;

@@ -7,6 +7,7 @@ use crate::format::{
     ChunkRecord, Frame, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
 };
 use crate::journal::{Change, Journal};
+use crate::layer_filter::LayerFilters;
 use crate::meta::{self, PoolRecord};
 use crate::segment::Segments;
 use crate::stats::PoolStats;
@@ -109,6 +110,8 @@ pub(crate) struct Inner {
     /// Changes since the last commit, flushed to the journal files (see `journal.rs`).
     pub journal: Journal,
     pub bloom: RwLock<Arc<Bloom>>,
+    /// Which blocks each layer holds entries for (see `layer_filter.rs`).
+    pub layer_filters: LayerFilters,
     pub shards: Vec<Mutex<ShardState>>,
     pub volumes: RwLock<BTreeMap<String, Arc<VolumeState>>>,
     /// Snapshots by `VOLUME@SNAPSHOT`.
@@ -147,7 +150,8 @@ pub(crate) struct Inner {
     /// Bumped whenever a volume is created or deleted.
     pub catalog_generation: AtomicU64,
     pub background: Mutex<Option<Background>>,
-    pub bloom_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Rebuilds the dedup filter and the layer filters after the pool opens.
+    pub rebuild_thread: Mutex<Option<JoinHandle<()>>>,
     pub wake: (Mutex<bool>, Condvar),
     _lock_file: File,
 }
@@ -370,6 +374,14 @@ impl Pool {
             .filter(|r| r.format.is_thick())
             .map(|r| crate::provision::unwritten_blocks(r.size, r.mapped_blocks))
             .sum();
+        // Registered before anything can commit (see layer_filter.rs); built in the background.
+        let layer_filters = LayerFilters::pending(
+            volumes
+                .values()
+                .chain(snapshots.values())
+                .flat_map(|r| crate::format::referenced_layers(&r.layers))
+                .collect::<HashSet<u64>>(),
+        );
         let vols = volumes
             .into_iter()
             .map(|(name, r)| {
@@ -384,6 +396,7 @@ impl Pool {
             segments,
             journal,
             bloom: RwLock::new(Arc::new(bloom)),
+            layer_filters,
             shards,
             volumes: RwLock::new(vols),
             snapshots: RwLock::new(
@@ -414,7 +427,7 @@ impl Pool {
             catalog_generation: AtomicU64::new(0),
             orphans_pending: AtomicBool::new(true),
             background: Mutex::new(None),
-            bloom_thread: Mutex::new(None),
+            rebuild_thread: Mutex::new(None),
             wake: (Mutex::new(false), Condvar::new()),
             commit: Mutex::new(CommitState { record }),
             gc_lock: Mutex::new(()),
@@ -439,7 +452,7 @@ impl Pool {
             );
         }
         pool.inner.check_soft_threshold();
-        pool.rebuild_bloom_async();
+        pool.rebuild_filters_async();
         if pool.inner.config.background {
             pool.start_background();
         }
@@ -458,20 +471,24 @@ impl Pool {
         *self.inner.background.lock() = Some(Background { stop, thread });
     }
 
-    /// Rebuilds the dedup filter from the index in a background thread. Until it is done,
-    /// every dedup lookup consults the index (dedup stays exact; it is only slower).
-    fn rebuild_bloom_async(&self) {
+    /// Rebuilds the dedup filter from the index, then the layer filters from the map, in a
+    /// background thread. Until each is done, every lookup it would spare consults the
+    /// store (results stay exact; they are only slower).
+    fn rebuild_filters_async(&self) {
         let weak = Arc::downgrade(&self.inner);
         let thread = std::thread::Builder::new()
-            .name("ibid-bloom".into())
+            .name("ibid-filters".into())
             .spawn(move || {
                 if let Some(inner) = weak.upgrade() {
                     if let Err(e) = inner.rebuild_bloom() {
                         tracing::warn!("rebuild dedup filter: {e}");
                     }
+                    if let Err(e) = inner.build_layer_filters() {
+                        tracing::warn!("build layer filters: {e}");
+                    }
                 }
             });
-        *self.inner.bloom_thread.lock() = thread.ok();
+        *self.inner.rebuild_thread.lock() = thread.ok();
     }
 
     /// Stops the background thread, commits everything, and closes the pool.
@@ -486,7 +503,7 @@ impl Pool {
             self.inner.wake_background();
             let _ = bg.thread.join();
         }
-        if let Some(t) = self.inner.bloom_thread.lock().take() {
+        if let Some(t) = self.inner.rebuild_thread.lock().take() {
             let _ = t.join();
         }
     }
@@ -555,6 +572,7 @@ impl Pool {
         let mut txn = self.inner.db.write()?;
         txn.insert(meta::VOLUMES, name, record.encode().as_slice());
         txn.insert(meta::LAYERS, &record.top(), &1);
+        self.inner.layer_filters.fresh(record.top());
         txn.insert(meta::POOL, meta::POOL_KEY, pool_rec.encode().as_slice());
         txn.commit()?;
         cs.record = pool_rec;
@@ -701,6 +719,22 @@ impl Pool {
     /// first for figures that include every write acknowledged so far).
     pub fn stats(&self) -> PoolStats {
         self.inner.stats()
+    }
+
+    /// Layers whose filters are still being built after the pool opened (for tests).
+    #[doc(hidden)]
+    pub fn layer_filters_pending(&self) -> usize {
+        self.inner.layer_filters.pending_layers().len()
+    }
+
+    /// Waits until the filters rebuilt in the background after the pool opened (dedup and
+    /// layer filters) are ready; that rebuild commits once (for tests and benchmarks).
+    #[doc(hidden)]
+    pub fn wait_filters_built(&self) {
+        let thread = self.inner.rebuild_thread.lock().take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
     }
 
     /// Runs the cleaner until no segment qualifies (for tests and benchmarks; the background
@@ -852,6 +886,28 @@ impl Inner {
         Ok(())
     }
 
+    /// Completes the layer filters registered at open from one scan of each layer's entries
+    /// (see `layer_filter.rs`).
+    pub(crate) fn build_layer_filters(&self) -> Result<()> {
+        let pending = self.layer_filters.pending_layers();
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let txn = self.db.read()?;
+        for layer in pending {
+            let mut blocks = roaring::RoaringTreemap::new();
+            let (lo, hi) = (
+                crate::format::map_key(layer, 0),
+                crate::format::map_key(layer, u64::MAX),
+            );
+            for item in txn.range(meta::MAP, lo..=hi)? {
+                blocks.insert(crate::format::decode_map_key(&item?.0).1);
+            }
+            self.layer_filters.complete(layer, blocks);
+        }
+        Ok(())
+    }
+
     pub(crate) fn stats(&self) -> PoolStats {
         let capacity = self.capacity_bytes.load(Ordering::Relaxed);
         let physical = self.live_bytes.load(Ordering::Relaxed);
@@ -900,6 +956,7 @@ impl Inner {
                 logical as f64 / physical as f64
             },
             dedup_filter_ram_bytes: self.bloom().ram_bytes(),
+            layer_filter_ram_bytes: self.layer_filters.ram_bytes(),
             committed_batches: self.committed.load(Ordering::Relaxed),
         }
     }

@@ -76,19 +76,21 @@ impl Inner {
         v: &VolumeState,
         f: impl FnOnce(&Inner, &mut CommitState, &mut VolumeMap) -> Result<T>,
     ) -> Result<T> {
-        self.with_quiesced_all(&[v], |inner, cs, maps| f(inner, cs, &mut maps[0]))
+        let mut cs = self.commit.lock();
+        self.with_quiesced_in(&mut cs, &[v], |inner, cs, maps| f(inner, cs, &mut maps[0]))
     }
 
-    /// Runs `f` with the commit lock, the gate held exclusively and the maps of `volumes`
-    /// (distinct) locked in that order, at a moment when none has an uncommitted change.
-    pub(crate) fn with_quiesced_all<T>(
+    /// Runs `f` with the gate held exclusively and the maps of `volumes` (distinct) locked in
+    /// that order, at a moment when none has an uncommitted change. The caller holds the
+    /// commit lock (`cs` is its content).
+    pub(crate) fn with_quiesced_in<T>(
         &self,
+        cs: &mut CommitState,
         volumes: &[&VolumeState],
         f: impl FnOnce(&Inner, &mut CommitState, &mut [MutexGuard<'_, VolumeMap>]) -> Result<T>,
     ) -> Result<T> {
-        let mut cs = self.commit.lock();
         for _ in 0..QUIESCE_TRIES_MAX {
-            self.commit_with(&mut cs)?;
+            self.commit_with(cs)?;
             let _gate = self.gate.write();
             // Only holders of the commit lock take two maps at once, so the order is free.
             let mut maps = Vec::with_capacity(volumes.len());
@@ -103,7 +105,7 @@ impl Inner {
                 .iter()
                 .all(|m| m.dirty.is_empty() && m.committing.is_empty())
             {
-                let out = f(self, &mut cs, &mut maps)?;
+                let out = f(self, cs, &mut maps)?;
                 for m in maps.iter_mut() {
                     m.generation += 1;
                 }
@@ -190,6 +192,7 @@ impl Inner {
             }
             for &l in new_layers {
                 txn.insert(meta::LAYERS, &l, &1);
+                self.layer_filters.fresh(l);
             }
             txn.insert(meta::POOL, meta::POOL_KEY, pool_rec.encode().as_slice());
         }
@@ -475,6 +478,10 @@ impl Inner {
                     .into_iter()
                     .map(|(k, val)| (format::decode_map_key(&k).1, val))
                     .collect();
+                // The upper layer's filter learns every moved block before the commit.
+                inner
+                    .layer_filters
+                    .grow(upper, moved.iter().map(|&(block, _)| block));
                 for (block, id) in moved {
                     let key = format::map_key(upper, block);
                     if txn.get(meta::MAP, &key)?.is_some() {

@@ -43,6 +43,8 @@ pub struct PoolStats {
     pub data_reduction_ratio: f64,
     /// RAM of the dedup filter.
     pub dedup_filter_ram_bytes: u64,
+    /// RAM of the filters that say which blocks each map layer holds.
+    pub layer_filter_ram_bytes: u64,
     /// Metadata commits so far.
     pub committed_batches: u64,
 }

@@ -81,6 +81,11 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         if !layer_refs.contains_key(&layer) {
             return Err(fail(format!("map entry for unreferenced layer {layer}")));
         }
+        if inner.layer_filters.excludes(layer, block) {
+            return Err(fail(format!(
+                "layer {layer} has an entry for block {block} its filter lacks"
+            )));
+        }
         if v != format::ZERO_TOMBSTONE {
             *refs.entry(v).or_default() += 1;
         }

@@ -7,6 +7,7 @@
 use crate::error::{Error, Result};
 use crate::format::{self, Frame, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
 use crate::journal::Change;
+use crate::layer_filter::LayerFilters;
 use crate::meta;
 use crate::pool::{
     Entry, Inner, ShardState, VolumeMap, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
@@ -346,7 +347,14 @@ impl Volume {
             let refs = txn.get(meta::LAYERS, &f.layer)?.unwrap_or(0);
             shared_frame.push(refs > 1 || in_this_stack > 1);
         }
-        let visible = resolve_stored(&txn, &stack, 0, size.div_ceil(BLOCK), true)?;
+        let visible = resolve_stored(
+            &txn,
+            &self.inner.layer_filters,
+            &stack,
+            0,
+            size.div_ceil(BLOCK),
+            true,
+        )?;
         // Chunk -> (blocks of this volume showing it, whether any is in a shared layer).
         let mut counts: HashMap<u64, (u64, bool)> = HashMap::new();
         for (b, id) in visible.entries {
@@ -673,7 +681,7 @@ impl Inner {
         }
         // One read transaction for the whole walk.
         let txn = self.db.read()?;
-        Ok(resolve_stored(&txn, stack, b0, b1, false)?.entries)
+        Ok(resolve_stored(&txn, &self.layer_filters, stack, b0, b1, false)?.entries)
     }
 
     /// Reads block `b` (mapped to `chunk` when looked up) into `out`, retrying if the chunk was
@@ -1130,13 +1138,13 @@ impl Inner {
             // One read transaction for the top layer and the frames below it.
             let txn = self.db.read()?;
             let mut stored_top = BTreeMap::new();
-            scan_layer(&txn, top.layer, b0, b1, &mut |b, v| {
+            scan_layer(&txn, &self.layer_filters, top.layer, b0, b1, &mut |b, v| {
                 stored_top.insert(b, v);
             })?;
             let stored_lower = if lower.is_empty() {
                 BTreeMap::new()
             } else {
-                resolve_stored(&txn, lower, b0, b1, false)?.entries
+                resolve_stored(&txn, &self.layer_filters, lower, b0, b1, false)?.entries
             };
             drop(txn);
             let map = v.map.lock();
@@ -1157,21 +1165,34 @@ type LockedMap<'a> = (
     BTreeMap<u64, u64>,
 );
 
-/// Resolves `[b0, b1)` through `stack` from the committed map in `txn`.
+/// Resolves `[b0, b1)` through `stack` from the committed map in `txn`, skipping the layers
+/// whose filters rule the range out.
 pub(crate) fn resolve_stored(
     txn: &ReadTxn,
+    filters: &LayerFilters,
     stack: &[Frame],
     b0: u64,
     b1: u64,
     track_frames: bool,
 ) -> Result<Resolved> {
     crate::stack::resolve(stack, b0, b1, track_frames, |layer, s0, s1, found| {
-        scan_layer(txn, layer, s0, s1, found)
+        scan_layer(txn, filters, layer, s0, s1, found)
     })
 }
 
-/// Calls `found(block, value)` for `layer`'s committed entries in `[b0, b1)`.
-fn scan_layer(txn: &ReadTxn, layer: u64, b0: u64, b1: u64, found: &mut Found<'_>) -> Result<()> {
+/// Calls `found(block, value)` for `layer`'s committed entries in `[b0, b1)`; reads nothing
+/// when the layer's filter rules the range out.
+fn scan_layer(
+    txn: &ReadTxn,
+    filters: &LayerFilters,
+    layer: u64,
+    b0: u64,
+    b1: u64,
+    found: &mut Found<'_>,
+) -> Result<()> {
+    if !filters.may_hold(layer, b0, b1) {
+        return Ok(());
+    }
     if b1 == b0 + 1 {
         if let Some(v) = txn.get(meta::MAP, &format::map_key(layer, b0))? {
             found(b0, v);

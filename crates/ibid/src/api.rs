@@ -248,6 +248,7 @@ fn stats_json(s: &PoolStats) -> Value {
         "garbage_bytes": s.garbage_bytes,
         "data_reduction_ratio": s.data_reduction_ratio,
         "dedup_filter_ram_bytes": s.dedup_filter_ram_bytes,
+        "layer_filter_ram_bytes": s.layer_filter_ram_bytes,
     })
 }
 

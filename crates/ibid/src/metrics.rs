@@ -271,7 +271,7 @@ impl Metrics {
 /// Pool-wide figures from [`Pool::stats`].
 fn render_pool(page: &mut Page, pool: &Pool) {
     let s = pool.stats();
-    let gauges: [(&str, &str, f64); 18] = [
+    let gauges: [(&str, &str, f64); 19] = [
         (
             "capacity_bytes",
             "Capacity of the pool.",
@@ -353,6 +353,11 @@ fn render_pool(page: &mut Page, pool: &Pool) {
             "dedup_filter_ram_bytes",
             "RAM of the dedup filter.",
             s.dedup_filter_ram_bytes as f64,
+        ),
+        (
+            "layer_filter_ram_bytes",
+            "RAM of the filters that let lookups skip map layers.",
+            s.layer_filter_ram_bytes as f64,
         ),
     ];
     for (name, help, value) in gauges {

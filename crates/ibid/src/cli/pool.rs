@@ -100,6 +100,7 @@ fn print_stats(s: &Value) -> Result<(), CliError> {
             format!("{:.2}:1", s["data_reduction_ratio"].as_f64().unwrap_or(1.0)),
         ),
         ("dedup filter RAM", bytes("dedup_filter_ram_bytes")?),
+        ("layer filter RAM", bytes("layer_filter_ram_bytes")?),
     ]);
     Ok(())
 }
