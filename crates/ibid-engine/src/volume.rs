@@ -1141,7 +1141,9 @@ impl Inner {
             scan_layer(&txn, &self.layer_filters, top.layer, b0, b1, &mut |b, v| {
                 stored_top.insert(b, v);
             })?;
-            let stored_lower = if lower.is_empty() {
+            // The layers below matter only where the top has no entry (an overwrite of a
+            // block already in the top layer reads nothing below it).
+            let stored_lower = if lower.is_empty() || stored_top.len() as u64 == b1 - b0 {
                 BTreeMap::new()
             } else {
                 resolve_stored(&txn, &self.layer_filters, lower, b0, b1, false)?.entries
