@@ -244,6 +244,30 @@ fn seq_write(pool: &Pool, vol: &Volume, data: &[u8], total: u64) -> Result<Sampl
     Ok(sample(total, t0.elapsed(), lat))
 }
 
+/// [`seq_write`] of `data` with the first 8 bytes of every block changed: as unique and
+/// incompressible, and no block equal to one `data` put in the pool.
+fn seq_overwrite(pool: &Pool, vol: &Volume, data: &[u8], total: u64) -> Result<Sample> {
+    let mut buf = vec![0u8; MIB as usize];
+    let mut lat = Vec::with_capacity((total / MIB) as usize);
+    let t0 = Instant::now();
+    let mut off = 0u64;
+    while off < total {
+        let src = (off % data.len() as u64) as usize;
+        buf.copy_from_slice(&data[src..src + MIB as usize]);
+        for block in buf.chunks_exact_mut(BLOCK) {
+            for b in &mut block[..8] {
+                *b ^= 0xa5;
+            }
+        }
+        let t = Instant::now();
+        vol.write(off, &buf, false)?;
+        lat.push(t.elapsed().as_nanos() as u64);
+        off += MIB;
+    }
+    pool.sync()?;
+    Ok(sample(total, t0.elapsed(), lat))
+}
+
 fn seq_read(vol: &Volume, total: u64) -> Result<Sample> {
     let mut buf = vec![0u8; MIB as usize];
     let mut lat = Vec::new();
@@ -451,7 +475,7 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
     Rng(7).fill(&mut data);
     let zeros = vec![0u8; MIB as usize];
     let rand_blocks = (4 << 30) / BLOCK as u64;
-    let names: [(&'static str, Goal); 10] = [
+    let names: [(&'static str, Goal); 11] = [
         (
             "seq write 1 MiB unique incompressible",
             Goal::MbpsMin(600.0),
@@ -468,6 +492,9 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
             "write+flush 4 KiB, QD1, beside N random writers",
             Goal::None,
         ),
+        // What a second full pass over a disk costs (seed 001's "later writes"): every
+        // write replaces a block that holds data, so every old chunk dies at commit.
+        ("seq overwrite 1 MiB unique incompressible", Goal::None),
     ];
     let mut rows: Vec<Row> = names
         .iter()
@@ -490,8 +517,8 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
                 .as_ref()
                 .is_none_or(|o| names[i].0.contains(o.as_str()))
         };
-        // Tests 1, 4, 5 and 6 need volume a's data.
-        let need_a = [0, 1, 4, 5, 6].into_iter().any(sel);
+        // Tests 1, 4, 5, 6 and 10 need volume a's data.
+        let need_a = [0, 1, 4, 5, 6, 10].into_iter().any(sel);
         for (i, row) in rows.iter_mut().enumerate() {
             if !sel(i) {
                 if i == 0 && need_a {
@@ -520,8 +547,9 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
                     Ok(r)
                 })?,
                 8 => with_cpu(|| write_flush(&vf, s.secs, rand_blocks))?,
+                10 => with_cpu(|| seq_overwrite(&pool, &va, &data, s.seq_bytes))?,
                 // A database's log writes while its data pages are written at random.
-                _ => with_cpu(|| {
+                9 => with_cpu(|| {
                     let r = std::thread::scope(|scope| {
                         let writers =
                             scope.spawn(|| random_4k(&vr, s.threads, s.secs, rand_blocks, true));
@@ -532,6 +560,7 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
                     pool.sync()?;
                     Ok(r)
                 })?,
+                _ => unreachable!("one arm per test name"),
             };
             eprintln!(
                 "  {:<40} {:>8.0} MB/s {:>8.0} IOPS p50 {:>7.0} µs p99 {:>7.0} µs {:.2} cores {:.0} MB/CPU-s",

@@ -216,8 +216,10 @@ impl Inner {
                 *deltas.entry(id).or_default() += d;
             }
         }
-        // Chunks no longer referenced, to free unless something still or again refers to them.
-        let mut zero_refs = Vec::new();
+        // Chunks no longer referenced, to free unless something still or again refers to them,
+        // with their records when already at hand (a dying chunk's record is not written back,
+        // only removed).
+        let mut zero_refs: Vec<(u64, Option<ChunkRecord>)> = Vec::new();
         for shard in &batch.shards {
             for (&id, rec) in &shard.new_chunks {
                 // A new chunk is stored with its references already counted (no second
@@ -241,7 +243,7 @@ impl Inner {
                 record.live_bytes += rec.physical_bytes();
                 if refs == 0 {
                     // Written, then overwritten before this commit: never referenced.
-                    zero_refs.push(id);
+                    zero_refs.push((id, Some(rec)));
                 }
             }
         }
@@ -272,8 +274,11 @@ impl Inner {
             if d == 0 {
                 continue;
             }
-            if add_refs_stored(txn, id, d)? == 0 {
-                zero_refs.push(id);
+            let rec = add_refs(txn, id, d)?;
+            if rec.refs == 0 {
+                zero_refs.push((id, Some(rec)));
+            } else {
+                txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
             }
         }
         // Only ids in this set get an orphan delete: in an LSM store a delete of an absent key
@@ -287,10 +292,15 @@ impl Inner {
             orphan_ids
                 .iter()
                 .copied()
-                .filter(|id| !deltas.contains_key(id)),
+                .filter(|id| !deltas.contains_key(id))
+                .map(|id| (id, None)),
         );
-        for id in zero_refs {
-            let rec = load_chunk(txn, id)?;
+        for (id, known) in zero_refs {
+            let stored = known.is_none();
+            let rec = match known {
+                Some(rec) => rec,
+                None => load_chunk(txn, id)?,
+            };
             if rec.refs > 0 {
                 if orphan_ids.contains(&id) {
                     txn.remove(meta::ORPHANS, &id);
@@ -301,7 +311,11 @@ impl Inner {
             debug_assert!(shard < SHARDS);
             let mut s = self.shards[shard].lock();
             if s.dirty.deltas.get(&id).is_some_and(|&d| d != 0) {
-                // A newer, uncommitted write references it again: keep it until that commits.
+                // A newer, uncommitted write references it again: keep it (with no
+                // reference) until that commits.
+                if !stored {
+                    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
+                }
                 txn.insert(meta::ORPHANS, &id, &());
                 continue;
             }
@@ -378,6 +392,13 @@ pub(crate) fn apply_ref_deltas(txn: &mut WriteTxn, deltas: &BTreeMap<u64, i64>) 
 
 /// Adds `delta` to a committed chunk's reference count in `txn`; returns the new count.
 fn add_refs_stored(txn: &mut WriteTxn, id: u64, delta: i64) -> Result<u64> {
+    let rec = add_refs(txn, id, delta)?;
+    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
+    Ok(rec.refs)
+}
+
+/// A committed chunk's record with `delta` added to its reference count (not written back).
+fn add_refs(txn: &WriteTxn, id: u64, delta: i64) -> Result<ChunkRecord> {
     let mut rec = load_chunk(txn, id)?;
     let refs = rec.refs as i64 + delta;
     if refs < 0 {
@@ -386,8 +407,7 @@ fn add_refs_stored(txn: &mut WriteTxn, id: u64, delta: i64) -> Result<u64> {
         )));
     }
     rec.refs = refs as u64;
-    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
-    Ok(rec.refs)
+    Ok(rec)
 }
 
 /// Writes a volume's changes into its top layer. A zeroed block is removed when nothing lies
