@@ -88,6 +88,7 @@ impl Inner {
             self.journal.forget_through(batch.no);
             return Ok(());
         }
+        let t0 = std::time::Instant::now();
         let mut record = cs.record.clone();
         let applied = match self
             .segments
@@ -114,6 +115,18 @@ impl Inner {
         self.publish(&batch, &applied);
         self.committed.store(batch.no, Ordering::Release);
         self.journal.forget_through(batch.no);
+        tracing::debug!(
+            "commit {}: {} map entries, {} new chunks, {} chunks freed, {:.1} ms",
+            batch.no,
+            batch.volumes.iter().map(|(_, o, _)| o.len()).sum::<usize>(),
+            batch
+                .shards
+                .iter()
+                .map(|s| s.new_chunks.len())
+                .sum::<usize>(),
+            applied.died.len(),
+            t0.elapsed().as_secs_f64() * 1e3
+        );
         for seg in applied.dead_segments {
             self.segments.remove(seg)?;
         }

@@ -12,7 +12,12 @@ pub struct PoolConfig {
     pub segment_bytes_max: u64,
     /// Uncommitted map entries across the pool that trigger a background commit.
     pub dirty_blocks_commit: u64,
-    /// Uncommitted map entries at which writers commit themselves (backpressure).
+    /// Uncommitted map entries past which a writer first waits for the commit in progress,
+    /// if any (backpressure: when commits are slower than the writes, each commit stays about
+    /// this large instead of growing to `dirty_blocks_max`, and a writer waits for one commit
+    /// of this size at most).
+    pub dirty_blocks_throttle: u64,
+    /// Uncommitted map entries at which writers commit themselves (the hard limit).
     pub dirty_blocks_max: u64,
     /// Interval of the background commit and cleaner, in milliseconds.
     pub background_interval_ms: u64,
@@ -35,6 +40,7 @@ impl Default for PoolConfig {
             soft_threshold_pct: 80,
             segment_bytes_max: 32 << 20,
             dirty_blocks_commit: 64 << 10,
+            dirty_blocks_throttle: 128 << 10,
             dirty_blocks_max: 512 << 10,
             background_interval_ms: 1000,
             gc_live_pct_max: 50,

@@ -177,10 +177,26 @@ impl Volume {
             return self.inner.flush();
         }
         let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed);
-        if dirty >= self.inner.config.dirty_blocks_max {
+        let max = self.inner.config.dirty_blocks_max;
+        if dirty >= max {
+            let t0 = std::time::Instant::now();
             self.inner.commit()?;
+            let waited = t0.elapsed();
+            if waited >= std::time::Duration::from_secs(1) {
+                // Every writer that reaches the limit meanwhile waits as long: worth telling.
+                tracing::warn!(
+                    "a write waited {:.1} s for a commit: {dirty} uncommitted blocks reached \
+                     the limit of {max} (commits are falling behind the writes)",
+                    waited.as_secs_f64()
+                );
+            }
         } else if dirty >= self.inner.config.dirty_blocks_commit {
             self.inner.wake_background();
+            if dirty >= self.inner.config.dirty_blocks_throttle {
+                // Wait for the commit in progress (it started with an empty backlog; this
+                // one will be the next): writers then go at the pace of the commits.
+                drop(self.inner.commit.lock());
+            }
         }
         Ok(())
     }
@@ -1244,4 +1260,54 @@ fn stripe_of(block: u64) -> usize {
 
 pub(crate) fn shard_of_chunk(id: u64) -> usize {
     (id & ((1 << SHARD_BITS) - 1)) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Pool, PoolConfig};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// Past `dirty_blocks_throttle` uncommitted blocks, a writer waits for the commit in
+    /// progress (here: the commit lock, held by the test) and goes on as soon as it ends;
+    /// below it, writers do not wait.
+    #[test]
+    fn writers_past_the_throttle_wait_for_the_commit_in_progress() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            background: false,
+            dirty_blocks_commit: 4,
+            dirty_blocks_throttle: 8,
+            dirty_blocks_max: 1 << 20,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+        pool.wait_filters_built();
+        let vol = pool.create_volume("v", 1 << 20).expect("volume");
+        let held = pool.inner.commit.lock();
+        // 4 blocks: at the background threshold, under the throttle.
+        vol.write(0, &[1u8; 4 * 4096], false)
+            .expect("write under the throttle");
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let vol = &vol;
+            s.spawn(move || {
+                vol.write(4 * 4096, &[2u8; 8 * 4096], false).expect("write");
+                tx.send(()).expect("send");
+            });
+            assert!(
+                rx.recv_timeout(Duration::from_millis(300)).is_err(),
+                "a writer past the throttle must wait for the commit in progress"
+            );
+            drop(held);
+            rx.recv_timeout(Duration::from_secs(10))
+                .expect("the writer goes on once the commit ends");
+        });
+        let mut back = vec![0u8; 12 * 4096];
+        vol.read(0, &mut back).expect("read");
+        assert!(
+            back[..4 * 4096].iter().all(|&b| b == 1) && back[4 * 4096..].iter().all(|&b| b == 2)
+        );
+    }
 }
