@@ -2,7 +2,7 @@
 //!
 //! The `ibid` binary implements [`Exports`] and [`Export`] on top of engine volumes; this crate
 //! ships [`crate::memory`] for tests and fuzzing. Every method is synchronous and may block:
-//! the server calls them from `tokio::task::spawn_blocking`, several at once for one export.
+//! the server calls them from its worker threads, several at once for one export.
 
 use std::sync::Arc;
 use thiserror::Error;

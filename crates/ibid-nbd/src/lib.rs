@@ -11,7 +11,8 @@
 //! - `handshake`: the option-haggling state machine;
 //! - `transmission`: request validation and the concurrent request loop of one connection;
 //! - [`tls`]: STARTTLS: X.509 with rustls, pre-shared keys with OpenSSL;
-//! - `server`: the accept loop, connection limits and shutdown.
+//! - `server`: the accept loop, connection limits and shutdown;
+//! - `workers`: the threads that run backend calls for all connections.
 #![deny(missing_docs, clippy::unwrap_used)]
 
 pub mod export;
@@ -23,6 +24,7 @@ mod server;
 pub mod tls;
 mod transmission;
 pub mod wire;
+mod workers;
 
 pub use export::{
     Export, ExportError, ExportInfo, Exports, Extent, BLOCK_SIZE_MIN, BLOCK_SIZE_PREFERRED,
@@ -35,6 +37,7 @@ pub use server::{
 };
 pub use tls::{TlsConfig, TlsConfigError, TlsCredentials};
 pub use transmission::{validate_request, INFLIGHT_BYTES_MAX, INFLIGHT_REQUESTS_MAX};
+pub use workers::WORKERS_DEFAULT;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 

@@ -4,6 +4,7 @@ use crate::export::Exports;
 use crate::handshake;
 use crate::tls::{TlsConfig, TlsConfigError};
 use crate::transmission;
+use crate::workers::{Workers, WORKERS_DEFAULT};
 use crate::BoxStream;
 use std::future::Future;
 use std::sync::Arc;
@@ -32,6 +33,8 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// Bound on concurrent connections.
     pub connections_max: usize,
+    /// Threads that run backend calls, shared by all connections.
+    pub workers: usize,
 }
 
 impl Default for ServerConfig {
@@ -40,6 +43,7 @@ impl Default for ServerConfig {
             tls: None,
             handshake_timeout: HANDSHAKE_TIMEOUT,
             connections_max: CONNECTIONS_MAX,
+            workers: WORKERS_DEFAULT,
         }
     }
 }
@@ -51,6 +55,9 @@ pub enum ServeError {
     /// The TLS configuration is unusable.
     #[error(transparent)]
     Tls(#[from] TlsConfigError),
+    /// The worker threads could not be started.
+    #[error("start NBD worker threads: {0}")]
+    Workers(std::io::Error),
 }
 
 /// What every connection shares.
@@ -87,6 +94,7 @@ pub async fn serve_until(
         tls,
         stop: stop_rx,
     });
+    let workers = Arc::new(Workers::start(config.workers).map_err(ServeError::Workers)?);
     let slots = Arc::new(Semaphore::new(config.connections_max));
     let mut tasks = JoinSet::new();
     tokio::pin!(shutdown);
@@ -111,10 +119,11 @@ pub async fn serve_until(
                     debug!(%peer, "set TCP_NODELAY: {e}");
                 }
                 let ctx = ctx.clone();
+                let workers = workers.clone();
                 let timeout = config.handshake_timeout;
                 let span = tracing::info_span!("nbd", %peer);
                 tasks.spawn(async move {
-                    connection(Box::new(sock), ctx, timeout).await;
+                    connection(Box::new(sock), ctx, &workers, timeout).await;
                     drop(slot);
                 }.instrument(span));
             }
@@ -138,7 +147,12 @@ pub async fn serve_until(
 }
 
 /// One client connection from accept to close. Every error ends only this connection.
-async fn connection(stream: BoxStream, ctx: Arc<Context>, handshake_timeout: Duration) {
+async fn connection(
+    stream: BoxStream,
+    ctx: Arc<Context>,
+    workers: &Workers,
+    handshake_timeout: Duration,
+) {
     let negotiated = tokio::time::timeout(handshake_timeout, handshake::negotiate(stream, &ctx));
     let mut stop = ctx.stop.clone();
     let negotiated = tokio::select! {
@@ -164,7 +178,7 @@ async fn connection(stream: BoxStream, ctx: Arc<Context>, handshake_timeout: Dur
         Ok(Ok(Some(entered))) => entered,
     };
     info!(export = %session.name, mode = ?session.mode, flags = format_args!("{:#x}", session.flags), "NBD transmission started");
-    match transmission::run(stream, session, ctx.stop.clone()).await {
+    match transmission::run(stream, session, workers, ctx.stop.clone()).await {
         Ok(()) => debug!("NBD connection closed"),
         Err(e) => warn!("closing NBD connection: {e}"),
     }

@@ -1,10 +1,11 @@
 //! The transmission phase of one connection.
 //!
-//! A reader loop parses request headers (and write payloads) and spawns one task per request;
-//! each task runs the backend call on the blocking pool and queues its encoded reply for a
-//! single writer task, so replies go out as requests finish (out of order). Requests in flight
-//! are bounded by count ([`INFLIGHT_REQUESTS_MAX`]) and by buffered bytes
-//! ([`INFLIGHT_BYTES_MAX`]): the reader stops reading the socket when either is reached.
+//! A reader loop parses request headers (and write payloads) and hands each request to the
+//! server's worker threads ([`crate::workers`]); a worker runs the backend call and queues the
+//! encoded reply for the connection's single writer task, so replies go out as requests finish
+//! (out of order). Requests in flight are bounded by count ([`INFLIGHT_REQUESTS_MAX`]) and by
+//! buffered bytes ([`INFLIGHT_BYTES_MAX`]): the reader stops reading the socket when either is
+//! reached.
 //!
 //! A request the server can answer (bad range, alignment, flags, unknown command) gets an
 //! error reply; framing it cannot trust (bad magic, a payload beyond [`PAYLOAD_LEN_MAX`], a
@@ -12,8 +13,10 @@
 
 use crate::export::{Export, ExportError, Extent, BLOCK_SIZE_MIN, PAYLOAD_LEN_MAX};
 use crate::wire::{self, Errno, ReplyMode, RequestHeader, StatusDescriptor, WireError};
+use crate::workers::Workers;
 use crate::BoxStream;
 use std::io;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
@@ -157,7 +160,7 @@ fn backend_error(e: ExportError) -> Outcome {
     Outcome::Error(errno_of(&e), e.to_string())
 }
 
-/// Runs a validated request against the backend (on the blocking pool).
+/// Runs a validated request against the backend (on a worker thread).
 pub(crate) fn execute(export: &dyn Export, req: &RequestHeader, payload: Vec<u8>) -> Outcome {
     let fua = req.flags & wire::CMD_FLAG_FUA != 0;
     let done = |r: Result<(), ExportError>| r.map_or_else(backend_error, |()| Outcome::Done);
@@ -282,11 +285,13 @@ pub(crate) fn encode(
 pub(crate) async fn run(
     stream: BoxStream,
     session: Session,
+    workers: &Workers,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), ConnError> {
     let (rd, wr) = tokio::io::split(stream);
     let mut rd = BufReader::with_capacity(READ_BUFFER_LEN, rd);
-    let (tx, rx) = mpsc::channel::<Outgoing>(INFLIGHT_REQUESTS_MAX);
+    // Unbounded: the permits each reply holds bound it.
+    let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
     let mut writer = tokio::spawn(write_loop(wr, rx));
     let requests = Arc::new(Semaphore::new(INFLIGHT_REQUESTS_MAX));
     let bytes = Arc::new(Semaphore::new(INFLIGHT_BYTES_MAX as usize));
@@ -301,7 +306,7 @@ pub(crate) async fn run(
             () = tx.closed() => break Err(ConnError::Protocol("replies could not be sent (socket failed or client stopped reading)".into())),
         };
         match step {
-            Ok(Some(request)) => dispatch(request, &session, tx.clone()),
+            Ok(Some(request)) => dispatch(request, &session, workers, &tx),
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
         }
@@ -395,46 +400,52 @@ async fn next_request<R: AsyncRead + Unpin>(
     }))
 }
 
-/// Spawns the task that executes one request and queues its reply.
-fn dispatch(request: Request, session: &Arc<Session>, tx: mpsc::Sender<Outgoing>) {
+/// Hands one request to the worker pool, which runs it and queues its reply. A request the
+/// validation refused is answered from here, with no backend call.
+fn dispatch(
+    request: Request,
+    session: &Arc<Session>,
+    workers: &Workers,
+    tx: &mpsc::UnboundedSender<Outgoing>,
+) {
+    let Request {
+        header,
+        payload,
+        verdict,
+        permits,
+    } = request;
+    let export = session.export.clone();
     let session = session.clone();
-    tokio::spawn(async move {
-        let Request {
-            header,
-            payload,
-            verdict,
-            permits,
-        } = request;
-        let outcome = match verdict {
-            Err(errno) => Outcome::Error(errno, format!("request refused: {errno:?}")),
-            Ok(()) => {
-                let export = session.export.clone();
-                let joined =
-                    tokio::task::spawn_blocking(move || execute(export.as_ref(), &header, payload))
-                        .await;
-                joined.unwrap_or_else(|e| {
-                    warn!("NBD backend call panicked: {e}");
-                    Outcome::Error(Errno::Io, "internal error".into())
-                })
-            }
-        };
+    let tx = tx.clone();
+    let reply = move |outcome: Outcome| {
         let ctx_id = session.meta_context.unwrap_or(0);
         let (header_bytes, data) = encode(session.mode, &header, ctx_id, outcome);
         // A closed channel means the connection is going away; the reply has no reader.
-        let _ = tx
-            .send(Outgoing {
-                header: header_bytes,
-                data,
-                _permits: permits,
-            })
-            .await;
-    });
+        let _ = tx.send(Outgoing {
+            header: header_bytes,
+            data,
+            _permits: permits,
+        });
+    };
+    match verdict {
+        Err(errno) => reply(Outcome::Error(errno, format!("request refused: {errno:?}"))),
+        Ok(()) => workers.submit(Box::new(move || {
+            let outcome = catch_unwind(AssertUnwindSafe(|| {
+                execute(export.as_ref(), &header, payload)
+            }))
+            .unwrap_or_else(|_| {
+                warn!("NBD backend call panicked");
+                Outcome::Error(Errno::Io, "internal error".into())
+            });
+            reply(outcome);
+        })),
+    }
 }
 
 /// Writes queued replies, flushing whenever the queue runs dry; shuts the stream at the end.
 async fn write_loop(
     wr: WriteHalf<BoxStream>,
-    mut rx: mpsc::Receiver<Outgoing>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) -> Result<(), io::Error> {
     let mut wr = BufWriter::with_capacity(WRITE_BUFFER_LEN, wr);
     while let Some(out) = rx.recv().await {

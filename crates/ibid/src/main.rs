@@ -74,6 +74,9 @@ struct ServeArgs {
     /// Refuse NBD clients that do not use TLS.
     #[arg(long)]
     nbd_tls_required: bool,
+    /// Threads that run NBD requests, shared by all NBD connections.
+    #[arg(long, default_value_t = ibid_nbd::WORKERS_DEFAULT as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    nbd_workers: u16,
 }
 
 /// A listen address, or `off`.
@@ -132,6 +135,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_tls_key,
         nbd_tls_psk,
         nbd_tls_required,
+        nbd_workers,
     } = args;
     let credentials = match (nbd_tls_cert, nbd_tls_key, nbd_tls_psk) {
         (Some(cert), Some(key), None) => Some(ibid_nbd::TlsCredentials::X509 {
@@ -162,5 +166,6 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         volumes,
         default_volume: !no_default_volume,
         nbd_tls,
+        nbd_workers: usize::from(nbd_workers),
     })
 }

@@ -32,6 +32,8 @@ pub struct ServeOptions {
     pub default_volume: bool,
     /// TLS for NBD, if configured.
     pub nbd_tls: Option<ibid_nbd::TlsConfig>,
+    /// Threads that run NBD requests.
+    pub nbd_workers: usize,
 }
 
 /// Name and size of the volume a fresh pool gets so that the first run is usable at once.
@@ -125,6 +127,7 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
     let exports = Arc::new(PoolExports::new(pool.clone(), metrics.clone()));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
+        workers: opts.nbd_workers,
         ..ibid_nbd::ServerConfig::default()
     };
     let nbd = async {

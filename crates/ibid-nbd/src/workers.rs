@@ -1,0 +1,100 @@
+//! A fixed set of threads that run backend calls for every connection of one server.
+//!
+//! Backend calls block (disk reads, fsync, waits for a commit), so they cannot run on the
+//! async runtime. A per-request `tokio::spawn` + `spawn_blocking` costs several thread
+//! handoffs per request and lets hundreds of threads contend for the backend's locks on a
+//! small machine; a bounded pool fed by one queue keeps each worker busy while requests keep
+//! coming (no wake-up per request) and bounds the contention. The queue is unbounded: each
+//! connection already bounds what it has in flight.
+
+use crossbeam_channel::{Receiver, Sender};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use tracing::warn;
+
+/// Default number of worker threads: enough to keep a fast SSD's queue busy with reads and to
+/// ride out a few blocked flushes, few enough that they rarely contend on two cores.
+pub const WORKERS_DEFAULT: usize = 16;
+
+/// One unit of work: a backend call and the queuing of its reply.
+pub(crate) type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// The pool. Threads end once the pool and every clone of its sender are dropped and the
+/// queue is empty.
+pub(crate) struct Workers {
+    queue: Sender<Job>,
+}
+
+impl Workers {
+    /// Starts `count` (at least one) worker threads.
+    pub(crate) fn start(count: usize) -> std::io::Result<Workers> {
+        let (queue, jobs) = crossbeam_channel::unbounded::<Job>();
+        for i in 0..count.max(1) {
+            let jobs: Receiver<Job> = jobs.clone();
+            std::thread::Builder::new()
+                .name(format!("ibid-nbd-{i}"))
+                .spawn(move || run(&jobs))?;
+        }
+        Ok(Workers { queue })
+    }
+
+    /// Queues `job` for the next free worker.
+    pub(crate) fn submit(&self, job: Job) {
+        // The receivers live as long as their threads, which only end once every sender is
+        // gone; a send can only fail if every thread panicked outside a job, which `run` rules
+        // out.
+        if self.queue.send(job).is_err() {
+            warn!("NBD workers are gone: request dropped");
+        }
+    }
+}
+
+fn run(jobs: &Receiver<Job>) {
+    while let Ok(job) = jobs.recv() {
+        // A job answers its own backend call's panic (EIO); this only keeps the worker alive
+        // for other connections should anything else in a job panic.
+        if catch_unwind(AssertUnwindSafe(job)).is_err() {
+            warn!("NBD worker job panicked");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A job that panics does not take its worker down: the one worker runs the next job.
+    #[test]
+    fn a_panicking_job_leaves_the_worker_alive() {
+        let workers = Workers::start(1).expect("start");
+        let (tx, rx) = mpsc::channel();
+        workers.submit(Box::new(|| panic!("injected")));
+        workers.submit(Box::new(move || tx.send(7).expect("send")));
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(7));
+    }
+
+    /// Jobs run concurrently up to the number of workers: two jobs that each wait for the
+    /// other finish on two workers.
+    #[test]
+    fn jobs_run_in_parallel_on_separate_workers() {
+        let workers = Workers::start(2).expect("start");
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let (tx, rx) = mpsc::channel();
+        for i in 0..2 {
+            let (barrier, tx) = (barrier.clone(), tx.clone());
+            workers.submit(Box::new(move || {
+                barrier.wait();
+                tx.send(i).expect("send");
+            }));
+        }
+        let mut got: Vec<i32> = (0..2)
+            .map(|_| {
+                rx.recv_timeout(Duration::from_secs(10))
+                    .expect("both finish")
+            })
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![0, 1]);
+    }
+}
