@@ -28,6 +28,9 @@ pub struct PoolConfig {
     /// Metadata store of a new pool. Ignored at open: a pool reopens with the backend it was
     /// created with. Default: [`crate::store::BACKEND_ENV`] if set, else redb.
     pub meta_backend: crate::store::Backend,
+    /// Write segment files with `O_DIRECT` where the filesystem supports it (default): no copy
+    /// into the page cache and no dirty pages for a sync to write back.
+    pub direct_io: bool,
     /// Whole 4 KiB blocks from which a range copy adds frames to the destination's stack (cost
     /// independent of the length) instead of sharing each block's reference (see `copy.rs`).
     pub frame_copy_blocks_min: u64,
@@ -47,6 +50,7 @@ impl Default for PoolConfig {
             background: true,
             meta_backend: crate::store::Backend::from_env(),
             frame_copy_blocks_min: 256,
+            direct_io: true,
         }
     }
 }

@@ -14,6 +14,11 @@
 //!              chunk id u64 | crc32c u32 of bytes 0..20 and the payload | payload (stored_len)
 //! ```
 //!
+//! A file may end in zero bytes (up to a 4 KiB page): segments are written in whole pages (see
+//! `segment.rs`), and a page past the last record is padded with zeros, which end a scan
+//! (no record magic). The page holding the last records may be written again with the same
+//! bytes and more records after them; bytes already written never change.
+//!
 //! Segments are append-only. A record is never rewritten in place: the cleaner copies live
 //! records to a new segment and deletes the old file once the metadata that points at the new
 //! copy is durable. A record's header names its chunk, so a read that lands on the wrong record
@@ -90,17 +95,26 @@ pub struct RecordHeader {
 
 /// Encodes a record (header and payload) into `out`, returning its crc.
 pub fn encode_record(out: &mut Vec<u8>, chunk_id: u64, flags: u16, payload: &[u8]) -> u32 {
-    let start = out.len();
-    out.extend_from_slice(&RECORD_MAGIC.to_le_bytes());
-    out.extend_from_slice(&flags.to_le_bytes());
-    out.extend_from_slice(&0u16.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&chunk_id.to_le_bytes());
-    let mut crc = crc32c::crc32c(&out[start..start + 20]);
-    crc = crc32c::crc32c_append(crc, payload);
-    out.extend_from_slice(&crc.to_le_bytes());
+    let (header, crc) = encode_record_header(chunk_id, flags, payload);
+    out.extend_from_slice(&header);
     out.extend_from_slice(payload);
     crc
+}
+
+/// The header of a record of `payload`, and the record's crc (which the header ends with).
+pub fn encode_record_header(
+    chunk_id: u64,
+    flags: u16,
+    payload: &[u8],
+) -> ([u8; RECORD_HEADER_BYTES], u32) {
+    let mut h = [0u8; RECORD_HEADER_BYTES];
+    h[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+    h[4..6].copy_from_slice(&flags.to_le_bytes());
+    h[8..12].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    h[12..20].copy_from_slice(&chunk_id.to_le_bytes());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&h[..20]), payload);
+    h[20..24].copy_from_slice(&crc.to_le_bytes());
+    (h, crc)
 }
 
 /// Decodes a record header; checks only its magic (the crc needs the payload).

@@ -353,6 +353,7 @@ impl Pool {
             DATA_WRITERS + 1,
             config.segment_bytes_max,
             record.next_segment_id,
+            config.direct_io,
         )?;
         for id in found.iter().filter(|id| !keep.contains(id)) {
             // Written after the last commit and not journaled: nothing references it.

@@ -5,9 +5,18 @@
 //! readers of a record still in a buffer read it from there. [`Segments::sync`] writes every
 //! buffer and fsyncs every file touched since the last sync: the commit calls it before the
 //! metadata that points at the new records becomes durable.
+//!
+//! Open segments are written with `O_DIRECT` where the filesystem allows it (not tmpfs): the
+//! data goes from the writer's page-aligned buffer to the device, with no copy into the page
+//! cache (a quarter of the CPU of a unique-data write stream went to that copy) and no dirty
+//! page cache for a later fsync to write back. A buffer is written in whole 4 KiB pages: the
+//! part past the last full page stays in the buffer, and a sync writes it padded with zeros,
+//! to be rewritten (same bytes, more records after them) by the next write. So a segment file
+//! may end in zeros, which no record header matches. Reads use the ordinary buffered file: the
+//! kernel drops cached pages a direct write overwrites.
 
 use crate::error::{Error, Result};
-use crate::format::{self, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES};
+use crate::format::{self, RECORD_HEADER_BYTES};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -20,6 +29,86 @@ use std::sync::Arc;
 pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
 /// Marker for a writer slot with no open segment.
 const NO_SEGMENT: u64 = u64::MAX;
+/// Unit of direct I/O: buffer addresses, file offsets and lengths are multiples of it.
+const PAGE_BYTES: usize = 4096;
+
+/// One page-aligned page of a write buffer.
+#[repr(C, align(4096))]
+#[derive(Clone, Copy)]
+struct Page([u8; PAGE_BYTES]);
+
+/// A write buffer that starts on a page boundary, as `O_DIRECT` needs. Its capacity is fixed
+/// at creation.
+struct AlignedBuf {
+    pages: Vec<Page>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn with_capacity(bytes: usize) -> AlignedBuf {
+        AlignedBuf {
+            pages: vec![Page([0; PAGE_BYTES]); bytes.div_ceil(PAGE_BYTES)],
+            len: 0,
+        }
+    }
+
+    /// The whole capacity as bytes.
+    fn raw(&self) -> &[u8] {
+        // SAFETY: `Page` is `repr(C)` around a byte array whose size equals its alignment, so
+        // the pages are contiguous bytes with no padding.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.pages.as_ptr().cast::<u8>(),
+                self.pages.len() * PAGE_BYTES,
+            )
+        }
+    }
+
+    fn raw_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `raw`; the borrow of `self` is exclusive.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.pages.as_mut_ptr().cast::<u8>(),
+                self.pages.len() * PAGE_BYTES,
+            )
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffered bytes.
+    fn bytes(&self) -> &[u8] {
+        &self.raw()[..self.len]
+    }
+
+    /// Appends `b`. Panics past the capacity (the writer sizes the buffer for its largest
+    /// fill).
+    fn push(&mut self, b: &[u8]) {
+        let at = self.len;
+        self.raw_mut()[at..at + b.len()].copy_from_slice(b);
+        self.len += b.len();
+    }
+
+    /// The buffered bytes padded with zeros to whole pages.
+    fn padded(&mut self) -> &[u8] {
+        let (len, end) = (self.len, self.len.next_multiple_of(PAGE_BYTES));
+        self.raw_mut()[len..end].fill(0);
+        &self.raw()[..end]
+    }
+
+    /// Drops the first `n` bytes (a multiple of the page size), moving the rest to the start.
+    fn consume(&mut self, n: usize) {
+        let len = self.len;
+        self.raw_mut().copy_within(n..len, 0);
+        self.len -= n;
+    }
+}
 
 /// Where a record landed.
 #[derive(Debug, Clone, Copy)]
@@ -39,10 +128,14 @@ struct SegmentFile {
 struct OpenSegment {
     id: u64,
     file: Arc<SegmentFile>,
-    /// Bytes already written to the file (header included).
+    /// The same file opened with `O_DIRECT`, if the filesystem allows it.
+    direct: Option<File>,
+    /// Bytes of the file that are final (a multiple of the page size). A padded tail written
+    /// by a sync lies past it.
     file_len: u64,
-    /// Records not yet written to the file; they start at `file_len`.
-    buf: Vec<u8>,
+    /// Bytes not yet final in the file (the segment header, then records); they start at
+    /// `file_len`.
+    buf: AlignedBuf,
 }
 
 struct Writer {
@@ -69,20 +162,49 @@ pub struct Segments {
     /// Serializes [`Segments::sync`]: a caller must not return while another still fsyncs
     /// the files it drained.
     sync_lock: Mutex<()>,
+    /// Write open segments with `O_DIRECT` where the filesystem supports it.
+    direct_io: bool,
 }
 
 fn segment_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("{id:016x}.seg"))
 }
 
+/// Fills `out` from `file` at `offset` (of segment `segment`, for errors).
+fn read_at(file: &File, out: &mut [u8], offset: u64, segment: u64) -> Result<()> {
+    file.read_exact_at(out, offset).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            Error::Corrupt(format!("record beyond the end of segment {segment:016x}"))
+        } else {
+            Error::io(format!("read segment {segment:016x}"), e)
+        }
+    })
+}
+
+/// Opens `path` for `O_DIRECT` writes; `None` where the filesystem refuses direct I/O.
+fn open_direct(path: &Path) -> std::io::Result<Option<File>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 impl Segments {
     /// Opens the segment directory; `writers` is the number of parallel append streams (the
-    /// last one is reserved for the cleaner). Returns the ids of the segment files found.
+    /// last one is reserved for the cleaner); `direct_io`: write with `O_DIRECT` where
+    /// possible. Returns the ids of the segment files found.
     pub fn open(
         dir: &Path,
         writers: usize,
         segment_bytes_max: u64,
         next_id: u64,
+        direct_io: bool,
     ) -> Result<(Self, Vec<u64>)> {
         fs::create_dir_all(dir).map_err(|e| Error::io("create segment directory", e))?;
         let mut files = HashMap::new();
@@ -123,6 +245,7 @@ impl Segments {
             dir_dirty: Mutex::new(false),
             sealed: Mutex::new(HashMap::new()),
             sync_lock: Mutex::new(()),
+            direct_io,
         };
         Ok((segs, ids))
     }
@@ -171,25 +294,26 @@ impl Segments {
         }
         let o = guard.as_mut().expect("open segment");
         let offset = o.file_len + o.buf.len() as u64;
-        let crc = format::encode_record(&mut o.buf, chunk_id, flags, payload);
+        let (header, crc) = format::encode_record_header(chunk_id, flags, payload);
+        o.buf.push(&header);
+        o.buf.push(payload);
         let placement = Placement {
             segment: o.id,
             offset: offset as u32,
             crc,
         };
         if o.buf.len() >= WRITE_BUFFER_BYTES {
-            self.write_buffer(writer, o)?;
+            self.write_buffer(writer, o, false)?;
         }
         Ok(placement)
     }
 
     /// Creates a segment file and makes it `writer`'s open segment (published to readers and
-    /// the cleaner before the file is listed, so the cleaner never sees it as sealed).
+    /// the cleaner before the file is listed, so the cleaner never sees it as sealed). The
+    /// segment header is the buffer's first bytes.
     fn create_segment(&self, writer: &Writer) -> Result<OpenSegment> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        writer
-            .file_len
-            .store(SEGMENT_HEADER_BYTES, Ordering::Release);
+        writer.file_len.store(0, Ordering::Release);
         writer.segment.store(id, Ordering::Release);
         let path = segment_path(&self.dir, id);
         let file = OpenOptions::new()
@@ -198,37 +322,66 @@ impl Segments {
             .create_new(true)
             .open(&path)
             .map_err(|e| Error::io(format!("create segment {id:016x}"), e))?;
-        file.write_all_at(&format::encode_segment_header(id), 0)
-            .map_err(|e| Error::io(format!("write segment header {id:016x}"), e))?;
+        let direct = if self.direct_io {
+            open_direct(&path).map_err(|e| Error::io(format!("open segment {id:016x}"), e))?
+        } else {
+            None
+        };
         let file = Arc::new(SegmentFile { file });
         self.files.write().insert(id, file.clone());
         self.unsynced.lock().insert(id, file.clone());
         *self.dir_dirty.lock() = true;
+        // Room for a full buffer plus the largest record, and the page of padding.
+        let mut buf = AlignedBuf::with_capacity(
+            WRITE_BUFFER_BYTES + RECORD_HEADER_BYTES + format::BLOCK_BYTES + PAGE_BYTES,
+        );
+        buf.push(&format::encode_segment_header(id));
         Ok(OpenSegment {
             id,
             file,
-            file_len: SEGMENT_HEADER_BYTES,
-            buf: Vec::with_capacity(WRITE_BUFFER_BYTES + 8192),
+            direct,
+            file_len: 0,
+            buf,
         })
     }
 
-    fn write_buffer(&self, writer: &Writer, o: &mut OpenSegment) -> Result<()> {
-        if o.buf.is_empty() {
+    /// Writes the buffer's whole pages to the file and keeps the rest (less than a page) in
+    /// the buffer; with `tail`, writes that rest too, padded to a page, so that every byte
+    /// appended so far is in the file (the padding is overwritten by the next write).
+    fn write_buffer(&self, writer: &Writer, o: &mut OpenSegment, tail: bool) -> Result<()> {
+        let whole = o.buf.len() / PAGE_BYTES * PAGE_BYTES;
+        let nothing_to_write = if tail { o.buf.is_empty() } else { whole == 0 };
+        if nothing_to_write {
             return Ok(());
         }
-        o.file
-            .file
-            .write_all_at(&o.buf, o.file_len)
+        let bytes = if tail {
+            o.buf.padded()
+        } else {
+            &o.buf.bytes()[..whole]
+        };
+        let target = o.direct.as_ref().unwrap_or(&o.file.file);
+        target
+            .write_all_at(bytes, o.file_len)
             .map_err(|e| Error::io(format!("write segment {:016x}", o.id), e))?;
-        o.file_len += o.buf.len() as u64;
-        o.buf.clear();
+        o.buf.consume(whole);
+        o.file_len += whole as u64;
         writer.file_len.store(o.file_len, Ordering::Release);
         self.unsynced.lock().insert(o.id, o.file.clone());
         Ok(())
     }
 
+    /// Writes the last records and closes the segment for appends. The padding past them is
+    /// cut off, so a sealed segment's file size is its header and records exactly (the
+    /// cleaner counts every other byte as dead).
     fn seal(&self, writer: &Writer, mut o: OpenSegment, commit_no: u64) -> Result<()> {
-        self.write_buffer(writer, &mut o)?;
+        self.write_buffer(writer, &mut o, true)?;
+        let end = o.file_len + o.buf.len() as u64;
+        if !o.buf.is_empty() {
+            o.file
+                .file
+                .set_len(end)
+                .map_err(|e| Error::io(format!("truncate segment {:016x}", o.id), e))?;
+        }
         writer.segment.store(NO_SEGMENT, Ordering::Release);
         self.sealed.lock().insert(o.id, commit_no);
         Ok(())
@@ -255,7 +408,7 @@ impl Segments {
         for writer in &self.writers {
             let mut guard = writer.open.lock();
             if let Some(o) = guard.as_mut() {
-                self.write_buffer(writer, o)?;
+                self.write_buffer(writer, o, true)?;
             }
         }
         let files: Vec<(u64, Arc<SegmentFile>)> = self.unsynced.lock().drain().collect();
@@ -291,15 +444,21 @@ impl Segments {
                 let guard = writer.open.lock();
                 if let Some(o) = guard
                     .as_ref()
-                    .filter(|o| o.id == segment && offset >= o.file_len)
+                    .filter(|o| o.id == segment && offset + len as u64 > o.file_len)
                 {
-                    let start = (offset - o.file_len) as usize;
-                    if start + len > o.buf.len() {
+                    // The record ends in the buffer; it may start in the file (buffers are
+                    // written in whole pages, so a record can straddle `file_len`).
+                    let end = (offset + len as u64 - o.file_len) as usize;
+                    if end > o.buf.len() {
                         return Err(Error::Corrupt(format!(
                             "record beyond the end of segment {segment:016x}"
                         )));
                     }
-                    return Ok(Some(o.buf[start..start + len].to_vec()));
+                    let mut out = vec![0u8; len];
+                    let in_file = o.file_len.saturating_sub(offset) as usize;
+                    read_at(&o.file.file, &mut out[..in_file], offset, segment)?;
+                    out[in_file..].copy_from_slice(&o.buf.bytes()[end + in_file - len..end]);
+                    return Ok(Some(out));
                 }
             }
         }
@@ -307,13 +466,7 @@ impl Segments {
             return Ok(None);
         };
         let mut out = vec![0u8; len];
-        file.file.read_exact_at(&mut out, offset).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                Error::Corrupt(format!("record beyond the end of segment {segment:016x}"))
-            } else {
-                Error::io(format!("read segment {segment:016x}"), e)
-            }
-        })?;
+        read_at(&file.file, &mut out, offset, segment)?;
         Ok(Some(out))
     }
 
@@ -385,5 +538,84 @@ impl Segments {
     /// Path of a segment file (for tests that corrupt it).
     pub fn path(&self, segment: u64) -> PathBuf {
         segment_path(&self.dir, segment)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn payload(i: u64, len: usize) -> Vec<u8> {
+        (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
+    }
+
+    /// Records appended across buffer writes and syncs (each sync pads the tail page, the next
+    /// write rewrites it) read back exactly, from the buffer before a sync and from the file
+    /// after; a scan of a file finds exactly the records, and a sealed file ends with its last
+    /// record (the padding cut off). Run with direct I/O and with buffered writes.
+    #[test]
+    fn records_survive_padded_syncs_and_rewrites() {
+        for direct in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let (segs, found) = Segments::open(dir.path(), 2, 4 << 20, 1, direct).unwrap();
+            assert!(found.is_empty());
+            let mut placed = Vec::new();
+            // Odd sizes so records straddle pages; about 12 MiB in all, synced every ~1.6 MiB,
+            // so full buffers are written between syncs and three 4 MiB segments are sealed.
+            for i in 0..6000u64 {
+                let p = payload(i, 1 + (i as usize * 977) % 4096);
+                let at = segs.append(0, i, 0, &p, 1).unwrap();
+                placed.push((at, p));
+                // The newest records: one may straddle the end of the file's whole pages
+                // (its head written, its tail still buffered).
+                for (j, (at, p)) in placed.iter().enumerate().rev().take(8) {
+                    let rec = segs
+                        .read_record(at.segment, at.offset, p.len() as u32)
+                        .unwrap()
+                        .expect("segment exists");
+                    assert!(format::record_crc_ok(&rec, at.crc), "record {j} after {i}");
+                }
+                if i % 797 == 0 {
+                    segs.sync().unwrap();
+                }
+            }
+            let check = |segs: &Segments| {
+                for (i, (at, p)) in placed.iter().enumerate() {
+                    let rec = segs
+                        .read_record(at.segment, at.offset, p.len() as u32)
+                        .unwrap()
+                        .expect("segment exists");
+                    let h = format::decode_record_header(&rec).unwrap();
+                    assert_eq!(h.chunk_id, i as u64);
+                    assert!(format::record_crc_ok(&rec, at.crc));
+                    assert_eq!(&rec[RECORD_HEADER_BYTES..], &p[..]);
+                }
+            };
+            check(&segs);
+            segs.sync().unwrap();
+            check(&segs);
+            segs.seal_writers(1, 1).unwrap();
+            drop(segs);
+            let (segs, found) = Segments::open(dir.path(), 2, 4 << 20, 1, direct).unwrap();
+            assert_eq!(found.len(), 3);
+            check(&segs);
+            for id in found {
+                let bytes = segs.read_all(id).unwrap().unwrap();
+                assert_eq!(format::decode_segment_header(&bytes).unwrap(), id);
+                // Walk the records: every one is a placed record, and the walk ends in zeros.
+                let mut pos = format::SEGMENT_HEADER_BYTES as usize;
+                while let Ok(h) = format::decode_record_header(&bytes[pos..]) {
+                    let (at, p) = &placed[h.chunk_id as usize];
+                    assert_eq!((at.segment, at.offset as usize), (id, pos));
+                    pos += RECORD_HEADER_BYTES + p.len();
+                }
+                assert_eq!(
+                    pos,
+                    bytes.len(),
+                    "sealed segment {id} ends with its last record"
+                );
+            }
+        }
     }
 }

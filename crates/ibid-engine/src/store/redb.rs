@@ -8,9 +8,13 @@
 //! (`Immediate`): its commit fsyncs before returning (redb's 1PC+C protocol), so a batch is
 //! atomic and survives a crash once [`super::MetaStore::write`] returns.
 
-use super::{Batch, KvIter, MetaStore, Snapshot, Table, TableOps};
+use super::{Batch, KvIter, MetaStore, Snapshot, Table, TableOps, TABLES};
 use crate::error::{Error, Result};
-use ::redb::{Database, Key, ReadTransaction, ReadableDatabase, TableDefinition, Value};
+use ::redb::{
+    Database, Key, ReadOnlyTable, ReadTransaction, ReadableDatabase, TableDefinition, Value,
+};
+use std::any::Any;
+use std::cell::OnceCell;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
 
@@ -142,6 +146,7 @@ impl MetaStore for RedbStore {
     fn snapshot(&self) -> Result<Box<dyn Snapshot + '_>> {
         Ok(Box::new(RedbSnapshot {
             txn: self.db.begin_read()?,
+            tables: Default::default(),
         }))
     }
 
@@ -184,11 +189,34 @@ fn apply_ops<K: Key + Conv, V: Conv>(
 
 struct RedbSnapshot {
     txn: ReadTransaction,
+    /// Tables opened so far, by [`Table::index`] (each a `ReadOnlyTable<K, V>`): opening a
+    /// table looks it up in redb's table tree and checks its types, which cost more than the
+    /// point lookup itself when done per get.
+    tables: [OnceCell<Box<dyn Any>>; TABLES],
+}
+
+impl RedbSnapshot {
+    /// Table `table` (definition `def`), opened on first use.
+    fn table<K: Key + Conv, V: Conv>(
+        &self,
+        table: Table,
+        def: TableDefinition<K, V>,
+    ) -> Result<&ReadOnlyTable<K, V>> {
+        let cell = &self.tables[table.index()];
+        if cell.get().is_none() {
+            let opened: Box<dyn Any> = Box::new(self.txn.open_table(def)?);
+            // Not `Sync`, so no other thread can have filled the cell meanwhile.
+            let _ = cell.set(opened);
+        }
+        cell.get()
+            .and_then(|t| t.downcast_ref::<ReadOnlyTable<K, V>>())
+            .ok_or_else(|| Error::Corrupt(format!("redb table {} has another type", table.name())))
+    }
 }
 
 impl Snapshot for RedbSnapshot {
     fn get(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        dispatch!(table, get_in, &self.txn, key)
+        dispatch!(table, get_in, self, table, key)
     }
 
     fn range(&self, table: Table, lo: Bound<&[u8]>, hi: Bound<&[u8]>) -> Result<KvIter<'_>> {
@@ -198,11 +226,11 @@ impl Snapshot for RedbSnapshot {
 
 fn get_in<K: Key + Conv, V: Conv>(
     def: TableDefinition<K, V>,
-    txn: &ReadTransaction,
+    snapshot: &RedbSnapshot,
+    table: Table,
     key: &[u8],
 ) -> Result<Option<Vec<u8>>> {
-    let table = txn.open_table(def)?;
-    let got = table.get(K::decode_seam(key)?)?;
+    let got = snapshot.table(table, def)?.get(K::decode_seam(key)?)?;
     Ok(got.map(|g| V::encode_seam(&g.value())))
 }
 
