@@ -435,7 +435,13 @@ impl Segments {
         offset: u32,
         stored_len: u32,
     ) -> Result<Option<Vec<u8>>> {
-        let len = RECORD_HEADER_BYTES + stored_len as usize;
+        self.read_span(segment, offset, RECORD_HEADER_BYTES + stored_len as usize)
+    }
+
+    /// Reads `len` bytes at `offset` in segment `segment` (one record, or several adjacent
+    /// ones), from the file, the open segment's buffer, or both. `Ok(None)` as for
+    /// [`Segments::read_record`].
+    pub fn read_span(&self, segment: u64, offset: u32, len: usize) -> Result<Option<Vec<u8>>> {
         let offset = offset as u64;
         for writer in &self.writers {
             if writer.segment.load(Ordering::Acquire) == segment

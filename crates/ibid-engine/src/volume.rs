@@ -440,30 +440,99 @@ impl Prepared {
 }
 
 impl Inner {
-    /// Reads `buf.len()` bytes at `offset` (range already checked).
+    /// Reads `buf.len()` bytes at `offset` (range already checked). The records of the range's
+    /// blocks that lie close together in a segment (data written sequentially, spread over
+    /// the segment writers) are read with one read per group; a lone record, or anything
+    /// unusual (a chunk gone or moved meanwhile), goes by the block-by-block path with its
+    /// retries.
     pub(crate) fn read_range(&self, v: &VolumeState, offset: u64, buf: &mut [u8]) -> Result<()> {
         if buf.is_empty() {
             return Ok(());
         }
-        let (b0, b1) = (offset / BLOCK, (offset + buf.len() as u64).div_ceil(BLOCK));
+        let end = offset + buf.len() as u64;
+        let (b0, b1) = (offset / BLOCK, end.div_ceil(BLOCK));
         let entries = self.lookup_range(v, b0, b1)?;
+        for b in (b0..b1).filter(|b| !entries.contains_key(b)) {
+            copy_part(buf, offset, b, None);
+        }
+        let locations = self.chunk_locations(entries.values().copied())?;
         let mut block = vec![0u8; BLOCK_BYTES];
-        for b in b0..b1 {
-            let block_start = b * BLOCK;
-            let lo = offset.max(block_start);
-            let hi = (offset + buf.len() as u64).min(block_start + BLOCK);
-            let dst = &mut buf[(lo - offset) as usize..(hi - offset) as usize];
-            match entries.get(&b) {
-                None => dst.fill(0),
-                Some(&chunk) => {
-                    self.read_block(v, b, chunk, &mut block)?;
-                    dst.copy_from_slice(
-                        &block[(lo - block_start) as usize..(hi - block_start) as usize],
-                    );
+        let mut lone = Vec::new();
+        for group in read_groups(&entries, &locations, &mut lone) {
+            let (first, last) = (group[0].2, group[group.len() - 1].2);
+            let len = (last.offset as u64 + last.physical_bytes() - first.offset as u64) as usize;
+            let Some(bytes) = self.segments.read_span(first.segment, first.offset, len)? else {
+                lone.extend(group.iter().map(|&(b, id, _)| (b, id)));
+                continue;
+            };
+            for &(b, id, rec) in &group {
+                let at = (rec.offset - first.offset) as usize;
+                decode_chunk(
+                    id,
+                    &rec,
+                    &bytes[at..at + rec.physical_bytes() as usize],
+                    &mut block,
+                )?;
+                copy_part(buf, offset, b, Some(&block));
+            }
+        }
+        for (b, chunk) in lone {
+            // Located already: one read; the block-by-block path (which looks it up again)
+            // only if the chunk was not found or its segment is gone.
+            let read = match locations.get(&chunk) {
+                Some(rec) => {
+                    match self
+                        .segments
+                        .read_record(rec.segment, rec.offset, rec.stored_len)?
+                    {
+                        Some(raw) => {
+                            decode_chunk(chunk, rec, &raw, &mut block)?;
+                            true
+                        }
+                        None => false,
+                    }
+                }
+                None => false,
+            };
+            if !read {
+                self.read_block(v, b, chunk, &mut block)?;
+            }
+            copy_part(buf, offset, b, Some(&block));
+        }
+        Ok(())
+    }
+
+    /// Where each of `ids` is (those found: uncommitted records first, then one read of the
+    /// store).
+    fn chunk_locations(
+        &self,
+        ids: impl Iterator<Item = u64>,
+    ) -> Result<HashMap<u64, format::ChunkRecord>> {
+        let mut out = HashMap::new();
+        let mut stored = Vec::new();
+        for id in ids {
+            let s = self.shards[shard_of_chunk(id)].lock();
+            match s
+                .dirty
+                .new_chunks
+                .get(&id)
+                .or_else(|| s.committing.new_chunks.get(&id))
+            {
+                Some(r) => {
+                    out.insert(id, *r);
+                }
+                None => stored.push(id),
+            }
+        }
+        if !stored.is_empty() {
+            let txn = self.db.read()?;
+            for id in stored {
+                if let Some(v) = txn.get(meta::CHUNKS, &id)? {
+                    out.insert(id, format::ChunkRecord::decode(&v)?);
                 }
             }
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Compare-and-write under the stripe locks of every block it touches.
@@ -757,40 +826,7 @@ impl Inner {
         else {
             return Ok(false);
         };
-        let h = format::decode_record_header(&raw).map_err(|e| {
-            Error::Corrupt(format!(
-                "chunk {id:#x} in segment {:016x}: {e}",
-                rec.segment
-            ))
-        })?;
-        if h.chunk_id != id
-            || h.stored_len != rec.stored_len
-            || h.crc != rec.crc
-            || !format::record_crc_ok(&raw, rec.crc)
-        {
-            return Err(Error::Corrupt(format!(
-                "chunk {id:#x} in segment {:016x} at offset {}: checksum or header mismatch",
-                rec.segment, rec.offset
-            )));
-        }
-        let payload = &raw[RECORD_HEADER_BYTES..];
-        if rec.flags & RECORD_FLAG_LZ4 != 0 {
-            match lz4_flex::block::decompress_into(payload, out) {
-                Ok(n) if n == BLOCK_BYTES => {}
-                _ => {
-                    return Err(Error::Corrupt(format!(
-                        "chunk {id:#x}: bad compressed payload"
-                    )))
-                }
-            }
-        } else if payload.len() == BLOCK_BYTES {
-            out.copy_from_slice(payload);
-        } else {
-            return Err(Error::Corrupt(format!(
-                "chunk {id:#x}: payload of {} bytes",
-                payload.len()
-            )));
-        }
+        decode_chunk(id, &rec, &raw, out)?;
         Ok(true)
     }
 
@@ -1246,6 +1282,120 @@ fn memmove_steps(
 }
 
 /// A committed map value as an entry.
+/// Checks a chunk's record `raw` (header and payload, as found at `rec`) and decodes its
+/// 4 KiB block into `out`.
+fn decode_chunk(id: u64, rec: &format::ChunkRecord, raw: &[u8], out: &mut [u8]) -> Result<()> {
+    let h = format::decode_record_header(raw).map_err(|e| {
+        Error::Corrupt(format!(
+            "chunk {id:#x} in segment {:016x}: {e}",
+            rec.segment
+        ))
+    })?;
+    if h.chunk_id != id
+        || h.stored_len != rec.stored_len
+        || h.crc != rec.crc
+        || !format::record_crc_ok(raw, rec.crc)
+    {
+        return Err(Error::Corrupt(format!(
+            "chunk {id:#x} in segment {:016x} at offset {}: checksum or header mismatch",
+            rec.segment, rec.offset
+        )));
+    }
+    let payload = &raw[RECORD_HEADER_BYTES..];
+    if rec.flags & RECORD_FLAG_LZ4 != 0 {
+        match lz4_flex::block::decompress_into(payload, out) {
+            Ok(n) if n == BLOCK_BYTES => Ok(()),
+            _ => Err(Error::Corrupt(format!(
+                "chunk {id:#x}: bad compressed payload"
+            ))),
+        }
+    } else if payload.len() == BLOCK_BYTES {
+        out.copy_from_slice(payload);
+        Ok(())
+    } else {
+        Err(Error::Corrupt(format!(
+            "chunk {id:#x}: payload of {} bytes",
+            payload.len()
+        )))
+    }
+}
+
+/// Most bytes one grouped read covers.
+const READ_SPAN_BYTES_MAX: u64 = 4 << 20;
+/// Largest gap between two records that one grouped read still spans (the gap is read and
+/// thrown away: other writes' records).
+const READ_GAP_BYTES_MAX: u64 = 16 << 10;
+
+/// A block, its chunk and where the chunk's record is.
+type Located = (u64, u64, format::ChunkRecord);
+
+/// Groups the mapped blocks of a read by where their records are: each group is two or more
+/// records of one segment, in file order, each within [`READ_GAP_BYTES_MAX`] of the previous
+/// one, spanning at most [`READ_SPAN_BYTES_MAX`]. Blocks left alone (or whose chunk was not
+/// located) go to `lone` as (block, chunk).
+fn read_groups(
+    entries: &BTreeMap<u64, u64>,
+    locations: &HashMap<u64, format::ChunkRecord>,
+    lone: &mut Vec<(u64, u64)>,
+) -> Vec<Vec<Located>> {
+    let mut located: Vec<Located> = Vec::with_capacity(entries.len());
+    for (&b, &id) in entries {
+        match locations.get(&id) {
+            Some(rec) => located.push((b, id, *rec)),
+            None => lone.push((b, id)),
+        }
+    }
+    located.sort_unstable_by_key(|&(b, _, rec)| (rec.segment, rec.offset, b));
+    let mut groups: Vec<Vec<Located>> = Vec::new();
+    let mut current: Vec<Located> = Vec::new();
+    for item in located {
+        let joins = current.last().is_some_and(|&(_, _, prev)| {
+            let first = current[0].2;
+            let prev_end = prev.offset as u64 + prev.physical_bytes();
+            item.2.segment == prev.segment
+                && item.2.offset as u64 >= prev_end
+                && item.2.offset as u64 - prev_end <= READ_GAP_BYTES_MAX
+                && item.2.offset as u64 + item.2.physical_bytes() - first.offset as u64
+                    <= READ_SPAN_BYTES_MAX
+        });
+        if !joins {
+            flush_group(&mut current, &mut groups, lone);
+        }
+        current.push(item);
+    }
+    flush_group(&mut current, &mut groups, lone);
+    groups
+}
+
+/// Ends the group being built: a group of one goes to `lone`.
+fn flush_group(
+    current: &mut Vec<Located>,
+    groups: &mut Vec<Vec<Located>>,
+    lone: &mut Vec<(u64, u64)>,
+) {
+    match current.len() {
+        0 => {}
+        1 => lone.push((current[0].0, current[0].1)),
+        _ => groups.push(std::mem::take(current)),
+    }
+    current.clear();
+}
+
+/// Copies the part of block `b` (`None`: zeros) that falls in the read `[offset, offset +
+/// buf.len())` into `buf`.
+fn copy_part(buf: &mut [u8], offset: u64, b: u64, block: Option<&[u8]>) {
+    let block_start = b * BLOCK;
+    let lo = offset.max(block_start);
+    let hi = (offset + buf.len() as u64).min(block_start + BLOCK);
+    let dst = &mut buf[(lo - offset) as usize..(hi - offset) as usize];
+    match block {
+        None => dst.fill(0),
+        Some(block) => {
+            dst.copy_from_slice(&block[(lo - block_start) as usize..(hi - block_start) as usize])
+        }
+    }
+}
+
 fn entry_of(id: u64) -> Entry {
     if id == format::ZERO_TOMBSTONE {
         Entry::Zero

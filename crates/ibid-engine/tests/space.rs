@@ -420,3 +420,71 @@ fn snapshots_and_clones_share_everything_and_survive_their_sources() {
     assert_eq!(s.unique_chunks, 4096);
     pool.verify().expect("verify");
 }
+
+/// Large reads (whose records are read in groups, several per `pread`) of data that never
+/// changes stay exact while other writes churn the same segments and the cleaner relocates
+/// the live records and deletes the old segment files under the readers.
+#[test]
+fn grouped_reads_stay_exact_while_the_cleaner_moves_their_records() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // No background thread: the churn thread commits and cleans (`gc_now`), so `verify` at
+    // the end runs on a quiet pool.
+    let config = PoolConfig {
+        segment_bytes_max: 256 << 10,
+        ..quiet_config(1 << 30)
+    };
+    let pool = Arc::new(Pool::create(dir.path().join("p"), config).expect("create"));
+    let v = pool.create_volume("v", 64 << 20).expect("v");
+    // Stable blocks (even) and churned blocks (odd) interleaved, so every segment holds both.
+    const BLOCKS: u64 = 1024;
+    for b in 0..BLOCKS {
+        v.write(b * 4096, &random_block(b), false).expect("fill");
+    }
+    pool.sync().expect("sync");
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let stop = Arc::new(AtomicBool::new(false));
+    let (rounds, cleaned) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    std::thread::scope(|s| {
+        let churn = {
+            let (pool, stop) = (pool.clone(), stop.clone());
+            let (rounds, cleaned) = (rounds.clone(), cleaned.clone());
+            s.spawn(move || {
+                let v = pool.volume("v").expect("v");
+                while !stop.load(Ordering::Relaxed) {
+                    let round = rounds.load(Ordering::Relaxed) + 1;
+                    for b in (1..BLOCKS).step_by(2) {
+                        v.write(b * 4096, &random_block(round << 32 | b), false)
+                            .expect("churn");
+                    }
+                    cleaned.fetch_add(pool.gc_now().expect("gc"), Ordering::Relaxed);
+                    rounds.store(round, Ordering::Relaxed);
+                }
+            })
+        };
+        let v = pool.volume("v").expect("v");
+        let mut buf = vec![0u8; (BLOCKS * 4096) as usize];
+        // Read until the cleaner has run several times under the readers.
+        let mut reads = 0;
+        while reads < 40 || rounds.load(Ordering::Relaxed) < 5 {
+            reads += 1;
+            assert!(reads < 100_000, "the churn thread made no progress");
+            v.read(0, &mut buf).expect("read");
+            for b in (0..BLOCKS).step_by(2) {
+                let at = (b * 4096) as usize;
+                assert!(
+                    buf[at..at + 4096] == random_block(b)[..],
+                    "stable block {b} read wrong"
+                );
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        churn.join().expect("churn thread");
+    });
+    assert!(
+        cleaned.load(Ordering::Relaxed) >= 5,
+        "the cleaner cleaned only {} segments",
+        cleaned.load(Ordering::Relaxed)
+    );
+    assert!(pool.stats().garbage_bytes < 1 << 20);
+    pool.verify().expect("verify");
+}
