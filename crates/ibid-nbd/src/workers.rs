@@ -11,9 +11,10 @@ use crossbeam_channel::{Receiver, Sender};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use tracing::warn;
 
-/// Default number of worker threads: enough to keep a fast SSD's queue busy with reads and to
-/// ride out a few blocked flushes, few enough that they rarely contend on two cores.
-pub const WORKERS_DEFAULT: usize = 16;
+/// Default number of worker threads: one per request of a client at queue depth 32, so such a
+/// client's requests all run at once (measured best of 4, 8, 16 and 32 on 2 cores:
+/// docs/BENCHMARKS.md, "NBD worker threads").
+pub const WORKERS_DEFAULT: usize = 32;
 
 /// One unit of work: a backend call and the queuing of its reply.
 pub(crate) type Job = Box<dyn FnOnce() + Send + 'static>;
