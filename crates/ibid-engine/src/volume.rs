@@ -1281,7 +1281,6 @@ fn memmove_steps(
     steps
 }
 
-/// A committed map value as an entry.
 /// Checks a chunk's record `raw` (header and payload, as found at `rec`) and decodes its
 /// 4 KiB block into `out`.
 fn decode_chunk(id: u64, rec: &format::ChunkRecord, raw: &[u8], out: &mut [u8]) -> Result<()> {
@@ -1396,6 +1395,7 @@ fn copy_part(buf: &mut [u8], offset: u64, b: u64, block: Option<&[u8]>) {
     }
 }
 
+/// A committed map value as an entry.
 fn entry_of(id: u64) -> Entry {
     if id == format::ZERO_TOMBSTONE {
         Entry::Zero

@@ -145,8 +145,8 @@ fn create_table<K: Key + Conv, V: Conv>(
 impl MetaStore for RedbStore {
     fn snapshot(&self) -> Result<Box<dyn Snapshot + '_>> {
         Ok(Box::new(RedbSnapshot {
-            txn: self.db.begin_read()?,
             tables: Default::default(),
+            txn: self.db.begin_read()?,
         }))
     }
 
@@ -188,11 +188,11 @@ fn apply_ops<K: Key + Conv, V: Conv>(
 }
 
 struct RedbSnapshot {
-    txn: ReadTransaction,
     /// Tables opened so far, by [`Table::index`] (each a `ReadOnlyTable<K, V>`): opening a
     /// table looks it up in redb's table tree and checks its types, which cost more than the
-    /// point lookup itself when done per get.
+    /// point lookup itself when done per get. Declared first, so dropped before `txn`.
     tables: [OnceCell<Box<dyn Any>>; TABLES],
+    txn: ReadTransaction,
 }
 
 impl RedbSnapshot {
