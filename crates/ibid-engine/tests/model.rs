@@ -218,7 +218,10 @@ impl Harness {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = PoolConfig {
             capacity_bytes: Some(1 << 30),
-            segment_bytes_max: 256 << 10,
+            // Small segments (many seals, much cleaning) without the background thread; with
+            // it, segments larger than a writer's 1 MiB buffer, so full buffers are written
+            // between syncs and records straddle the pages written so far.
+            segment_bytes_max: if background { 4 << 20 } else { 256 << 10 },
             background,
             background_interval_ms: 20,
             // Most aligned copies go through frames (the default keeps them for >= 1 MiB).
