@@ -480,18 +480,7 @@ impl Inner {
             // Located already: one read; the block-by-block path (which looks it up again)
             // only if the chunk was not found or its segment is gone.
             let read = match locations.get(&chunk) {
-                Some(rec) => {
-                    match self
-                        .segments
-                        .read_record(rec.segment, rec.offset, rec.stored_len)?
-                    {
-                        Some(raw) => {
-                            decode_chunk(chunk, rec, &raw, &mut block)?;
-                            true
-                        }
-                        None => false,
-                    }
-                }
+                Some(rec) => self.read_located(chunk, rec, &mut block)?,
                 None => false,
             };
             if !read {
@@ -511,15 +500,9 @@ impl Inner {
         let mut out = HashMap::new();
         let mut stored = Vec::new();
         for id in ids {
-            let s = self.shards[shard_of_chunk(id)].lock();
-            match s
-                .dirty
-                .new_chunks
-                .get(&id)
-                .or_else(|| s.committing.new_chunks.get(&id))
-            {
+            match self.uncommitted_location(id) {
                 Some(r) => {
-                    out.insert(id, *r);
+                    out.insert(id, r);
                 }
                 None => stored.push(id),
             }
@@ -798,16 +781,8 @@ impl Inner {
 
     /// Where a chunk is: uncommitted records first, then the store. `None` if it is gone.
     fn chunk_location(&self, id: u64) -> Result<Option<format::ChunkRecord>> {
-        {
-            let s = self.shards[shard_of_chunk(id)].lock();
-            if let Some(r) = s
-                .dirty
-                .new_chunks
-                .get(&id)
-                .or_else(|| s.committing.new_chunks.get(&id))
-            {
-                return Ok(Some(*r));
-            }
+        if let Some(r) = self.uncommitted_location(id) {
+            return Ok(Some(r));
         }
         match self.db.read()?.get(meta::CHUNKS, &id)? {
             Some(v) => Ok(Some(format::ChunkRecord::decode(&v)?)),
@@ -815,18 +790,34 @@ impl Inner {
         }
     }
 
+    /// Where a chunk created since the last commit is (`None` for committed chunks).
+    fn uncommitted_location(&self, id: u64) -> Option<format::ChunkRecord> {
+        let s = self.shards[shard_of_chunk(id)].lock();
+        s.dirty
+            .new_chunks
+            .get(&id)
+            .or_else(|| s.committing.new_chunks.get(&id))
+            .copied()
+    }
+
     /// Reads and verifies chunk `id` into `out` (4 KiB). `Ok(false)` if the chunk is gone.
     pub(crate) fn read_chunk(&self, id: u64, out: &mut [u8]) -> Result<bool> {
-        let Some(rec) = self.chunk_location(id)? else {
-            return Ok(false);
-        };
+        match self.chunk_location(id)? {
+            Some(rec) => self.read_located(id, &rec, out),
+            None => Ok(false),
+        }
+    }
+
+    /// Reads and verifies chunk `id`, whose record is at `rec`, into `out`. `Ok(false)` if its
+    /// segment is gone (cleaned: the caller looks the chunk up again).
+    fn read_located(&self, id: u64, rec: &format::ChunkRecord, out: &mut [u8]) -> Result<bool> {
         let Some(raw) = self
             .segments
             .read_record(rec.segment, rec.offset, rec.stored_len)?
         else {
             return Ok(false);
         };
-        decode_chunk(id, &rec, &raw, out)?;
+        decode_chunk(id, rec, &raw, out)?;
         Ok(true)
     }
 
