@@ -6,6 +6,10 @@
 //! runs and the spread (min–max), next to the goal. `--quick` shrinks every size so the whole
 //! command runs in seconds (the integration test uses it so the command cannot rot).
 
+/// mimalloc, tuned by [`ibid_engine::allocator::tune`] (see `allocator.rs` for why).
+#[global_allocator]
+static GLOBAL: ibid_engine::allocator::Allocator = ibid_engine::allocator::Allocator;
+
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use ibid_engine::{Pool, PoolConfig, Volume};
@@ -119,6 +123,7 @@ impl Settings {
 }
 
 fn main() -> Result<()> {
+    ibid_engine::allocator::tune();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Engine(a) => engine(&a),

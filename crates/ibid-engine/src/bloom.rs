@@ -3,9 +3,13 @@
 //! The index itself (fingerprint → chunk) lives in the metadata store; this filter answers
 //! "certainly absent" without touching it, so writing unique data costs no index read. It is
 //! only a hint: a false positive costs one lookup, and a missing filter (`ready == false`, while
-//! it is rebuilt after open) just means every lookup goes to the store.
+//! it is rebuilt after open) just means every lookup goes to the store. A filter that grows is
+//! rebuilt beside the one it replaces, which answers for the older fingerprints until the new
+//! one is complete, so growing never sends every lookup to the store.
 
+use parking_lot::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Bits per expected entry: ~1 % false positives with [`HASHES`] probes.
 pub const BITS_PER_ENTRY: u64 = 10;
@@ -18,6 +22,9 @@ pub struct Bloom {
     bits: u64,
     capacity: u64,
     ready: AtomicBool,
+    /// While not ready: the filter this one replaces, which holds every fingerprint inserted
+    /// before this one was installed. Dropped when this one is ready.
+    previous: RwLock<Option<Arc<Bloom>>>,
 }
 
 impl Bloom {
@@ -31,7 +38,16 @@ impl Bloom {
             bits,
             capacity,
             ready: AtomicBool::new(ready),
+            previous: RwLock::new(None),
         }
+    }
+
+    /// An empty filter sized for `capacity` fingerprints, to be filled in the background while
+    /// `previous` (the filter it replaces) answers for the fingerprints inserted before it.
+    pub fn growing_from(capacity: u64, previous: Arc<Bloom>) -> Self {
+        let bloom = Bloom::with_capacity(capacity, false);
+        *bloom.previous.write() = Some(previous);
+        bloom
     }
 
     /// The number of fingerprints the filter was sized for.
@@ -44,9 +60,11 @@ impl Bloom {
         self.bits / 8
     }
 
-    /// Marks the filter complete: from now on `may_contain == false` is trusted.
+    /// Marks the filter complete: from now on `may_contain == false` is trusted, and the
+    /// filter it replaces is released.
     pub fn set_ready(&self) {
         self.ready.store(true, Ordering::Release);
+        self.previous.write().take();
     }
 
     fn probes(&self, fp: &[u8; 32]) -> impl Iterator<Item = u64> + '_ {
@@ -65,11 +83,22 @@ impl Bloom {
         }
     }
 
-    /// False only if the fingerprint was certainly never inserted (and the filter is ready).
+    /// False only if the fingerprint was certainly never inserted: in this filter once it is
+    /// ready; before, in neither this filter nor the one it replaces (if it has one).
     pub fn may_contain(&self, fp: &[u8; 32]) -> bool {
         if !self.ready.load(Ordering::Acquire) {
-            return true;
+            return match &*self.previous.read() {
+                Some(previous) => previous.may_contain(fp) || self.holds(fp),
+                // Ready meanwhile (`set_ready` sets the flag before dropping `previous`).
+                None if self.ready.load(Ordering::Acquire) => self.holds(fp),
+                None => true,
+            };
         }
+        self.holds(fp)
+    }
+
+    /// Whether every bit of `fp` is set in this filter.
+    fn holds(&self, fp: &[u8; 32]) -> bool {
         self.probes(fp).all(|bit| {
             self.words[(bit / 64) as usize].load(Ordering::Relaxed) & (1 << (bit % 64)) != 0
         })
@@ -95,5 +124,36 @@ mod tests {
             false_positives < 2_000,
             "{false_positives} false positives in 100k"
         );
+    }
+
+    /// A growing filter answers from the one it replaces until it is ready, then from itself
+    /// alone: no fingerprint inserted in either is ever reported absent, and unknown ones are
+    /// (not "maybe", as a filter under construction without a predecessor must answer).
+    #[test]
+    fn a_growing_filter_answers_from_its_predecessor_until_ready() {
+        let fp = |i: u64| *blake3::hash(&i.to_le_bytes()).as_bytes();
+        let old = Arc::new(Bloom::with_capacity(1_000, true));
+        for i in 0..1_000 {
+            old.insert(&fp(i));
+        }
+        let new = Bloom::growing_from(10_000, old.clone());
+        for i in 1_000..2_000 {
+            new.insert(&fp(i));
+        }
+        assert!((0..2_000).all(|i| new.may_contain(&fp(i))));
+        let unknown = (2_000..12_000).filter(|&i| new.may_contain(&fp(i))).count();
+        assert!(unknown < 1_000, "{unknown} of 10k unknown reported present");
+        // The rebuild's scan fills in the older fingerprints, then the filter is ready and
+        // lets its predecessor go.
+        for i in 0..1_000 {
+            new.insert(&fp(i));
+        }
+        new.set_ready();
+        assert_eq!(Arc::strong_count(&old), 1);
+        assert!((0..2_000).all(|i| new.may_contain(&fp(i))));
+        let unknown = (2_000..12_000).filter(|&i| new.may_contain(&fp(i))).count();
+        assert!(unknown < 300, "{unknown} of 10k unknown reported present");
+        let fresh = Bloom::with_capacity(10_000, false);
+        assert!(fresh.may_contain(&fp(5_000)));
     }
 }

@@ -16,6 +16,8 @@
 //! ```
 #![deny(clippy::unwrap_used)]
 
+#[cfg(feature = "mimalloc")]
+pub mod allocator;
 mod bloom;
 mod commit;
 pub mod config;

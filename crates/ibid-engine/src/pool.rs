@@ -14,11 +14,12 @@ use crate::stats::PoolStats;
 use crate::store::{Reader, Store};
 use crate::volume::Volume;
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -81,19 +82,20 @@ pub(crate) struct VolumeMap {
     pub record_dirty: bool,
 }
 
-/// Uncommitted chunk-level changes of one dedup shard.
+/// Uncommitted chunk-level changes of one dedup shard. Fx hashing: the keys are chunk ids and
+/// BLAKE3 fingerprints, and these maps see a few operations per block written.
 #[derive(Default)]
 pub(crate) struct ShardBatch {
-    pub new_chunks: HashMap<u64, ChunkRecord>,
-    pub fps: HashMap<[u8; 32], u64>,
-    pub deltas: HashMap<u64, i64>,
+    pub new_chunks: FxHashMap<u64, ChunkRecord>,
+    pub fps: FxHashMap<[u8; 32], u64>,
+    pub deltas: FxHashMap<u64, i64>,
 }
 
 pub(crate) struct ShardState {
     pub dirty: ShardBatch,
     pub committing: Arc<ShardBatch>,
     /// Fingerprints whose chunk died in a commit not yet visible to readers of the store.
-    pub dead_fps: HashSet<[u8; 32]>,
+    pub dead_fps: FxHashSet<[u8; 32]>,
 }
 
 /// Committed counters, owned by the committer.
@@ -143,6 +145,11 @@ pub(crate) struct Inner {
     pub reserve_lock: Mutex<()>,
     pub meta_bytes: AtomicU64,
     pub dirty_blocks: AtomicU64,
+    /// Writes preparing whole blocks right now (see `write_range`): a large write spreads its
+    /// blocks over the helper threads only while fewer writes than cores are busy.
+    pub preparing: AtomicUsize,
+    /// CPU cores available to the process.
+    pub cores: usize,
     pub failed: Mutex<Option<String>>,
     pub soft_warned: AtomicBool,
     /// Orphan chunks may need freeing: the next commit runs even with nothing else to do.
@@ -366,7 +373,7 @@ impl Pool {
                 Mutex::new(ShardState {
                     dirty: ShardBatch::default(),
                     committing: Arc::new(ShardBatch::default()),
-                    dead_fps: HashSet::new(),
+                    dead_fps: FxHashSet::default(),
                 })
             })
             .collect();
@@ -414,6 +421,8 @@ impl Pool {
             cut: AtomicU64::new(record.commits),
             committed: AtomicU64::new(record.commits),
             chunk_seq: AtomicU64::new(record.next_chunk_seq),
+            preparing: AtomicUsize::new(0),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             capacity_bytes: AtomicU64::new(record.capacity_bytes),
             soft_threshold_pct: AtomicU64::new(record.soft_threshold_pct),
             live_bytes: AtomicU64::new(record.live_bytes),
@@ -876,8 +885,12 @@ impl Inner {
     /// makes sure every older chunk is in the index snapshot the scan reads.
     pub(crate) fn rebuild_bloom(&self) -> Result<()> {
         let capacity = bloom_capacity(self.live_chunks.load(Ordering::Relaxed));
-        let bloom = Arc::new(Bloom::with_capacity(capacity, false));
-        *self.bloom.write() = bloom.clone();
+        let bloom = {
+            let mut current = self.bloom.write();
+            let bloom = Arc::new(Bloom::growing_from(capacity, current.clone()));
+            *current = bloom.clone();
+            bloom
+        };
         self.commit()?;
         let txn = self.db.read()?;
         for item in txn.iter(meta::FPS)? {

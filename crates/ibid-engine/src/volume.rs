@@ -16,6 +16,7 @@ use crate::stack::{Found, Resolved};
 use crate::stats::VolumeSpace;
 use crate::store::{ReadTxn, Reader};
 use parking_lot::MutexGuard;
+use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -49,6 +50,19 @@ pub enum ExtentKind {
 pub struct Volume {
     inner: Arc<Inner>,
     state: Arc<VolumeState>,
+}
+
+/// Whole blocks from which one write prepares its blocks on several threads (rayon's pool, one
+/// thread per core), when fewer writes than cores are preparing blocks: hashing and compressing
+/// a 1 MiB write then uses every core instead of one. With more writes in flight, each stays on
+/// its own thread (the cores are busy already, and a hand-off would only add latency).
+const PARALLEL_BLOCKS_MIN: u64 = 64;
+
+thread_local! {
+    /// Each writing thread's output buffer for LZ4 attempts (one block's worst case), so that
+    /// compressing a block allocates nothing.
+    static LZ4_SCRATCH: std::cell::RefCell<Vec<u8>> =
+        std::cell::RefCell::new(vec![0; lz4_flex::block::get_maximum_output_size(BLOCK_BYTES)]);
 }
 
 fn all_zero(b: &[u8]) -> bool {
@@ -855,18 +869,45 @@ impl Inner {
             return Ok(());
         }
         let stamp = self.cut.load(Ordering::Acquire) + 1;
-        let mut prepared = Vec::with_capacity((f1 - f0) as usize);
-        let mut failure = None;
-        for b in f0..f1 {
+        let prepare = |b: u64| {
             let start = (b * BLOCK - offset) as usize;
-            match self.prepare_block(v, &data[start..start + BLOCK_BYTES], stamp) {
-                Ok(entry) => prepared.push(Prepared { block: b, entry }),
-                Err(e) => {
-                    failure = Some(e);
+            self.prepare_block(v, &data[start..start + BLOCK_BYTES], stamp)
+        };
+        let busy = self.preparing.fetch_add(1, Ordering::AcqRel) + 1;
+        let results: Vec<Result<Entry>> = if f1 - f0 >= PARALLEL_BLOCKS_MIN && busy < self.cores {
+            (0..(f1 - f0) as usize)
+                .into_par_iter()
+                .with_min_len(PARALLEL_BLOCKS_MIN as usize / 2)
+                .map(|i| prepare(f0 + i as u64))
+                .collect()
+        } else {
+            let mut results = Vec::with_capacity((f1 - f0) as usize);
+            for b in f0..f1 {
+                let r = prepare(b);
+                let failed = r.is_err();
+                results.push(r);
+                if failed {
                     break;
                 }
             }
+            results
+        };
+        self.preparing.fetch_sub(1, Ordering::AcqRel);
+        // Install the blocks before the first failure; give back the references the blocks
+        // prepared after it (in parallel) took.
+        let mut prepared = Vec::with_capacity(results.len());
+        let mut failure = None;
+        let mut unused = Vec::new();
+        for (b, r) in (f0..).zip(results) {
+            match (r, &failure) {
+                (Ok(entry), None) => prepared.push(Prepared { block: b, entry }),
+                (Ok(Entry::Data(id)), Some(_)) => unused.push(id),
+                (Ok(Entry::Zero), Some(_)) => {}
+                (Err(e), None) => failure = Some(e),
+                (Err(_), Some(_)) => {}
+            }
         }
+        self.release(&unused);
         self.install(v, f0, f1, prepared, false)?;
         failure.map_or(Ok(()), Err)
     }
@@ -901,13 +942,24 @@ impl Inner {
                 return Ok(Entry::Data(id));
             }
         }
-        // A new block: compress without holding the shard, then look again in case another
-        // writer stored the same block meanwhile.
-        let compressed = lz4_flex::block::compress(block);
-        let (flags, payload) = if compressed.len() < BLOCK_BYTES {
-            (RECORD_FLAG_LZ4, &compressed[..])
-        } else {
-            (0, block)
+        LZ4_SCRATCH.with_borrow_mut(|scratch| self.store_new_block(v, block, fp, stamp, scratch))
+    }
+
+    /// [`Self::prepare_block`] for a block no stored chunk matched: compresses it (into
+    /// `scratch`, without holding the shard), looks again in case another writer stored the
+    /// same block meanwhile, and appends it as a new chunk.
+    fn store_new_block(
+        &self,
+        v: &VolumeState,
+        block: &[u8],
+        fp: [u8; 32],
+        stamp: u64,
+        scratch: &mut [u8],
+    ) -> Result<Entry> {
+        let shard = fp[0] as usize % SHARDS;
+        let (flags, payload) = match lz4_flex::block::compress_into(block, scratch) {
+            Ok(n) if n < BLOCK_BYTES => (RECORD_FLAG_LZ4, &scratch[..n]),
+            _ => (0, block),
         };
         let mut s = self.shards[shard].lock();
         if let Some(id) = self.find_duplicate(&s, &fp)? {

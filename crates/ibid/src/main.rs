@@ -9,6 +9,10 @@ mod nbd_exports;
 mod serve;
 mod units;
 
+/// mimalloc, tuned by [`ibid_engine::allocator::tune`] (see `allocator.rs` for why).
+#[global_allocator]
+static GLOBAL: ibid_engine::allocator::Allocator = ibid_engine::allocator::Allocator;
+
 use clap::{Args, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -101,6 +105,7 @@ fn parse_volume_arg(s: &str) -> Result<(String, u64), String> {
 }
 
 fn main() -> ExitCode {
+    ibid_engine::allocator::tune();
     match Cli::parse().command {
         Command::Client(command) => cli::run(command),
         Command::Serve(args) => match run_serve(args) {
