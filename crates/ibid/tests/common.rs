@@ -93,6 +93,11 @@ impl Server {
         )
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     /// The pool directory.
     pub fn pool_dir(&self) -> PathBuf {
         self.dir.path().join("pool")

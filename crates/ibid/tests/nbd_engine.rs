@@ -158,6 +158,50 @@ fn qemu_io_write_zero_discard_and_nbdinfo() {
 fn fio_nbd_verify_crc32c() {
     require("fio");
     let srv = Server::start(&["--volume", "f=64M", "--no-default-volume"]);
+    fio_verify(&srv);
+}
+
+/// `--nbd-workers 1`: the server runs exactly one NBD worker thread, and a client with 16
+/// requests in flight still gets every one answered correctly (they queue for it). Zero
+/// workers is refused before anything starts.
+#[test]
+fn nbd_workers_flag_sets_the_pool_size() {
+    require("fio");
+    let srv = Server::start(&[
+        "--volume",
+        "f=64M",
+        "--no-default-volume",
+        "--nbd-workers",
+        "1",
+    ]);
+    let names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", srv.pid()))
+        .expect("tasks")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .filter(|c| c.starts_with("ibid-nbd-"))
+        .collect();
+    assert_eq!(names, vec!["ibid-nbd-0".to_string()]);
+    fio_verify(&srv);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let refused = output(
+        env!("CARGO_BIN_EXE_ibid"),
+        &[
+            "serve",
+            "--data",
+            &dir.path().join("pool").display().to_string(),
+            "--nbd-workers",
+            "0",
+        ],
+    );
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("--nbd-workers"), "{err}");
+    assert!(!dir.path().join("pool").exists());
+}
+
+/// Random 4 KiB writes at queue depth 16 over the export `f` (32 MiB of it) with fio's crc32c
+/// verification.
+fn fio_verify(srv: &Server) {
     let port = srv.nbd.rsplit(':').next().expect("port");
     let work = tempfile::tempdir().expect("tempdir");
     let out = run(
