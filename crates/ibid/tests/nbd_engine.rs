@@ -174,6 +174,9 @@ fn nbd_workers_flag_sets_the_pool_size() {
         "--nbd-workers",
         "1",
     ]);
+    fio_verify(&srv);
+    // Checked once requests were served: the pool starts beside the listener, not before the
+    // server prints its address.
     let names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", srv.pid()))
         .expect("tasks")
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
@@ -181,7 +184,6 @@ fn nbd_workers_flag_sets_the_pool_size() {
         .filter(|c| c.starts_with("ibid-nbd-"))
         .collect();
     assert_eq!(names, vec!["ibid-nbd-0".to_string()]);
-    fio_verify(&srv);
     let dir = tempfile::tempdir().expect("tempdir");
     let refused = output(
         env!("CARGO_BIN_EXE_ibid"),
