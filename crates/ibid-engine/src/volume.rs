@@ -58,6 +58,27 @@ pub struct Volume {
 /// its own thread (the cores are busy already, and a hand-off would only add latency).
 const PARALLEL_BLOCKS_MIN: u64 = 64;
 
+/// One write counted in `Inner::preparing` while it prepares blocks (uncounted when dropped,
+/// also by a panic).
+struct Preparing<'a> {
+    counter: &'a std::sync::atomic::AtomicUsize,
+    /// Writes preparing, this one included, when it entered.
+    count: usize,
+}
+
+impl<'a> Preparing<'a> {
+    fn enter(counter: &'a std::sync::atomic::AtomicUsize) -> Self {
+        let count = counter.fetch_add(1, Ordering::AcqRel) + 1;
+        Preparing { counter, count }
+    }
+}
+
+impl Drop for Preparing<'_> {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 thread_local! {
     /// Each writing thread's output buffer for LZ4 attempts (one block's worst case), so that
     /// compressing a block allocates nothing.
@@ -873,26 +894,27 @@ impl Inner {
             let start = (b * BLOCK - offset) as usize;
             self.prepare_block(v, &data[start..start + BLOCK_BYTES], stamp)
         };
-        let busy = self.preparing.fetch_add(1, Ordering::AcqRel) + 1;
-        let results: Vec<Result<Entry>> = if f1 - f0 >= PARALLEL_BLOCKS_MIN && busy < self.cores {
-            (0..(f1 - f0) as usize)
-                .into_par_iter()
-                .with_min_len(PARALLEL_BLOCKS_MIN as usize / 2)
-                .map(|i| prepare(f0 + i as u64))
-                .collect()
-        } else {
-            let mut results = Vec::with_capacity((f1 - f0) as usize);
-            for b in f0..f1 {
-                let r = prepare(b);
-                let failed = r.is_err();
-                results.push(r);
-                if failed {
-                    break;
+        let busy = Preparing::enter(&self.preparing);
+        let results: Vec<Result<Entry>> =
+            if f1 - f0 >= PARALLEL_BLOCKS_MIN && busy.count < self.cores {
+                (0..(f1 - f0) as usize)
+                    .into_par_iter()
+                    .with_min_len(PARALLEL_BLOCKS_MIN as usize / 2)
+                    .map(|i| prepare(f0 + i as u64))
+                    .collect()
+            } else {
+                let mut results = Vec::with_capacity((f1 - f0) as usize);
+                for b in f0..f1 {
+                    let r = prepare(b);
+                    let failed = r.is_err();
+                    results.push(r);
+                    if failed {
+                        break;
+                    }
                 }
-            }
-            results
-        };
-        self.preparing.fetch_sub(1, Ordering::AcqRel);
+                results
+            };
+        drop(busy);
         // Install the blocks before the first failure; give back the references the blocks
         // prepared after it (in parallel) took.
         let mut prepared = Vec::with_capacity(results.len());
