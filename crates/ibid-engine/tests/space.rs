@@ -488,3 +488,46 @@ fn grouped_reads_stay_exact_while_the_cleaner_moves_their_records() {
     assert!(pool.stats().garbage_bytes < 1 << 20);
     pool.verify().expect("verify");
 }
+
+/// One large write of unique data (its blocks prepared on several threads) that runs out of
+/// space part way: the blocks before the first failed one are installed and read back, every
+/// later one reads as zeros, and no chunk keeps a reference the map does not hold (blocks
+/// prepared after the failure give theirs back): verify counts exactly the installed chunks,
+/// and deleting the volume frees them all.
+#[test]
+fn a_large_write_that_runs_out_of_space_leaves_no_stray_references() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(u64::MAX)).expect("create");
+    let meta = pool.stats().metadata_bytes;
+    drop(pool);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(meta + (2 << 20))).expect("create");
+    let v = pool.create_volume("v", 64 << 20).expect("v");
+    let blocks = 1024u64;
+    let data: Vec<u8> = (0..blocks).flat_map(random_block).collect();
+    let err = v
+        .write(0, &data, false)
+        .expect_err("4 MiB cannot fit in 2 MiB");
+    assert!(matches!(err, Error::NoSpace), "got {err:?}");
+    pool.sync().expect("sync");
+    let mut buf = vec![0u8; 4096];
+    let mut installed = 0u64;
+    for b in 0..blocks {
+        v.read(b * 4096, &mut buf).expect("read");
+        if buf == random_block(b) {
+            assert_eq!(installed, b, "block {b} installed after a missing one");
+            installed += 1;
+        } else {
+            assert!(buf.iter().all(|&x| x == 0), "block {b} holds other data");
+        }
+    }
+    assert!(installed < blocks);
+    let report = pool.verify().expect("verify");
+    assert_eq!(report.chunks, installed);
+    assert_eq!(report.orphans, 0);
+    drop(v);
+    pool.delete_volume("v").expect("delete");
+    pool.gc_now().expect("gc");
+    let s = pool.stats();
+    assert_eq!((s.unique_chunks, s.physical_bytes), (0, 0));
+}
