@@ -964,10 +964,12 @@ impl Inner {
                 return Ok(Entry::Data(id));
             }
         }
-        LZ4_SCRATCH.with_borrow_mut(|scratch| self.store_new_block(v, block, fp, stamp, scratch))
+        LZ4_SCRATCH
+            .with_borrow_mut(|scratch| self.store_new_block(v, block, fp, shard, stamp, scratch))
     }
 
-    /// [`Self::prepare_block`] for a block no stored chunk matched: compresses it (into
+    /// [`Self::prepare_block`] for a block no stored chunk matched (`shard`: its fingerprint's
+    /// shard): compresses it (into
     /// `scratch`, without holding the shard), looks again in case another writer stored the
     /// same block meanwhile, and appends it as a new chunk.
     fn store_new_block(
@@ -975,10 +977,10 @@ impl Inner {
         v: &VolumeState,
         block: &[u8],
         fp: [u8; 32],
+        shard: usize,
         stamp: u64,
         scratch: &mut [u8],
     ) -> Result<Entry> {
-        let shard = fp[0] as usize % SHARDS;
         let (flags, payload) = match lz4_flex::block::compress_into(block, scratch) {
             Ok(n) if n < BLOCK_BYTES => (RECORD_FLAG_LZ4, &scratch[..n]),
             _ => (0, block),

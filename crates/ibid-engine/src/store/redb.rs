@@ -18,7 +18,7 @@ use super::{Batch, KvIter, MetaStore, Snapshot, Table, TableOps, TABLES};
 use crate::error::{Error, Result};
 use ::redb::{
     Database, Key, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable,
-    TableDefinition, Value,
+    TableDefinition, TableHandle, Value,
 };
 use parking_lot::RwLock;
 use std::any::Any;
@@ -170,9 +170,7 @@ fn migrate_array_keys<const N: usize>(
     new: TableDefinition<&[u8], u64>,
 ) -> Result<()> {
     let txn = db.begin_write()?;
-    let exists = txn
-        .list_tables()?
-        .any(|t| ::redb::TableHandle::name(&t) == ::redb::TableHandle::name(&old));
+    let exists = txn.list_tables()?.any(|t| t.name() == old.name());
     if !exists {
         return Ok(());
     }
@@ -190,7 +188,7 @@ fn migrate_array_keys<const N: usize>(
     txn.commit()?;
     tracing::info!(
         "metadata: moved {moved} entries of table {} to byte-string keys",
-        ::redb::TableHandle::name(&old)
+        old.name()
     );
     Ok(())
 }
@@ -370,10 +368,7 @@ mod tests {
         }
         let db = Database::open(dir.path().join(FILE))?;
         let txn = db.begin_read()?;
-        let names: Vec<String> = txn
-            .list_tables()?
-            .map(|t| ::redb::TableHandle::name(&t).to_string())
-            .collect();
+        let names: Vec<String> = txn.list_tables()?.map(|t| t.name().to_string()).collect();
         assert!(names.iter().all(|n| n != "map" && n != "fps"), "{names:?}");
         assert!(names.iter().any(|n| n == "map.bytes"), "{names:?}");
         Ok(())
