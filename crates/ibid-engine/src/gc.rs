@@ -51,9 +51,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         }
         let bloom = inner.bloom();
         if inner.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
-            if let Err(e) = inner.rebuild_bloom() {
-                tracing::warn!("grow dedup filter: {e}");
-            }
+            inner.spawn_filter_work(false);
         }
         for _ in 0..CLEAN_PER_WAKE_MAX {
             if stop.load(Ordering::Acquire) {

@@ -157,7 +157,8 @@ pub(crate) struct Inner {
     /// Bumped whenever a volume is created or deleted.
     pub catalog_generation: AtomicU64,
     pub background: Mutex<Option<Background>>,
-    /// Rebuilds the dedup filter and the layer filters after the pool opens.
+    /// The filter thread (`ibid-filters`): rebuilds the dedup filter after the pool opens and
+    /// whenever the pool outgrows it, and builds the layer filters after the pool opens.
     pub rebuild_thread: Mutex<Option<JoinHandle<()>>>,
     pub wake: (Mutex<bool>, Condvar),
     _lock_file: File,
@@ -485,20 +486,7 @@ impl Pool {
     /// background thread. Until each is done, every lookup it would spare consults the
     /// store (results stay exact; they are only slower).
     fn rebuild_filters_async(&self) {
-        let weak = Arc::downgrade(&self.inner);
-        let thread = std::thread::Builder::new()
-            .name("ibid-filters".into())
-            .spawn(move || {
-                if let Some(inner) = weak.upgrade() {
-                    if let Err(e) = inner.rebuild_bloom() {
-                        tracing::warn!("rebuild dedup filter: {e}");
-                    }
-                    if let Err(e) = inner.build_layer_filters() {
-                        tracing::warn!("build layer filters: {e}");
-                    }
-                }
-            });
-        *self.inner.rebuild_thread.lock() = thread.ok();
+        self.inner.spawn_filter_work(true);
     }
 
     /// Stops the background thread, commits everything, and closes the pool.
@@ -799,11 +787,13 @@ impl Drop for Inner {
     }
 }
 
-/// Fingerprints the dedup filter is sized for, given the chunks stored: 25 % headroom, so the
-/// filter costs about 1.25 × 10 bits ≈ 1.6 bytes per unique block, and is rebuilt larger when
-/// the pool outgrows it.
+/// Fingerprints the dedup filter is sized for, given the chunks stored: 50 % headroom, so the
+/// filter costs 1.5 × 10 bits ≈ 1.9 bytes per unique block when built and 1.25 bytes when the
+/// pool has grown into it; it is then rebuilt larger. Each rebuild scans the whole index, so
+/// the headroom sets the scanning cost of growth: every fingerprint is read about 3 times
+/// while a pool fills (1 / (1 − 1/1.5)), where 25 % headroom read it 5 times.
 fn bloom_capacity(live_chunks: u64) -> u64 {
-    live_chunks.saturating_add(live_chunks / 4)
+    live_chunks.saturating_add(live_chunks / 2)
 }
 
 /// Whether `used` bytes reach `pct` percent of `capacity`.
@@ -880,6 +870,44 @@ impl Inner {
         self.bloom.read().clone()
     }
 
+    /// Runs a dedup filter rebuild (and with `layers`, the layer filters' builds) on the
+    /// filter thread, `ibid-filters`, unless that thread is still busy with the previous one.
+    /// Not on the background thread: the scan reads the whole index, and commits would wait
+    /// for it. Returns whether it started.
+    pub(crate) fn spawn_filter_work(self: &Arc<Self>, layers: bool) -> bool {
+        let mut slot = self.rebuild_thread.lock();
+        if slot.as_ref().is_some_and(|t| !t.is_finished()) {
+            return false;
+        }
+        if let Some(done) = slot.take() {
+            let _ = done.join();
+        }
+        let weak = Arc::downgrade(self);
+        let thread = std::thread::Builder::new()
+            .name("ibid-filters".into())
+            .spawn(move || {
+                let Some(inner) = weak.upgrade() else { return };
+                if let Err(e) = inner.rebuild_bloom() {
+                    tracing::warn!("rebuild dedup filter: {e}");
+                }
+                if layers {
+                    if let Err(e) = inner.build_layer_filters() {
+                        tracing::warn!("build layer filters: {e}");
+                    }
+                }
+            });
+        match thread {
+            Ok(t) => {
+                *slot = Some(t);
+                true
+            }
+            Err(e) => {
+                tracing::warn!("start the filter thread: {e}");
+                false
+            }
+        }
+    }
+
     /// Replaces the filter with one sized for the current chunk count and fills it from the
     /// index. New chunks go into the new filter as soon as it is installed; a commit right after
     /// makes sure every older chunk is in the index snapshot the scan reads.
@@ -892,11 +920,18 @@ impl Inner {
             bloom
         };
         self.commit()?;
+        let t0 = std::time::Instant::now();
         let txn = self.db.read()?;
-        for item in txn.iter(meta::FPS)? {
-            bloom.insert(&item?.0);
-        }
+        let mut filled = 0u64;
+        txn.for_each_key(meta::FPS, |fp| {
+            bloom.insert(&fp);
+            filled += 1;
+        })?;
         bloom.set_ready();
+        tracing::debug!(
+            "dedup filter: {filled} fingerprints into a filter for {capacity} in {:.1} ms",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
         Ok(())
     }
 

@@ -126,6 +126,14 @@ pub trait Snapshot {
     fn get(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>>;
     /// Entries of `table` with keys in `(lo, hi)`, in key order.
     fn range(&self, table: Table, lo: Bound<&[u8]>, hi: Bound<&[u8]>) -> Result<KvIter<'_>>;
+    /// Calls `f` with every key of `table`, in key order. A backend may lend its own bytes
+    /// instead of copying each pair out as [`Snapshot::range`] does.
+    fn for_each_key(&self, table: Table, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        for item in self.range(table, Bound::Unbounded, Bound::Unbounded)? {
+            f(&item?.0)?;
+        }
+        Ok(())
+    }
 }
 
 /// Byte encoding of a key or value type. Integers are big-endian, so byte order is numeric
@@ -414,6 +422,16 @@ impl ReadTxn<'_> {
             .snap
             .range(def.table, lo, hi)?
             .map(|i| i.and_then(decode_pair::<K, V>)))
+    }
+
+    /// Calls `f` with every key, in key order, without reading the values out.
+    pub fn for_each_key<K: Codec + ?Sized, V: ?Sized>(
+        &self,
+        def: Def<K, V>,
+        mut f: impl FnMut(K::Owned),
+    ) -> Result<()> {
+        self.snap
+            .for_each_key(def.table, &mut |k| K::decode(k).map(&mut f))
     }
 
     /// Every entry, in key order.

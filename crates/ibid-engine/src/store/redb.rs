@@ -68,6 +68,10 @@ macro_rules! dispatch {
 trait Conv: Value + Send + Sync + 'static {
     fn decode_seam(b: &[u8]) -> Result<Self::SelfType<'_>>;
     fn encode_seam(v: &Self::SelfType<'_>) -> Vec<u8>;
+    /// Calls `f` with the seam encoding of `v`, without allocating where the type allows.
+    fn with_seam_bytes<R>(v: &Self::SelfType<'_>, f: impl FnOnce(&[u8]) -> R) -> R {
+        f(&Self::encode_seam(v))
+    }
 }
 
 fn bad(what: &str, b: &[u8]) -> Error {
@@ -81,6 +85,9 @@ impl Conv for u64 {
     fn encode_seam(v: &u64) -> Vec<u8> {
         v.to_be_bytes().to_vec()
     }
+    fn with_seam_bytes<R>(v: &u64, f: impl FnOnce(&[u8]) -> R) -> R {
+        f(&v.to_be_bytes())
+    }
 }
 
 impl<const N: usize> Conv for [u8; N] {
@@ -89,6 +96,9 @@ impl<const N: usize> Conv for [u8; N] {
     }
     fn encode_seam(v: &[u8; N]) -> Vec<u8> {
         v.to_vec()
+    }
+    fn with_seam_bytes<R>(v: &[u8; N], f: impl FnOnce(&[u8]) -> R) -> R {
+        f(v)
     }
 }
 
@@ -107,6 +117,9 @@ impl Conv for &'static [u8] {
     }
     fn encode_seam(v: &&[u8]) -> Vec<u8> {
         v.to_vec()
+    }
+    fn with_seam_bytes<R>(v: &&[u8], f: impl FnOnce(&[u8]) -> R) -> R {
+        f(v)
     }
 }
 
@@ -287,6 +300,25 @@ impl Snapshot for Arc<RedbSnapshot> {
     fn range(&self, table: Table, lo: Bound<&[u8]>, hi: Bound<&[u8]>) -> Result<KvIter<'_>> {
         dispatch!(table, range_in, &self.txn, lo, hi)
     }
+
+    fn for_each_key(&self, table: Table, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        dispatch!(table, keys_in, self, table, f)
+    }
+}
+
+/// Calls `f` with every key of a table, lent from redb's page when the key is a byte string
+/// (no allocation per entry: this scan fills the dedup filter).
+fn keys_in<K: Key + Conv, V: Conv>(
+    def: TableDefinition<K, V>,
+    snapshot: &RedbSnapshot,
+    table: Table,
+    f: &mut dyn FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    for item in snapshot.table(table, def)?.iter()? {
+        let (k, _) = item?;
+        K::with_seam_bytes(&k.value(), &mut *f)?;
+    }
+    Ok(())
 }
 
 fn get_in<K: Key + Conv, V: Conv>(
