@@ -49,4 +49,4 @@ pub use snapshot::SnapshotInfo;
 pub use stats::{PoolStats, VolumeSpace};
 pub use store::Backend as MetaBackend;
 pub use verify::VerifyReport;
-pub use volume::{CopyReport, Extent, ExtentKind, Volume};
+pub use volume::{CopyReport, Extent, ExtentKind, Volume, QUICK_WRITE_BLOCKS_MAX};

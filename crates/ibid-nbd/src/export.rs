@@ -2,7 +2,8 @@
 //!
 //! The `ibid` binary implements [`Exports`] and [`Export`] on top of engine volumes; this crate
 //! ships [`crate::memory`] for tests and fuzzing. Every method is synchronous and may block:
-//! the server calls them from its worker threads, several at once for one export.
+//! the server calls them from its worker threads, several at once for one export, except the
+//! writes [`Export::write_is_quick`] vouches for, which it runs on the connection's task.
 
 use std::sync::Arc;
 use thiserror::Error;
@@ -81,6 +82,14 @@ pub trait Export: Send + Sync + 'static {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError>;
     /// Writes `data` at `offset`; with `fua`, it is durable before this returns.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;
+    /// Whether a write (without FUA) of `len` bytes at `offset` would take CPU time only, a
+    /// few hundred microseconds at most, as things stand: then the server runs it on the
+    /// connection's own task instead of handing it to a worker thread, which saves two thread
+    /// hand-offs per request. A hint: an occasional longer wait is harmless, a regular one
+    /// would stall the connection's other requests. Default: never.
+    fn write_is_quick(&self, _offset: u64, _len: u64) -> bool {
+        false
+    }
     /// Makes the range read as zeroes. Metadata-only and fast at any length, which is why the
     /// server advertises `NBD_FLAG_SEND_FAST_ZERO` and never refuses a fast-zero request.
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError>;

@@ -35,6 +35,9 @@ pub struct ServerConfig {
     pub connections_max: usize,
     /// Threads that run backend calls, shared by all connections.
     pub workers: usize,
+    /// Run the writes the backend calls quick ([`crate::Export::write_is_quick`]) on the
+    /// connection's task instead of a worker thread.
+    pub quick_writes_inline: bool,
 }
 
 impl Default for ServerConfig {
@@ -44,6 +47,7 @@ impl Default for ServerConfig {
             handshake_timeout: HANDSHAKE_TIMEOUT,
             connections_max: CONNECTIONS_MAX,
             workers: WORKERS_DEFAULT,
+            quick_writes_inline: true,
         }
     }
 }
@@ -94,7 +98,9 @@ pub async fn serve_until(
         tls,
         stop: stop_rx,
     });
-    let workers = Arc::new(Workers::start(config.workers).map_err(ServeError::Workers)?);
+    let workers = Arc::new(
+        Workers::start(config.workers, config.quick_writes_inline).map_err(ServeError::Workers)?,
+    );
     let slots = Arc::new(Semaphore::new(config.connections_max));
     let mut tasks = JoinSet::new();
     tokio::pin!(shutdown);

@@ -552,3 +552,115 @@ fn backend_errors_and_panics_give_eio() {
     c.send(&[1u8; 512]);
     assert_eq!(c.chunk().1, REPLY_TYPE_NONE);
 }
+
+/// A backend whose reads wait until the test opens the gate, and whose writes of one block or
+/// less are quick ([`ibid_nbd::Export::write_is_quick`]).
+struct GatedExport {
+    gate: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl ibid_nbd::Export for GatedExport {
+    fn size(&self) -> u64 {
+        1 << 20
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read(&self, _: u64, buf: &mut [u8]) -> Result<(), ibid_nbd::ExportError> {
+        let (open, cv) = &*self.gate;
+        let mut open = open.lock().expect("gate");
+        while !*open {
+            open = cv.wait(open).expect("gate");
+        }
+        buf.fill(7);
+        Ok(())
+    }
+    fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), ibid_nbd::ExportError> {
+        Ok(())
+    }
+    fn write_is_quick(&self, _: u64, len: u64) -> bool {
+        len <= 4096
+    }
+    fn write_zeroes(&self, _: u64, _: u64, _: bool) -> Result<(), ibid_nbd::ExportError> {
+        Ok(())
+    }
+    fn trim(&self, _: u64, _: u64) -> Result<(), ibid_nbd::ExportError> {
+        Ok(())
+    }
+    fn flush(&self) -> Result<(), ibid_nbd::ExportError> {
+        Ok(())
+    }
+    fn block_status(&self, _: u64, _: u64) -> Result<Vec<ibid_nbd::Extent>, ibid_nbd::ExportError> {
+        Ok(Vec::new())
+    }
+}
+
+struct GatedExports(std::sync::Arc<GatedExport>);
+
+impl ibid_nbd::Exports for GatedExports {
+    fn list(&self) -> Vec<ibid_nbd::ExportInfo> {
+        Vec::new()
+    }
+    fn open(&self, _name: &str) -> Option<std::sync::Arc<dyn ibid_nbd::Export>> {
+        Some(self.0.clone())
+    }
+}
+
+/// Whether a reply arrives within `wait` (it is left unread).
+fn reply_within(c: &mut Raw, wait: Duration) -> bool {
+    c.s.set_read_timeout(Some(wait)).expect("timeout");
+    let mut b = [0u8; 1];
+    let arrived = match c.s.peek(&mut b) {
+        Ok(n) => n > 0,
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => false,
+        Err(e) => panic!("peek: {e}"),
+    };
+    c.s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    arrived
+}
+
+/// Proves a write the backend calls quick runs on the connection's task: with the only
+/// worker thread stuck in a read, such a write is still answered, first; a FUA write, a write
+/// the backend does not call quick, and every write with inline writes switched off wait for
+/// the worker.
+#[test]
+fn quick_writes_run_on_the_connection_not_behind_the_workers() {
+    for inline in [true, false] {
+        let gate = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let export = std::sync::Arc::new(GatedExport { gate: gate.clone() });
+        let config = ServerConfig {
+            workers: 1,
+            quick_writes_inline: inline,
+            ..ServerConfig::default()
+        };
+        let srv = TestServer::start(std::sync::Arc::new(GatedExports(export)), config);
+        let mut c = Raw::connect(srv.port);
+        c.go("any", false, false);
+        c.request(CMD_READ, 0, 1, 0, 512);
+        c.request(CMD_WRITE, 0, 2, 4096, 512);
+        c.send(&[1u8; 512]);
+        if inline {
+            assert_eq!(c.simple(), (0, 2), "the quick write is answered first");
+            for (cookie, flags, len) in [(3u64, CMD_FLAG_FUA, 512u64), (4, 0, 8192)] {
+                c.request(CMD_WRITE, flags, cookie, 8192, len);
+                c.send(&vec![2u8; len as usize]);
+            }
+        }
+        assert!(
+            !reply_within(&mut c, Duration::from_millis(300)),
+            "a write that is not run inline was answered while the only worker is busy"
+        );
+        {
+            let (open, cv) = &*gate;
+            *open.lock().expect("gate") = true;
+            cv.notify_all();
+        }
+        assert_eq!(c.simple(), (0, 1));
+        assert_eq!(c.read_n(512), vec![7u8; 512]);
+        let rest: Vec<u64> = if inline { vec![3, 4] } else { vec![2] };
+        for cookie in rest {
+            assert_eq!(c.simple(), (0, cookie));
+        }
+    }
+}

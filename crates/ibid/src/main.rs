@@ -81,6 +81,11 @@ struct ServeArgs {
     /// Threads that run NBD requests, shared by all NBD connections.
     #[arg(long, default_value_t = ibid_nbd::WORKERS_DEFAULT as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     nbd_workers: u16,
+    /// Hand every NBD write to the worker threads, small ones included (by default a write of
+    /// up to 64 KiB runs on its connection's task when it will not wait: fewer thread
+    /// hand-offs; this switch is for comparing the two).
+    #[arg(long)]
+    nbd_no_inline_writes: bool,
 }
 
 /// A listen address, or `off`.
@@ -141,6 +146,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_tls_psk,
         nbd_tls_required,
         nbd_workers,
+        nbd_no_inline_writes,
     } = args;
     let credentials = match (nbd_tls_cert, nbd_tls_key, nbd_tls_psk) {
         (Some(cert), Some(key), None) => Some(ibid_nbd::TlsCredentials::X509 {
@@ -172,5 +178,6 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         default_volume: !no_default_volume,
         nbd_tls,
         nbd_workers: usize::from(nbd_workers),
+        nbd_inline_writes: !nbd_no_inline_writes,
     })
 }

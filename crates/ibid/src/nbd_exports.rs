@@ -105,6 +105,10 @@ impl Export for VolumeExport {
             .map_err(to_export_error)
     }
 
+    fn write_is_quick(&self, offset: u64, len: u64) -> bool {
+        self.volume.write_is_quick(offset, len)
+    }
+
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
         self.io
             .record(Op::WriteZeroes, len, || {

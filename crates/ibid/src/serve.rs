@@ -34,6 +34,8 @@ pub struct ServeOptions {
     pub nbd_tls: Option<ibid_nbd::TlsConfig>,
     /// Threads that run NBD requests.
     pub nbd_workers: usize,
+    /// Run small NBD writes that will not wait on their connection's task.
+    pub nbd_inline_writes: bool,
 }
 
 /// Name and size of the volume a fresh pool gets so that the first run is usable at once.
@@ -128,6 +130,7 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
         workers: opts.nbd_workers,
+        quick_writes_inline: opts.nbd_inline_writes,
         ..ibid_nbd::ServerConfig::default()
     };
     let nbd = async {
