@@ -16,6 +16,7 @@ use crate::format::{self, ChunkRecord, SegmentUsage, RECORD_HEADER_BYTES, SEGMEN
 use crate::meta;
 use crate::pool::{Inner, DATA_WRITERS};
 use crate::store::Reader;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -57,9 +58,9 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             if stop.load(Ordering::Acquire) {
                 return;
             }
-            match inner.clean_one(false) {
-                Ok(true) => {}
-                Ok(false) => break,
+            match inner.clean_one(false, None) {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
                 Err(e) => {
                     tracing::error!("segment cleaner: {e}");
                     break;
@@ -70,13 +71,21 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
 }
 
 impl Inner {
-    /// Cleans the emptiest eligible segment. With `thorough`, any segment with dead bytes
-    /// qualifies; otherwise only those under the configured live fraction. Returns whether a
-    /// segment was cleaned.
-    pub(crate) fn clean_one(&self, thorough: bool) -> Result<bool> {
+    /// Cleans the emptiest eligible segment (among `only`, if given). With `thorough`, any
+    /// segment with dead bytes qualifies; otherwise only those under the configured live
+    /// fraction. Returns the segment cleaned, if one was.
+    pub(crate) fn clean_one(
+        &self,
+        thorough: bool,
+        only: Option<&HashSet<u64>>,
+    ) -> Result<Option<u64>> {
         let _gc = self.gc_lock.lock();
         let committed = self.committed.load(Ordering::Acquire);
-        let candidates = self.segments.cleanable(committed);
+        let candidates = self
+            .segments
+            .cleanable(committed)
+            .into_iter()
+            .filter(|s| only.is_none_or(|o| o.contains(s)));
         let mut best: Option<(u64, u64, u64)> = None; // (segment, live, file bytes)
         {
             let txn = self.db.read()?;
@@ -98,14 +107,14 @@ impl Inner {
             }
         }
         let Some((seg, live, _)) = best else {
-            return Ok(false);
+            return Ok(None);
         };
         if live == 0 {
             self.drop_segment(seg)?;
         } else {
             self.relocate_segment(seg)?;
         }
-        Ok(true)
+        Ok(Some(seg))
     }
 
     fn drop_segment(&self, seg: u64) -> Result<()> {

@@ -735,8 +735,10 @@ impl Pool {
         }
     }
 
-    /// Runs the cleaner until no segment qualifies (for tests and benchmarks; the background
-    /// thread does the same thing a little at a time). Returns the segments cleaned.
+    /// Cleans every segment that holds dead bytes when it is called, open ones included (for
+    /// tests and benchmarks; the background thread does the same thing a little at a time).
+    /// Segments sealed while it runs, its own output among them, are left to the background
+    /// cleaner, so it ends however busy the pool is. Returns the segments cleaned.
     pub fn gc_now(&self) -> Result<u64> {
         {
             // Seal the open segments too, so their dead records can go.
@@ -747,8 +749,20 @@ impl Pool {
         }
         self.inner.flatten_all(true)?;
         self.inner.commit()?;
+        // Only the segments there now. The segments the cleaner fills meanwhile and those
+        // concurrent writers seal become eligible as soon as a commit runs, and overwrites keep
+        // putting dead bytes in them: a loop over "whatever qualifies" has no end while
+        // writes and background commits go on.
+        let committed = self.inner.committed.load(Ordering::Acquire);
+        let mut remaining: HashSet<u64> = self
+            .inner
+            .segments
+            .cleanable(committed)
+            .into_iter()
+            .collect();
         let mut cleaned = 0;
-        while self.inner.clean_one(true)? {
+        while let Some(seg) = self.inner.clean_one(true, Some(&remaining))? {
+            remaining.remove(&seg);
             cleaned += 1;
         }
         Ok(cleaned)

@@ -531,3 +531,68 @@ fn a_large_write_that_runs_out_of_space_leaves_no_stray_references() {
     let s = pool.stats();
     assert_eq!((s.unique_chunks, s.physical_bytes), (0, 0));
 }
+
+/// `gc_now` on a busy pool (the background thread committing every few milliseconds, a writer
+/// overwriting blocks all along) cleans each segment that was there when it started at most
+/// once, and returns while the writes go on (a cleaner that took whatever qualified could
+/// follow the dead bytes the writer keeps making for as long as the writes last; in this
+/// setting it did not, so this guards the bound rather than reproducing a stall).
+#[test]
+fn gc_now_ends_while_writes_go_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        background_interval_ms: 2,
+        segment_bytes_max: 256 << 10,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::create(&path, config).expect("create");
+    let blocks = 2048u64;
+    let v = pool.create_volume("v", blocks * 4096).expect("v");
+    let mut seeds: Vec<u64> = (0..blocks).collect();
+    for i in 0..blocks {
+        v.write(i * 4096, &random_block(seeds[i as usize]), false)
+            .expect("write");
+    }
+    pool.sync().expect("sync");
+    let before = pool.segment_paths().len() as u64;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let writes_max = std::time::Duration::from_secs(30);
+    let (cleaned, writes_ended_first) = std::thread::scope(|s| {
+        let (v, done, seeds) = (&v, &done, &mut seeds);
+        let writer = s.spawn(move || {
+            let t0 = std::time::Instant::now();
+            let mut next = blocks;
+            while !done.load(std::sync::atomic::Ordering::Acquire) && t0.elapsed() < writes_max {
+                let i = next.wrapping_mul(7919) % blocks;
+                v.write(i * 4096, &random_block(next), false)
+                    .expect("overwrite");
+                seeds[i as usize] = next;
+                next += 1;
+            }
+            t0.elapsed() >= writes_max
+        });
+        let cleaned = pool.gc_now().expect("gc");
+        done.store(true, std::sync::atomic::Ordering::Release);
+        (cleaned, writer.join().expect("writer"))
+    });
+    assert!(
+        !writes_ended_first,
+        "gc_now ran until the writer stopped ({writes_max:?})"
+    );
+    assert!(
+        cleaned <= before,
+        "gc_now cleaned {cleaned} segments, {before} existed when it started"
+    );
+    drop(v);
+    pool.close().expect("close");
+    let pool = Pool::open(&path, quiet_config(1 << 30)).expect("reopen");
+    let v = pool.volume("v").expect("v");
+    let mut got = vec![0u8; 4096];
+    for (i, &seed) in seeds.iter().enumerate() {
+        v.read(i as u64 * 4096, &mut got).expect("read");
+        assert_eq!(got, random_block(seed), "block {i}");
+    }
+    pool.verify().expect("verify");
+}
