@@ -30,6 +30,7 @@ mod gc;
 mod journal;
 mod layer_filter;
 pub mod meta;
+mod neighbours;
 mod pool;
 mod provision;
 mod segment;

@@ -9,6 +9,7 @@ use crate::format::{self, Frame, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYT
 use crate::journal::Change;
 use crate::layer_filter::LayerFilters;
 use crate::meta;
+use crate::neighbours::Neighbours;
 use crate::pool::{
     Entry, Inner, ShardState, VolumeMap, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
 };
@@ -598,7 +599,7 @@ impl Inner {
         let stamp = self.cut.load(Ordering::Acquire) + 1;
         let mut prepared = Vec::with_capacity((b1 - b0) as usize);
         for (i, block) in current.chunks(BLOCK_BYTES).enumerate() {
-            match self.prepare_block(v, block, stamp) {
+            match self.prepare_block(v, block, stamp, None) {
                 Ok(entry) => prepared.push(Prepared {
                     block: b0 + i as u64,
                     entry,
@@ -900,7 +901,7 @@ impl Inner {
             for &b in &partial {
                 let block = self.patched_block(v, b, offset, data)?;
                 let stamp = self.cut.load(Ordering::Acquire) + 1;
-                let entry = self.prepare_block(v, &block, stamp)?;
+                let entry = self.prepare_block(v, &block, stamp, None)?;
                 self.install(v, b, b + 1, vec![Prepared { block: b, entry }], true)?;
             }
         }
@@ -909,9 +910,17 @@ impl Inner {
             return Ok(());
         }
         let stamp = self.cut.load(Ordering::Acquire) + 1;
+        // Small writes look every block up in the index: a neighbourhood scan would cost more
+        // than it could spare them.
+        let neighbours = (f1 - f0 >= PARALLEL_BLOCKS_MIN).then(|| Neighbours::for_write(f1 - f0));
         let prepare = |b: u64| {
             let start = (b * BLOCK - offset) as usize;
-            self.prepare_block(v, &data[start..start + BLOCK_BYTES], stamp)
+            self.prepare_block(
+                v,
+                &data[start..start + BLOCK_BYTES],
+                stamp,
+                neighbours.as_ref(),
+            )
         };
         let busy = Preparing::enter(&self.preparing);
         let results: Vec<Result<Entry>> =
@@ -969,8 +978,15 @@ impl Inner {
     }
 
     /// Turns one 4 KiB block into a map entry: zero, a reference to an existing chunk with the
-    /// same fingerprint, or a new chunk (compressed if that saves space).
-    fn prepare_block(&self, v: &VolumeState, block: &[u8], stamp: u64) -> Result<Entry> {
+    /// same fingerprint, or a new chunk (compressed if that saves space). `neighbours`: the
+    /// write's dedup neighbourhood, if it has one.
+    fn prepare_block(
+        &self,
+        v: &VolumeState,
+        block: &[u8],
+        stamp: u64,
+        neighbours: Option<&Neighbours>,
+    ) -> Result<Entry> {
         if all_zero(block) {
             return Ok(Entry::Zero);
         }
@@ -978,8 +994,12 @@ impl Inner {
         let shard = fp[0] as usize % SHARDS;
         {
             let mut s = self.shards[shard].lock();
-            if let Some(id) = self.find_duplicate(&s, &fp)? {
+            if let Some(id) = self.find_duplicate(&s, &fp, neighbours)? {
                 *s.dirty.deltas.entry(id).or_default() += 1;
+                drop(s);
+                if let Some(n) = neighbours {
+                    n.load_if_pending(&self.db);
+                }
                 return Ok(Entry::Data(id));
             }
         }
@@ -1005,7 +1025,7 @@ impl Inner {
             _ => (0, block),
         };
         let mut s = self.shards[shard].lock();
-        if let Some(id) = self.find_duplicate(&s, &fp)? {
+        if let Some(id) = self.find_duplicate(&s, &fp, None)? {
             *s.dirty.deltas.entry(id).or_default() += 1;
             return Ok(Entry::Data(id));
         }
@@ -1043,7 +1063,13 @@ impl Inner {
 
     /// A live chunk with this fingerprint, if any. Called with the fingerprint's shard locked,
     /// so no commit can free the chunk between this lookup and the caller's reference.
-    fn find_duplicate(&self, s: &ShardState, fp: &[u8; 32]) -> Result<Option<u64>> {
+    /// `neighbours` are asked before the index and told what the index found.
+    fn find_duplicate(
+        &self,
+        s: &ShardState,
+        fp: &[u8; 32],
+        neighbours: Option<&Neighbours>,
+    ) -> Result<Option<u64>> {
         if let Some(&id) = s.dirty.fps.get(fp) {
             return Ok(Some(id));
         }
@@ -1053,10 +1079,31 @@ impl Inner {
         if let Some(&id) = s.committing.fps.get(fp) {
             return Ok(Some(id));
         }
+        // A neighbour is a hint from an earlier snapshot: it counts only if the committed
+        // state still holds that chunk with this fingerprint (then its shard is `s`, and no
+        // commit frees it while `s` is locked, as for an index hit; one dying in the commit in
+        // progress is in `dead_fps`, checked above).
+        if let Some(id) = neighbours.and_then(|n| n.get(fp)) {
+            if self.holds_chunk(id, fp)? {
+                return Ok(Some(id));
+            }
+        }
         if !self.bloom().may_contain(fp) {
             return Ok(None);
         }
-        self.db.read()?.get(meta::FPS, fp)
+        let found = self.db.read()?.get(meta::FPS, fp)?;
+        if let (Some(n), Some(id)) = (neighbours, found) {
+            n.found_in_index(id);
+        }
+        Ok(found)
+    }
+
+    /// Whether the committed state holds chunk `id` with fingerprint `fp`.
+    fn holds_chunk(&self, id: u64, fp: &[u8; 32]) -> Result<bool> {
+        Ok(match self.db.read()?.get(meta::CHUNKS, &id)? {
+            Some(v) => format::ChunkRecord::decode(&v)?.fingerprint == *fp,
+            None => false,
+        })
     }
 
     /// Installs prepared entries in the volume's map and drops the references they replace.
@@ -1500,6 +1547,7 @@ pub(crate) fn shard_of_chunk(id: u64) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::{format, Neighbours, SHARDS};
     use crate::{Pool, PoolConfig};
     use std::sync::mpsc;
     use std::time::Duration;
@@ -1545,6 +1593,58 @@ mod tests {
         assert!(
             back[..4 * 4096].iter().all(|&b| b == 1) && back[4 * 4096..].iter().all(|&b| b == 2)
         );
+    }
+
+    /// A neighbour counts only while the committed state holds that chunk with that
+    /// fingerprint: one that died since the neighbours were read, or one listed under another
+    /// block's fingerprint, is passed over for the index's answer.
+    #[test]
+    fn stale_neighbours_are_checked_against_the_committed_chunks() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            background: false,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+        pool.wait_filters_built();
+        let vol = pool.create_volume("v", 1 << 20).expect("volume");
+        let (gone, kept) = ([1u8; 4096], [2u8; 4096]);
+        vol.write(0, &gone, false).expect("write");
+        vol.write(4096, &kept, false).expect("write");
+        vol.write(8192, &[4u8; 4096], false).expect("write");
+        pool.sync().expect("commit");
+        let inner = &pool.inner;
+        let chunk = |b: u64| match inner.lookup_range(&vol.state, b, b + 1).expect("map")[&b] {
+            id if id != format::ZERO_TOMBSTONE => id,
+            _ => panic!("block {b} holds no data"),
+        };
+        let (gone_id, kept_id, other_id) = (chunk(0), chunk(1), chunk(2));
+        vol.write(0, &[3u8; 4096], false).expect("overwrite");
+        pool.sync().expect("commit: the first chunk dies");
+        let fp = |b: &[u8]| *blake3::hash(b).as_bytes();
+        let (fp_gone, fp_kept) = (fp(&gone), fp(&kept));
+        let find = |fp: &[u8; 32], near: &Neighbours| {
+            let s = inner.shards[fp[0] as usize % SHARDS].lock();
+            inner.find_duplicate(&s, fp, Some(near)).expect("lookup")
+        };
+        let mut near = rustc_hash::FxHashMap::default();
+        near.insert(fp_gone, gone_id);
+        assert_eq!(
+            find(&fp_gone, &Neighbours::loaded(near)),
+            None,
+            "a dead neighbour"
+        );
+        let mut near = rustc_hash::FxHashMap::default();
+        near.insert(fp_kept, other_id);
+        assert_eq!(
+            find(&fp_kept, &Neighbours::loaded(near)),
+            Some(kept_id),
+            "a neighbour under the wrong fingerprint"
+        );
+        let mut near = rustc_hash::FxHashMap::default();
+        near.insert(fp_kept, kept_id);
+        assert_eq!(find(&fp_kept, &Neighbours::loaded(near)), Some(kept_id));
     }
 
     /// A write is quick when it is whole blocks, at most `QUICK_WRITE_BLOCKS_MAX` of them, and

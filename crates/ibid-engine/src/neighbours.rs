@@ -1,0 +1,91 @@
+//! Dedup by locality. Blocks written together are stored together (consecutive chunk sequence
+//! numbers), and copied data (a clone, a backup, a second copy of a file) arrives in runs. So
+//! once one block of a large write is found in the fingerprint index, the chunks stored around
+//! it are read with one range scan of the `chunks` table, and the write's other blocks are
+//! looked for among them first: a point read of the `fps` B-tree, whose random 32-byte keys make
+//! every lookup a walk through pages no cache holds, becomes a hash probe and a read of a chunk
+//! record beside the ones just read. A hint only: the caller checks every hit against the
+//! chunk's committed record before it takes a reference.
+
+use crate::format::ChunkRecord;
+use crate::meta;
+use crate::pool::SHARD_BITS;
+use crate::store::Store;
+use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// No index hit yet.
+const NONE: u64 = u64::MAX;
+
+/// The chunks stored around the first block of one write that the index found.
+pub(crate) struct Neighbours {
+    /// Sequence numbers loaded on each side of that chunk.
+    span: u64,
+    /// Fingerprint → chunk id, once loaded.
+    near: OnceLock<FxHashMap<[u8; 32], u64>>,
+    /// The first chunk a lookup of this write found in the index ([`NONE`]: none yet).
+    first_hit: AtomicU64,
+}
+
+impl Neighbours {
+    /// For a write of `blocks` blocks: its copy's chunks lie within that many sequence numbers
+    /// of any one of them, in either direction.
+    pub(crate) fn for_write(blocks: u64) -> Neighbours {
+        Neighbours {
+            span: blocks,
+            near: OnceLock::new(),
+            first_hit: AtomicU64::new(NONE),
+        }
+    }
+
+    /// Neighbours already loaded with `near` (for tests of their callers).
+    #[cfg(test)]
+    pub(crate) fn loaded(near: FxHashMap<[u8; 32], u64>) -> Neighbours {
+        let n = Neighbours::for_write(0);
+        let _ = n.near.set(near);
+        n
+    }
+
+    /// The chunk with fingerprint `fp` among the loaded neighbours.
+    pub(crate) fn get(&self, fp: &[u8; 32]) -> Option<u64> {
+        self.near.get()?.get(fp).copied()
+    }
+
+    /// Notes that the index holds chunk `id` (cheap: called with a dedup shard locked).
+    pub(crate) fn found_in_index(&self, id: u64) {
+        let _ = self
+            .first_hit
+            .compare_exchange(NONE, id, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Loads the neighbours of the first index hit, once; called with no lock held. A failed
+    /// scan only leaves them unloaded (the index answers instead).
+    pub(crate) fn load_if_pending(&self, db: &Store) {
+        let hit = self.first_hit.load(Ordering::Acquire);
+        if hit == NONE || self.near.get().is_some() {
+            return;
+        }
+        let seq = hit >> SHARD_BITS;
+        let lo = seq.saturating_sub(self.span) << SHARD_BITS;
+        let hi = (seq.saturating_add(self.span).min(u64::MAX >> SHARD_BITS) << SHARD_BITS)
+            | ((1 << SHARD_BITS) - 1);
+        match scan(db, lo, hi) {
+            // Another thread of the write may have loaded them meanwhile: either will do.
+            Ok(near) => {
+                let _ = self.near.set(near);
+            }
+            Err(e) => tracing::debug!("dedup neighbours of chunk {hit:#x}: {e}"),
+        }
+    }
+}
+
+fn scan(db: &Store, lo: u64, hi: u64) -> crate::Result<FxHashMap<[u8; 32], u64>> {
+    let txn = db.read()?;
+    let mut near = FxHashMap::default();
+    for item in txn.range(meta::CHUNKS, lo..=hi)? {
+        let (id, v) = item?;
+        near.insert(ChunkRecord::decode(&v)?.fingerprint, id);
+    }
+    Ok(near)
+}
