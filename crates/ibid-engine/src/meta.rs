@@ -45,7 +45,11 @@ pub const POOL_KEY: &str = "pool";
 
 /// The pool's persistent counters and settings.
 ///
-/// Layout: 12 little-endian u64 in field order, 96 bytes. Version log: 1 — initial format.
+/// Layout: 12 little-endian u64 in field order, 96 bytes. Version log: 1 — initial format;
+/// 2 — the redb backend keeps the map and the dedup index in byte-keyed tables (`map.bytes`,
+/// `fps.bytes`). A version 1 pool has its tables moved over and its record rewritten when it
+/// is opened; a binary that knows only version 1 then refuses the pool instead of reading
+/// tables it cannot see.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -76,7 +80,9 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 1;
+pub const POOL_FORMAT_VERSION: u64 = 2;
+/// Oldest pool format version this build opens (and upgrades).
+pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;
 
 impl PoolRecord {
@@ -122,9 +128,9 @@ impl PoolRecord {
             created_unix_s: f(10),
             reserved: f(11),
         };
-        if r.version != POOL_FORMAT_VERSION {
+        if !(POOL_FORMAT_VERSION_OLDEST..=POOL_FORMAT_VERSION).contains(&r.version) {
             return Err(Error::Corrupt(format!(
-                "unknown pool format version {}",
+                "unknown pool format version {} (this build opens {POOL_FORMAT_VERSION_OLDEST} to {POOL_FORMAT_VERSION})",
                 r.version
             )));
         }

@@ -321,7 +321,7 @@ impl Pool {
 
     fn open_locked(dir: &Path, config: PoolConfig, lock: File) -> Result<Pool> {
         let db = Store::open(dir)?;
-        let (record, volumes, snapshots, segment_ids) = {
+        let (mut record, volumes, snapshots, segment_ids) = {
             let txn = db.read()?;
             let raw = txn
                 .get(meta::POOL, meta::POOL_KEY)?
@@ -343,9 +343,22 @@ impl Pool {
             }
             (record, volumes, snapshots, segment_ids)
         };
+        if record.version < meta::POOL_FORMAT_VERSION {
+            // The store moved the tables to this version's layout when it opened; the record
+            // says so at once, so older builds refuse the pool from now on.
+            tracing::info!(
+                "pool {}: format version {} upgraded to {}",
+                dir.display(),
+                record.version,
+                meta::POOL_FORMAT_VERSION
+            );
+            record.version = meta::POOL_FORMAT_VERSION;
+            let mut txn = db.write()?;
+            txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
+            txn.commit()?;
+        }
         let (journaled, highest_stamp) = crate::journal::read(dir, record.commits)?;
         // Batches resume after the last one journaled, so no stamp is ever used twice.
-        let mut record = record;
         record.commits = highest_stamp;
         let mut keep = segment_ids;
         for (_, change) in &journaled {

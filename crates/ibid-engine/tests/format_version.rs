@@ -1,0 +1,91 @@
+//! The pool format version: a pool of an older version is upgraded when it is opened (its
+//! record rewritten, so older builds refuse it from then on), and a pool of a newer version is
+//! refused with a precise error and left as it was.
+
+mod common;
+
+use common::{quiet_config, random_block};
+use ibid_engine::meta::{self, PoolRecord, POOL_FORMAT_VERSION};
+use ibid_engine::store::{Reader, Store};
+use ibid_engine::{Error, Pool};
+use std::path::Path;
+
+/// The version field of the stored pool record (its first little-endian u64), read without
+/// decoding the record, which refuses unknown versions.
+fn stored_version(dir: &Path) -> u64 {
+    let store = Store::open(dir).expect("store");
+    let raw = store
+        .read()
+        .expect("read")
+        .get(meta::POOL, meta::POOL_KEY)
+        .expect("get")
+        .expect("pool record");
+    u64::from_le_bytes(raw[..8].try_into().expect("8 bytes"))
+}
+
+/// Rewrites the stored pool record with `version`.
+fn set_version(dir: &Path, version: u64) {
+    let store = Store::open(dir).expect("store");
+    let mut txn = store.write().expect("write");
+    let raw = txn
+        .get(meta::POOL, meta::POOL_KEY)
+        .expect("get")
+        .expect("pool record");
+    let mut record = PoolRecord::decode(&raw).expect("decode");
+    record.version = version;
+    txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
+    txn.commit().expect("commit");
+}
+
+#[test]
+fn older_pools_are_upgraded_and_newer_ones_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    {
+        let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+        let v = pool.create_volume("v", 1 << 20).expect("volume");
+        v.write(0, &random_block(1), false).expect("write");
+        pool.close().expect("close");
+    }
+    assert_eq!(stored_version(&path), POOL_FORMAT_VERSION);
+
+    set_version(&path, 1);
+    {
+        let pool = Pool::open(&path, quiet_config(1 << 30)).expect("open a version 1 pool");
+        let mut got = vec![0u8; 4096];
+        pool.volume("v")
+            .expect("v")
+            .read(0, &mut got)
+            .expect("read");
+        assert_eq!(got, random_block(1));
+        pool.close().expect("close");
+    }
+    assert_eq!(stored_version(&path), POOL_FORMAT_VERSION, "upgraded");
+
+    set_version(&path, POOL_FORMAT_VERSION);
+    let newer = POOL_FORMAT_VERSION + 1;
+    {
+        let store = Store::open(&path).expect("store");
+        let mut txn = store.write().expect("write");
+        let mut raw = txn
+            .get(meta::POOL, meta::POOL_KEY)
+            .expect("get")
+            .expect("pool record");
+        raw[..8].copy_from_slice(&newer.to_le_bytes());
+        txn.insert(meta::POOL, meta::POOL_KEY, raw.as_slice());
+        txn.commit().expect("commit");
+    }
+    match Pool::open(&path, quiet_config(1 << 30)) {
+        Err(Error::Corrupt(msg)) => assert!(
+            msg.contains(&format!("unknown pool format version {newer}")),
+            "{msg}"
+        ),
+        Err(e) => panic!("a newer pool refused with the wrong error: {e}"),
+        Ok(_) => panic!("a pool of format version {newer} was opened"),
+    }
+    assert_eq!(
+        stored_version(&path),
+        newer,
+        "a refused pool is left as it was"
+    );
+}
