@@ -5,7 +5,7 @@
 mod common;
 
 use common::{quiet_config, random_block};
-use ibid_engine::meta::{self, PoolRecord, POOL_FORMAT_VERSION};
+use ibid_engine::meta::{self, POOL_FORMAT_VERSION};
 use ibid_engine::store::{Reader, Store};
 use ibid_engine::{Error, Pool};
 use std::path::Path;
@@ -23,17 +23,16 @@ fn stored_version(dir: &Path) -> u64 {
     u64::from_le_bytes(raw[..8].try_into().expect("8 bytes"))
 }
 
-/// Rewrites the stored pool record with `version`.
+/// Rewrites the version field of the stored pool record (any value, known or not).
 fn set_version(dir: &Path, version: u64) {
     let store = Store::open(dir).expect("store");
     let mut txn = store.write().expect("write");
-    let raw = txn
+    let mut raw = txn
         .get(meta::POOL, meta::POOL_KEY)
         .expect("get")
         .expect("pool record");
-    let mut record = PoolRecord::decode(&raw).expect("decode");
-    record.version = version;
-    txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
+    raw[..8].copy_from_slice(&version.to_le_bytes());
+    txn.insert(meta::POOL, meta::POOL_KEY, raw.as_slice());
     txn.commit().expect("commit");
 }
 
@@ -62,19 +61,8 @@ fn older_pools_are_upgraded_and_newer_ones_refused() {
     }
     assert_eq!(stored_version(&path), POOL_FORMAT_VERSION, "upgraded");
 
-    set_version(&path, POOL_FORMAT_VERSION);
     let newer = POOL_FORMAT_VERSION + 1;
-    {
-        let store = Store::open(&path).expect("store");
-        let mut txn = store.write().expect("write");
-        let mut raw = txn
-            .get(meta::POOL, meta::POOL_KEY)
-            .expect("get")
-            .expect("pool record");
-        raw[..8].copy_from_slice(&newer.to_le_bytes());
-        txn.insert(meta::POOL, meta::POOL_KEY, raw.as_slice());
-        txn.commit().expect("commit");
-    }
+    set_version(&path, newer);
     match Pool::open(&path, quiet_config(1 << 30)) {
         Err(Error::Corrupt(msg)) => assert!(
             msg.contains(&format!("unknown pool format version {newer}")),
