@@ -1,10 +1,15 @@
 //! The chunk store: append-only segment files (format in [`crate::format`]).
 //!
 //! Several writers append in parallel, each to its own open segment, so appends never serialize
-//! on one lock. Each writer buffers up to [`WRITE_BUFFER_BYTES`] before writing to its file;
-//! readers of a record still in a buffer read it from there. [`Segments::sync`] writes every
-//! buffer and fsyncs every file touched since the last sync: the commit calls it before the
-//! metadata that points at the new records becomes durable.
+//! on one lock. Each writer buffers up to [`WRITE_BUFFER_BYTES`]; a full buffer's whole pages
+//! are handed to the pool's segment I/O thread (`ibid-segment-io`), which writes them to the
+//! file while the writer goes on appending to a fresh buffer (the write no longer stalls the
+//! thread that filled the buffer, and the disk works while the cores hash and compress). A
+//! writer has at most one such write in flight: the next full buffer waits for it. Readers of a
+//! record not yet in the file read it from the buffer in flight or the open one.
+//! [`Segments::sync`] waits for the writes in flight, writes every buffer and fsyncs every file
+//! touched since the last sync: the commit calls it before the metadata that points at the new
+//! records becomes durable. A failed background write fails every later sync and append.
 //!
 //! Open segments are written with `O_DIRECT` where the filesystem allows it (not tmpfs): the
 //! data goes from the writer's page-aligned buffer to the device, with no copy into the page
@@ -17,13 +22,14 @@
 
 use crate::error::{Error, Result};
 use crate::format::{self, RECORD_HEADER_BYTES};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
 
 /// Bytes a writer buffers before it writes them to its segment file.
 pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
@@ -78,6 +84,16 @@ impl AlignedBuf {
         self.len
     }
 
+    /// Bytes it can hold.
+    fn capacity(&self) -> usize {
+        self.pages.len() * PAGE_BYTES
+    }
+
+    /// Keeps the first `len` bytes.
+    fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -125,17 +141,81 @@ struct SegmentFile {
     file: File,
 }
 
+/// Whole pages of a buffer on their way to a segment file: written by the I/O thread, read
+/// from here until the writer sees the write done.
+struct Flight {
+    /// File offset of the first byte.
+    at: u64,
+    /// The pages; never changed once launched.
+    buf: AlignedBuf,
+    /// `None` while the write is in flight, then its outcome.
+    outcome: Mutex<Option<std::result::Result<(), (std::io::ErrorKind, String)>>>,
+    /// Signalled when `outcome` is set.
+    landed: Condvar,
+}
+
+impl Flight {
+    /// File offset just past the last byte.
+    fn end(&self) -> u64 {
+        self.at + self.buf.len() as u64
+    }
+
+    /// Writes the pages to `target` and records the outcome.
+    fn write_to(&self, target: &File) {
+        let outcome = target
+            .write_all_at(self.buf.bytes(), self.at)
+            .map_err(|e| (e.kind(), e.to_string()));
+        *self.outcome.lock() = Some(outcome);
+        self.landed.notify_all();
+    }
+
+    /// Waits for the write to finish; its error, if it failed.
+    fn wait(&self) -> std::result::Result<(), std::io::Error> {
+        let mut outcome = self.outcome.lock();
+        loop {
+            match &*outcome {
+                Some(Ok(())) => return Ok(()),
+                Some(Err((kind, msg))) => return Err(std::io::Error::new(*kind, msg.clone())),
+                None => self.landed.wait(&mut outcome),
+            }
+        }
+    }
+}
+
+/// A write for the segment I/O thread.
+struct Job {
+    flight: Arc<Flight>,
+    target: Arc<File>,
+}
+
 struct OpenSegment {
     id: u64,
     file: Arc<SegmentFile>,
-    /// The same file opened with `O_DIRECT`, if the filesystem allows it.
-    direct: Option<File>,
-    /// Bytes of the file that are final (a multiple of the page size). A padded tail written
-    /// by a sync lies past it.
+    /// Where writes go: the file opened with `O_DIRECT` if the filesystem allows it, else the
+    /// ordinary file.
+    target: Arc<File>,
+    /// Bytes of the file that are final and written (a multiple of the page size). A padded
+    /// tail written by a sync lies past it.
     file_len: u64,
-    /// Bytes not yet final in the file (the segment header, then records); they start at
-    /// `file_len`.
+    /// The pages from `file_len` on, while the I/O thread writes them.
+    flight: Option<Arc<Flight>>,
+    /// Bytes not yet final in the file (the segment header, then records); they start where
+    /// the flight ends, or at `file_len`.
     buf: AlignedBuf,
+    /// A landed flight's buffer, for the next one.
+    spare: Option<AlignedBuf>,
+}
+
+impl OpenSegment {
+    /// File offset of the buffer's first byte.
+    fn buf_start(&self) -> u64 {
+        self.flight.as_ref().map_or(self.file_len, |f| f.end())
+    }
+
+    /// File offset just past the last byte appended.
+    fn end(&self) -> u64 {
+        self.buf_start() + self.buf.len() as u64
+    }
 }
 
 struct Writer {
@@ -164,6 +244,34 @@ pub struct Segments {
     sync_lock: Mutex<()>,
     /// Write open segments with `O_DIRECT` where the filesystem supports it.
     direct_io: bool,
+    /// Hands full buffers to the I/O thread (`None` only while dropping).
+    io: Option<mpsc::Sender<Job>>,
+    /// The I/O thread, joined on drop.
+    io_thread: Option<JoinHandle<()>>,
+    /// The first background write that failed: every later sync and append fails with it.
+    io_failed: Mutex<Option<String>>,
+    /// Held by tests to keep the I/O thread from writing.
+    #[cfg(test)]
+    io_hold: Arc<Mutex<()>>,
+}
+
+impl Drop for Segments {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread once it has written what was queued.
+        self.io = None;
+        if let Some(t) = self.io_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The segment I/O thread: writes each job's pages in turn until the channel closes.
+fn io_thread(jobs: mpsc::Receiver<Job>, #[cfg(test)] hold: Arc<Mutex<()>>) {
+    for job in jobs {
+        #[cfg(test)]
+        let _held = hold.lock();
+        job.flight.write_to(&job.target);
+    }
 }
 
 fn segment_path(dir: &Path, id: u64) -> PathBuf {
@@ -179,6 +287,18 @@ fn read_at(file: &File, out: &mut [u8], offset: u64, segment: u64) -> Result<()>
             Error::io(format!("read segment {segment:016x}"), e)
         }
     })
+}
+
+/// Copies into `out` (the bytes from file offset `out_at` on) the part of `src` (the bytes
+/// from file offset `src_at` on) that overlaps it.
+fn copy_overlap(out: &mut [u8], out_at: u64, src_at: u64, src: &[u8]) {
+    let lo = out_at.max(src_at);
+    let hi = (out_at + out.len() as u64).min(src_at + src.len() as u64);
+    if lo < hi {
+        let n = (hi - lo) as usize;
+        let (o, s) = ((lo - out_at) as usize, (lo - src_at) as usize);
+        out[o..o + n].copy_from_slice(&src[s..s + n]);
+    }
 }
 
 /// Opens `path` for `O_DIRECT` writes; `None` where the filesystem refuses direct I/O.
@@ -235,7 +355,27 @@ impl Segments {
                 file_len: AtomicU64::new(0),
             })
             .collect();
+        let (io, jobs) = mpsc::channel();
+        #[cfg(test)]
+        let io_hold = Arc::new(Mutex::new(()));
+        #[cfg(test)]
+        let hold = io_hold.clone();
+        let io_thread = std::thread::Builder::new()
+            .name("ibid-segment-io".into())
+            .spawn(move || {
+                io_thread(
+                    jobs,
+                    #[cfg(test)]
+                    hold,
+                )
+            })
+            .map_err(|e| Error::io("start the segment I/O thread", e))?;
         let segs = Segments {
+            #[cfg(test)]
+            io_hold,
+            io: Some(io),
+            io_thread: Some(io_thread),
+            io_failed: Mutex::new(None),
             dir: dir.to_path_buf(),
             files: RwLock::new(files),
             writers,
@@ -279,12 +419,13 @@ impl Segments {
         payload: &[u8],
         commit_no: u64,
     ) -> Result<Placement> {
+        self.check_io()?;
         let writer = &self.writers[w];
         let mut guard = writer.open.lock();
         let rec_bytes = (RECORD_HEADER_BYTES + payload.len()) as u64;
         let need_new = match guard.as_ref() {
             None => true,
-            Some(o) => o.file_len + o.buf.len() as u64 + rec_bytes > self.segment_bytes_max,
+            Some(o) => o.end() + rec_bytes > self.segment_bytes_max,
         };
         if need_new {
             if let Some(old) = guard.take() {
@@ -293,7 +434,7 @@ impl Segments {
             *guard = Some(self.create_segment(writer)?);
         }
         let o = guard.as_mut().expect("open segment");
-        let offset = o.file_len + o.buf.len() as u64;
+        let offset = o.end();
         let (header, crc) = format::encode_record_header(chunk_id, flags, payload);
         o.buf.push(&header);
         o.buf.push(payload);
@@ -303,9 +444,76 @@ impl Segments {
             crc,
         };
         if o.buf.len() >= WRITE_BUFFER_BYTES {
-            self.write_buffer(writer, o, false)?;
+            self.launch(writer, o)?;
         }
         Ok(placement)
+    }
+
+    /// Fails if a background write has failed.
+    fn check_io(&self) -> Result<()> {
+        match &*self.io_failed.lock() {
+            Some(why) => Err(Error::Failed(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Hands the buffer's whole pages to the I/O thread (after the writer's previous flight
+    /// has landed) and keeps appending to a fresh buffer holding the rest.
+    fn launch(&self, writer: &Writer, o: &mut OpenSegment) -> Result<()> {
+        self.land(writer, o)?;
+        let whole = o.buf.len() / PAGE_BYTES * PAGE_BYTES;
+        if whole == 0 {
+            return Ok(());
+        }
+        let mut next = match o.spare.take() {
+            Some(mut b) => {
+                b.truncate(0);
+                b
+            }
+            None => AlignedBuf::with_capacity(o.buf.capacity()),
+        };
+        next.push(&o.buf.bytes()[whole..]);
+        let mut pages = std::mem::replace(&mut o.buf, next);
+        pages.truncate(whole);
+        let flight = Arc::new(Flight {
+            at: o.file_len,
+            buf: pages,
+            outcome: Mutex::new(None),
+            landed: Condvar::new(),
+        });
+        o.flight = Some(flight.clone());
+        self.unsynced.lock().insert(o.id, o.file.clone());
+        let job = Job {
+            flight,
+            target: o.target.clone(),
+        };
+        if let Some(Err(mpsc::SendError(job))) = self.io.as_ref().map(|io| io.send(job)) {
+            // The thread is gone (it cannot panic short of a bug): write here instead.
+            job.flight.write_to(&job.target);
+        }
+        Ok(())
+    }
+
+    /// Waits for the writer's flight, if any; once it is written, its pages are the file's.
+    /// A failed write stays in place (its records remain readable) and fails the segments.
+    fn land(&self, writer: &Writer, o: &mut OpenSegment) -> Result<()> {
+        let Some(flight) = o.flight.take() else {
+            return Ok(());
+        };
+        if let Err(e) = flight.wait() {
+            let context = format!("write segment {:016x}", o.id);
+            self.io_failed
+                .lock()
+                .get_or_insert_with(|| format!("{context}: {e}"));
+            o.flight = Some(flight);
+            return Err(Error::io(context, e));
+        }
+        o.file_len = flight.end();
+        writer.file_len.store(o.file_len, Ordering::Release);
+        if let Ok(landed) = Arc::try_unwrap(flight) {
+            o.spare = Some(landed.buf);
+        }
+        Ok(())
     }
 
     /// Creates a segment file and makes it `writer`'s open segment (published to readers and
@@ -327,6 +535,12 @@ impl Segments {
         } else {
             None
         };
+        let target = match direct {
+            Some(f) => f,
+            None => file
+                .try_clone()
+                .map_err(|e| Error::io(format!("open segment {id:016x}"), e))?,
+        };
         let file = Arc::new(SegmentFile { file });
         self.files.write().insert(id, file.clone());
         self.unsynced.lock().insert(id, file.clone());
@@ -339,28 +553,25 @@ impl Segments {
         Ok(OpenSegment {
             id,
             file,
-            direct,
+            target: Arc::new(target),
             file_len: 0,
+            flight: None,
             buf,
+            spare: None,
         })
     }
 
-    /// Writes the buffer's whole pages to the file and keeps the rest (less than a page) in
-    /// the buffer; with `tail`, writes that rest too, padded to a page, so that every byte
-    /// appended so far is in the file (the padding is overwritten by the next write).
-    fn write_buffer(&self, writer: &Writer, o: &mut OpenSegment, tail: bool) -> Result<()> {
-        let whole = o.buf.len() / PAGE_BYTES * PAGE_BYTES;
-        let nothing_to_write = if tail { o.buf.is_empty() } else { whole == 0 };
-        if nothing_to_write {
+    /// Lands the writer's flight, then writes the whole buffer, its last page padded, so that
+    /// every byte appended so far is in the file; the part past the last whole page stays in
+    /// the buffer (the padding is overwritten by the next write).
+    fn write_buffer(&self, writer: &Writer, o: &mut OpenSegment) -> Result<()> {
+        self.land(writer, o)?;
+        if o.buf.is_empty() {
             return Ok(());
         }
-        let bytes = if tail {
-            o.buf.padded()
-        } else {
-            &o.buf.bytes()[..whole]
-        };
-        let target = o.direct.as_ref().unwrap_or(&o.file.file);
-        target
+        let whole = o.buf.len() / PAGE_BYTES * PAGE_BYTES;
+        let bytes = o.buf.padded();
+        o.target
             .write_all_at(bytes, o.file_len)
             .map_err(|e| Error::io(format!("write segment {:016x}", o.id), e))?;
         o.buf.consume(whole);
@@ -374,7 +585,7 @@ impl Segments {
     /// cut off, so a sealed segment's file size is its header and records exactly (the
     /// cleaner counts every other byte as dead).
     fn seal(&self, writer: &Writer, mut o: OpenSegment, commit_no: u64) -> Result<()> {
-        self.write_buffer(writer, &mut o, true)?;
+        self.write_buffer(writer, &mut o)?;
         let end = o.file_len + o.buf.len() as u64;
         if !o.buf.is_empty() {
             o.file
@@ -405,10 +616,11 @@ impl Segments {
     /// is durable.
     pub fn sync(&self) -> Result<()> {
         let _syncing = self.sync_lock.lock();
+        self.check_io()?;
         for writer in &self.writers {
             let mut guard = writer.open.lock();
             if let Some(o) = guard.as_mut() {
-                self.write_buffer(writer, o, true)?;
+                self.write_buffer(writer, o)?;
             }
         }
         let files: Vec<(u64, Arc<SegmentFile>)> = self.unsynced.lock().drain().collect();
@@ -452,10 +664,10 @@ impl Segments {
                     .as_ref()
                     .filter(|o| o.id == segment && offset + len as u64 > o.file_len)
                 {
-                    // The record ends in the buffer; it may start in the file (buffers are
-                    // written in whole pages, so a record can straddle `file_len`).
-                    let end = (offset + len as u64 - o.file_len) as usize;
-                    if end > o.buf.len() {
+                    // The span ends past the file's written pages: it lies in the flight, the
+                    // buffer, or both, and may start in the file (writes are whole pages, so
+                    // a record can straddle each boundary).
+                    if offset + len as u64 > o.end() {
                         return Err(Error::Corrupt(format!(
                             "record beyond the end of segment {segment:016x}"
                         )));
@@ -463,7 +675,10 @@ impl Segments {
                     let mut out = vec![0u8; len];
                     let in_file = o.file_len.saturating_sub(offset) as usize;
                     read_at(&o.file.file, &mut out[..in_file], offset, segment)?;
-                    out[in_file..].copy_from_slice(&o.buf.bytes()[end + in_file - len..end]);
+                    if let Some(f) = &o.flight {
+                        copy_overlap(&mut out, offset, f.at, f.buf.bytes());
+                    }
+                    copy_overlap(&mut out, offset, o.buf_start(), o.buf.bytes());
                     return Ok(Some(out));
                 }
             }
@@ -554,6 +769,105 @@ mod tests {
 
     fn payload(i: u64, len: usize) -> Vec<u8> {
         (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
+    }
+
+    /// Appends records of 3,000 bytes through writer 0 until its buffer has been handed to the
+    /// I/O thread, and a few more; returns where each landed.
+    fn fill_past_a_flight(segs: &Segments) -> Vec<(Placement, Vec<u8>)> {
+        let mut placed = Vec::new();
+        let mut extra = 0;
+        for i in 0u64.. {
+            let p = payload(i, 3000);
+            placed.push((segs.append(0, i, 0, &p, 1).unwrap(), p));
+            if segs.writers[0]
+                .open
+                .lock()
+                .as_ref()
+                .unwrap()
+                .flight
+                .is_some()
+            {
+                extra += 1;
+                if extra == 10 {
+                    return placed;
+                }
+            }
+        }
+        unreachable!()
+    }
+
+    fn read_back(segs: &Segments, placed: &[(Placement, Vec<u8>)]) -> Result<()> {
+        for (i, (at, p)) in placed.iter().enumerate() {
+            let rec = segs
+                .read_record(at.segment, at.offset, p.len() as u32)?
+                .expect("segment exists");
+            assert_eq!(format::decode_record_header(&rec)?.chunk_id, i as u64);
+            assert!(format::record_crc_ok(&rec, at.crc), "record {i}");
+            assert_eq!(&rec[RECORD_HEADER_BYTES..], &p[..]);
+        }
+        Ok(())
+    }
+
+    /// A full buffer is written by the I/O thread, not by the appender: while that thread is
+    /// held, the file is still empty, every record reads back (from the flight and the
+    /// buffer), and a sync waits; once released, the sync completes and the file holds them.
+    #[test]
+    fn full_buffers_are_written_in_the_background() {
+        for direct in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let (segs, _) = Segments::open(dir.path(), 2, 32 << 20, 1, direct).unwrap();
+            let held = segs.io_hold.lock();
+            let placed = fill_past_a_flight(&segs);
+            let id = placed[0].0.segment;
+            assert_eq!(
+                segs.file_bytes(id),
+                0,
+                "the appender wrote the buffer itself"
+            );
+            read_back(&segs, &placed).unwrap();
+            std::thread::scope(|sc| {
+                let sync = sc.spawn(|| segs.sync());
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                assert!(
+                    !sync.is_finished(),
+                    "a sync returned before the flight landed"
+                );
+                drop(held);
+                sync.join().unwrap().unwrap();
+            });
+            let end = placed
+                .last()
+                .map(|(at, p)| at.offset as u64 + 24 + p.len() as u64);
+            assert!(segs.file_bytes(id) >= end.unwrap());
+            read_back(&segs, &placed).unwrap();
+            segs.seal_writers(1, 1).unwrap();
+            drop(segs);
+            let (segs, _) = Segments::open(dir.path(), 2, 32 << 20, 1, direct).unwrap();
+            read_back(&segs, &placed).unwrap();
+        }
+    }
+
+    /// A background write that fails fails the next sync and every one after it, and every
+    /// later append; the records it held still read back from memory.
+    #[test]
+    fn a_failed_background_write_fails_later_syncs_and_appends() {
+        let dir = tempfile::tempdir().unwrap();
+        let (segs, _) = Segments::open(dir.path(), 2, 32 << 20, 1, false).unwrap();
+        segs.append(0, 0, 0, &payload(0, 100), 1).unwrap();
+        // Writes through a read-only descriptor fail (EBADF).
+        {
+            let mut open = segs.writers[0].open.lock();
+            let o = open.as_mut().unwrap();
+            o.target = Arc::new(File::open(segment_path(dir.path(), o.id)).unwrap());
+        }
+        let placed = fill_past_a_flight(&segs);
+        assert!(
+            segs.sync().is_err(),
+            "a sync after a failed write succeeded"
+        );
+        assert!(segs.sync().is_err(), "the failure was forgotten");
+        assert!(segs.append(1, 99_999, 0, &payload(1, 100), 1).is_err());
+        read_back(&segs, &placed).unwrap();
     }
 
     /// Records appended across buffer writes and syncs (each sync pads the tail page, the next
