@@ -1,6 +1,7 @@
 //! `ibid-bench`: measures the engine through its public API against the goals of issue 2
 //! (`engine`), issue 3 (`sharing`: snapshots, clones, range copy) and issue 5 (`formats`:
-//! creating and converting thin and thick volumes).
+//! creating and converting thin and thick volumes), and the metadata store alone for the row
+//! shapes a pool format could use (`store-shapes`).
 //!
 //! `ibid-bench engine` prints one Markdown table: for each measurement the median of `--runs`
 //! runs and the spread (min–max), next to the goal. `--quick` shrinks every size so the whole
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 
 mod formats;
 mod sharing;
+mod store_shapes;
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * 1024;
@@ -41,6 +43,8 @@ enum Cmd {
     Sharing(sharing::SharingArgs),
     /// Benchmarks volume creation and format conversion (issue 5, "Measure it").
     Formats(formats::FormatsArgs),
+    /// Measures the metadata store's cost per new block for today's row shapes and others.
+    StoreShapes(store_shapes::StoreShapesArgs),
     /// Internal: writes to a pool until killed (the crash-recovery measurement).
     #[command(hide = true)]
     CrashChild {
@@ -129,6 +133,7 @@ fn main() -> Result<()> {
         Cmd::Engine(a) => engine(&a),
         Cmd::Sharing(a) => sharing::sharing(&a),
         Cmd::Formats(a) => formats::formats(&a),
+        Cmd::StoreShapes(a) => store_shapes::store_shapes(&a),
         Cmd::CrashChild { dir, seed } => crash_child(&dir, seed),
     }
 }

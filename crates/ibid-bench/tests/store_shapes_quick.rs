@@ -1,0 +1,45 @@
+//! `ibid-bench store-shapes` runs on a small count and prints a number for every shape.
+
+use std::process::Command;
+
+#[test]
+fn store_shapes_prints_every_shape() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = Command::new(env!("CARGO_BIN_EXE_ibid-bench"))
+        .args([
+            "store-shapes",
+            "--blocks",
+            "3000",
+            "--batch",
+            "1000",
+            "--dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .expect("run ibid-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "ibid-bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for shape in [
+        "flat",
+        "flat-fps16",
+        "grouped",
+        "grouped-fps16",
+        "grouped-nofps",
+    ] {
+        let prefix = format!("| {shape} | ");
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("missing {prefix:?} in:\n{stdout}"));
+        let value = line[prefix.len()..].split(' ').next().unwrap_or("");
+        let us: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("not a number: {line}"));
+        assert!(us > 0.0, "{line}");
+    }
+    assert!(stdout.contains("# done"), "{stdout}");
+}
