@@ -67,39 +67,45 @@ impl Bloom {
         self.previous.write().take();
     }
 
-    fn probes(&self, fp: &[u8; 32]) -> impl Iterator<Item = u64> + '_ {
-        let h1 = u64::from_le_bytes(fp[0..8].try_into().expect("8 bytes"));
-        let h2 = u64::from_le_bytes(fp[8..16].try_into().expect("8 bytes")) | 1;
+    fn probes(&self, prefix: u64) -> impl Iterator<Item = u64> + '_ {
+        // The prefix is uniformly random (a BLAKE3 output); the second hash is a bijective
+        // mix of it (splitmix64's finalizer), made odd.
+        let h1 = prefix;
+        let mut h2 = prefix ^ (prefix >> 30);
+        h2 = h2.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        h2 ^= h2 >> 27;
+        h2 = h2.wrapping_mul(0x94d0_49bb_1331_11eb);
+        h2 = (h2 ^ (h2 >> 31)) | 1;
         let bits = self.bits as u128;
         // Multiply-shift maps a 64-bit hash onto [0, bits) without a power-of-two size.
         (0..HASHES as u64)
             .map(move |i| ((h1.wrapping_add(i.wrapping_mul(h2)) as u128 * bits) >> 64) as u64)
     }
 
-    /// Adds a fingerprint.
-    pub fn insert(&self, fp: &[u8; 32]) {
-        for bit in self.probes(fp) {
+    /// Adds a fingerprint, given by its prefix ([`crate::meta::fp_prefix`]).
+    pub fn insert(&self, prefix: u64) {
+        for bit in self.probes(prefix) {
             self.words[(bit / 64) as usize].fetch_or(1 << (bit % 64), Ordering::Relaxed);
         }
     }
 
     /// False only if the fingerprint was certainly never inserted: in this filter once it is
     /// ready; before, in neither this filter nor the one it replaces (if it has one).
-    pub fn may_contain(&self, fp: &[u8; 32]) -> bool {
+    pub fn may_contain(&self, prefix: u64) -> bool {
         if !self.ready.load(Ordering::Acquire) {
             return match &*self.previous.read() {
-                Some(previous) => previous.may_contain(fp) || self.holds(fp),
+                Some(previous) => previous.may_contain(prefix) || self.holds(prefix),
                 // Ready meanwhile (`set_ready` sets the flag before dropping `previous`).
-                None if self.ready.load(Ordering::Acquire) => self.holds(fp),
+                None if self.ready.load(Ordering::Acquire) => self.holds(prefix),
                 None => true,
             };
         }
-        self.holds(fp)
+        self.holds(prefix)
     }
 
-    /// Whether every bit of `fp` is set in this filter.
-    fn holds(&self, fp: &[u8; 32]) -> bool {
-        self.probes(fp).all(|bit| {
+    /// Whether every bit of `prefix` is set in this filter.
+    fn holds(&self, prefix: u64) -> bool {
+        self.probes(prefix).all(|bit| {
             self.words[(bit / 64) as usize].load(Ordering::Relaxed) & (1 << (bit % 64)) != 0
         })
     }
@@ -112,14 +118,12 @@ mod tests {
     #[test]
     fn inserted_keys_are_found_and_most_others_are_not() {
         let b = Bloom::with_capacity(100_000, true);
-        let fp = |i: u64| *blake3::hash(&i.to_le_bytes()).as_bytes();
+        let fp = |i: u64| crate::meta::fp_prefix(blake3::hash(&i.to_le_bytes()).as_bytes());
         for i in 0..100_000 {
-            b.insert(&fp(i));
+            b.insert(fp(i));
         }
-        assert!((0..100_000).all(|i| b.may_contain(&fp(i))));
-        let false_positives = (100_000..200_000)
-            .filter(|&i| b.may_contain(&fp(i)))
-            .count();
+        assert!((0..100_000).all(|i| b.may_contain(fp(i))));
+        let false_positives = (100_000..200_000).filter(|&i| b.may_contain(fp(i))).count();
         assert!(
             false_positives < 2_000,
             "{false_positives} false positives in 100k"
@@ -131,29 +135,29 @@ mod tests {
     /// (not "maybe", as a filter under construction without a predecessor must answer).
     #[test]
     fn a_growing_filter_answers_from_its_predecessor_until_ready() {
-        let fp = |i: u64| *blake3::hash(&i.to_le_bytes()).as_bytes();
+        let fp = |i: u64| crate::meta::fp_prefix(blake3::hash(&i.to_le_bytes()).as_bytes());
         let old = Arc::new(Bloom::with_capacity(1_000, true));
         for i in 0..1_000 {
-            old.insert(&fp(i));
+            old.insert(fp(i));
         }
         let new = Bloom::growing_from(10_000, old.clone());
         for i in 1_000..2_000 {
-            new.insert(&fp(i));
+            new.insert(fp(i));
         }
-        assert!((0..2_000).all(|i| new.may_contain(&fp(i))));
-        let unknown = (2_000..12_000).filter(|&i| new.may_contain(&fp(i))).count();
+        assert!((0..2_000).all(|i| new.may_contain(fp(i))));
+        let unknown = (2_000..12_000).filter(|&i| new.may_contain(fp(i))).count();
         assert!(unknown < 1_000, "{unknown} of 10k unknown reported present");
         // The rebuild's scan fills in the older fingerprints, then the filter is ready and
         // lets its predecessor go.
         for i in 0..1_000 {
-            new.insert(&fp(i));
+            new.insert(fp(i));
         }
         new.set_ready();
         assert_eq!(Arc::strong_count(&old), 1);
-        assert!((0..2_000).all(|i| new.may_contain(&fp(i))));
-        let unknown = (2_000..12_000).filter(|&i| new.may_contain(&fp(i))).count();
+        assert!((0..2_000).all(|i| new.may_contain(fp(i))));
+        let unknown = (2_000..12_000).filter(|&i| new.may_contain(fp(i))).count();
         assert!(unknown < 300, "{unknown} of 10k unknown reported present");
         let fresh = Bloom::with_capacity(10_000, false);
-        assert!(fresh.may_contain(&fp(5_000)));
+        assert!(fresh.may_contain(fp(5_000)));
     }
 }

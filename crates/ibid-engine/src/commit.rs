@@ -248,7 +248,7 @@ impl Inner {
                     ..*rec
                 };
                 txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
-                txn.insert(meta::FPS, &rec.fingerprint, &id);
+                txn.insert(meta::FPS, &meta::fps_key(&rec.fingerprint, id), &());
                 let u = segment_usage(&mut usage, txn, rec.segment)?;
                 u.total_bytes += rec.physical_bytes();
                 u.live_bytes += rec.physical_bytes();
@@ -338,9 +338,7 @@ impl Inner {
                 txn.remove(meta::ORPHANS, &id);
             }
             txn.remove(meta::CHUNKS, &id);
-            if txn.get(meta::FPS, &rec.fingerprint)? == Some(id) {
-                txn.remove(meta::FPS, &rec.fingerprint);
-            }
+            txn.remove(meta::FPS, &meta::fps_key(&rec.fingerprint, id));
             let u = segment_usage(&mut usage, txn, rec.segment)?;
             u.live_bytes -= rec.physical_bytes().min(u.live_bytes);
             record.live_chunks -= 1;

@@ -6,13 +6,20 @@
 //! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
 //! | `map`      | (layer u64 BE, block u64 BE)         | chunk id (absent = zero)               |
 //! | `chunks`   | chunk id                             | [`crate::format::ChunkRecord`]         |
-//! | `fps`      | BLAKE3 fingerprint (32 bytes)        | chunk id — the dedup index             |
+//! | `fps`      | (fingerprint prefix u64, chunk id) as u128 BE | () — the dedup index          |
 //! | `segments` | segment id                           | [`crate::format::SegmentUsage`]        |
 //! | `orphans`  | chunk id                             | () — chunks at zero refs kept alive    |
 //! | `snapshots`| `VOLUME@SNAPSHOT`                    | [`crate::format::VolumeRecord`]        |
 //! | `layers`   | layer id                             | stacks including it (refcount)         |
 //!
 //! A map value of [`crate::format::ZERO_TOMBSTONE`] (0) in an upper layer hides lower layers.
+//!
+//! The dedup index holds one key per live chunk: the first 8 bytes of its fingerprint (as a
+//! big-endian u64) in the high half, its id in the low half ([`fps_key`]). A lookup scans the
+//! keys of one prefix ([`fps_range`]) and confirms each candidate against the full fingerprint
+//! in its `chunks` record; two chunks may share a prefix. Sixteen-byte integer keys keep the
+//! index's pages dense: the index was most of a commit's store work with 32-byte keys (see
+//! `ibid-bench store-shapes`).
 //!
 //! Keys and values cross the store seam in [`crate::store::Codec`]'s encoding (integers
 //! big-endian). Every table changes only inside the commit transaction, which is durable (fsync) when it
@@ -29,8 +36,8 @@ pub const VOLUMES: Def<str, [u8]> = Def::new(Table::Volumes);
 pub const MAP: Def<[u8; 16], u64> = Def::new(Table::Map);
 /// Chunks: id → record.
 pub const CHUNKS: Def<u64, [u8]> = Def::new(Table::Chunks);
-/// The dedup index: fingerprint → chunk id.
-pub const FPS: Def<[u8; 32], u64> = Def::new(Table::Fps);
+/// The dedup index: (fingerprint prefix, chunk id) → () (see the module doc).
+pub const FPS: Def<u128, ()> = Def::new(Table::Fps);
 /// Segment usage: id → (total, live) bytes.
 pub const SEGMENTS: Def<u64, [u8]> = Def::new(Table::Segments);
 /// Snapshots by `VOLUME@SNAPSHOT`.
@@ -39,6 +46,32 @@ pub const SNAPSHOTS: Def<str, [u8]> = Def::new(Table::Snapshots);
 pub const LAYERS: Def<u64, u64> = Def::new(Table::Layers);
 /// Chunks whose refcount reached zero while a newer reference was still uncommitted.
 pub const ORPHANS: Def<u64, ()> = Def::new(Table::Orphans);
+
+/// The first 8 bytes of a fingerprint, as the dedup index and filter key it.
+pub fn fp_prefix(fp: &[u8; 32]) -> u64 {
+    u64::from_be_bytes(fp[..8].try_into().expect("8 bytes"))
+}
+
+/// The dedup index key of chunk `id`, whose fingerprint is `fp`.
+pub fn fps_key(fp: &[u8; 32], id: u64) -> u128 {
+    ((fp_prefix(fp) as u128) << 64) | id as u128
+}
+
+/// The chunk id of a dedup index key.
+pub fn fps_key_chunk(key: u128) -> u64 {
+    key as u64
+}
+
+/// The fingerprint prefix of a dedup index key.
+pub fn fps_key_prefix(key: u128) -> u64 {
+    (key >> 64) as u64
+}
+
+/// The dedup index keys of every chunk whose fingerprint starts like `fp`'s.
+pub fn fps_range(fp: &[u8; 32]) -> std::ops::RangeInclusive<u128> {
+    let high = (fp_prefix(fp) as u128) << 64;
+    high..=high | u64::MAX as u128
+}
 
 /// Key of the pool record in [`POOL`].
 pub const POOL_KEY: &str = "pool";
@@ -49,7 +82,9 @@ pub const POOL_KEY: &str = "pool";
 /// 2 — the redb backend keeps the map and the dedup index in byte-keyed tables (`map.bytes`,
 /// `fps.bytes`). A version 1 pool has its tables moved over and its record rewritten when it
 /// is opened; a binary that knows only version 1 then refuses the pool instead of reading
-/// tables it cannot see.
+/// tables it cannot see. 3 — the dedup index is keyed by (fingerprint prefix, chunk id), one
+/// 16-byte integer key per chunk (redb table `fps.prefix`; fjall keeps the `fps` keyspace with
+/// the new keys); older pools have their index rewritten when opened.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -80,7 +115,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 2;
+pub const POOL_FORMAT_VERSION: u64 = 3;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

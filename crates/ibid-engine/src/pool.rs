@@ -950,8 +950,8 @@ impl Inner {
         let t0 = std::time::Instant::now();
         let txn = self.db.read()?;
         let mut filled = 0u64;
-        txn.for_each_key(meta::FPS, |fp| {
-            bloom.insert(&fp);
+        txn.for_each_key(meta::FPS, |key| {
+            bloom.insert(meta::fps_key_prefix(key));
             filled += 1;
         })?;
         bloom.set_ready();

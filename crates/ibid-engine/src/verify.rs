@@ -138,13 +138,11 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             }
             report.orphans += 1;
         }
-        match txn.get(meta::FPS, &rec.fingerprint)? {
-            Some(f) if f == id => {}
-            other => {
-                return Err(fail(format!(
-                    "chunk {id:#x}: index maps its fingerprint to {other:?}"
-                )))
-            }
+        if txn
+            .get(meta::FPS, &meta::fps_key(&rec.fingerprint, id))?
+            .is_none()
+        {
+            return Err(fail(format!("chunk {id:#x} is not in the dedup index")));
         }
         if !inner.read_chunk(id, &mut block)? {
             return Err(fail(format!("chunk {id:#x} cannot be read")));

@@ -1057,7 +1057,7 @@ impl Inner {
         );
         self.pending_bytes
             .fetch_add(physical as i64, Ordering::Relaxed);
-        self.bloom().insert(&fp);
+        self.bloom().insert(meta::fp_prefix(&fp));
         Ok(Entry::Data(id))
     }
 
@@ -1088,10 +1088,21 @@ impl Inner {
                 return Ok(Some(id));
             }
         }
-        if !self.bloom().may_contain(fp) {
+        if !self.bloom().may_contain(meta::fp_prefix(fp)) {
             return Ok(None);
         }
-        let found = self.db.read()?.get(meta::FPS, fp)?;
+        // The index gives the chunks whose fingerprint starts like `fp`; the one whose record
+        // holds all of `fp` is the duplicate (same snapshot, so it exists; the shard lock
+        // keeps it alive, as for a neighbour).
+        let txn = self.db.read()?;
+        let mut found = None;
+        for entry in txn.range(meta::FPS, meta::fps_range(fp))? {
+            let id = meta::fps_key_chunk(entry?.0);
+            if holds_chunk_in(&txn, id, fp)? {
+                found = Some(id);
+                break;
+            }
+        }
         if let (Some(n), Some(id)) = (neighbours, found) {
             n.found_in_index(id);
         }
@@ -1100,10 +1111,7 @@ impl Inner {
 
     /// Whether the committed state holds chunk `id` with fingerprint `fp`.
     fn holds_chunk(&self, id: u64, fp: &[u8; 32]) -> Result<bool> {
-        Ok(match self.db.read()?.get(meta::CHUNKS, &id)? {
-            Some(v) => format::ChunkRecord::decode(&v)?.fingerprint == *fp,
-            None => false,
-        })
+        holds_chunk_in(&self.db.read()?, id, fp)
     }
 
     /// Installs prepared entries in the volume's map and drops the references they replace.
@@ -1212,7 +1220,7 @@ impl Inner {
         drop(s);
         self.pending_bytes
             .fetch_add(rec.physical_bytes() as i64, Ordering::Relaxed);
-        self.bloom().insert(&rec.fingerprint);
+        self.bloom().insert(meta::fp_prefix(&rec.fingerprint));
     }
 
     /// Replays journaled map entries: each data entry takes its reference again, and the
@@ -1535,6 +1543,14 @@ fn entry_of(id: u64) -> Entry {
     } else {
         Entry::Data(id)
     }
+}
+
+/// Whether `store` holds chunk `id` with fingerprint `fp`.
+fn holds_chunk_in(store: &impl Reader, id: u64, fp: &[u8; 32]) -> Result<bool> {
+    Ok(match store.get(meta::CHUNKS, &id)? {
+        Some(v) => format::ChunkRecord::decode(&v)?.fingerprint == *fp,
+        None => false,
+    })
 }
 
 fn stripe_of(block: u64) -> usize {

@@ -10,7 +10,7 @@
 //! Deletes are point tombstones: fjall 3 has no range tombstone, so a range delete is a scan
 //! plus one tombstone per key (the seam already expresses it that way).
 
-use super::{Batch, KvIter, MetaStore, Snapshot, Table, TABLES};
+use super::{Batch, Codec, KvIter, MetaStore, Snapshot, Table, TABLES};
 use crate::error::{Error, Result};
 use ::fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode, Readable};
 use std::ops::Bound;
@@ -50,9 +50,40 @@ impl FjallStore {
         Ok(store)
     }
 
-    /// Opens the database in `dir` (fjall replays its journal first).
+    /// Opens the database in `dir` (fjall replays its journal first), and rewrites a dedup
+    /// index of an older format (fingerprint → chunk id) with the current keys.
     pub fn open(dir: &Path) -> Result<FjallStore> {
-        Self::open_path(&dir.join(DIR))
+        let store = Self::open_path(&dir.join(DIR))?;
+        store.migrate_index()?;
+        Ok(store)
+    }
+
+    /// Rewrites every `fps` entry keyed by a whole fingerprint (format versions 1 and 2: a
+    /// 32-byte key, the chunk id as value) as a prefix key ([`crate::meta::fps_key`]): one
+    /// durable batch, so a crash leaves either form whole.
+    fn migrate_index(&self) -> Result<()> {
+        let ks = self.keyspace(Table::Fps);
+        let mut b = self.db.batch().durability(Some(PersistMode::SyncData));
+        let mut moved = 0u64;
+        for g in self.db.snapshot().iter(ks) {
+            let (k, v) = g.into_inner()?;
+            let Ok(fp) = <[u8; 32]>::try_from(&*k) else {
+                continue;
+            };
+            let id = <u64 as Codec>::decode(&v)?;
+            b.remove(ks, &*k);
+            b.insert(
+                ks,
+                Codec::encode(&crate::meta::fps_key(&fp, id)),
+                Codec::encode(&()),
+            );
+            moved += 1;
+        }
+        if moved > 0 {
+            b.commit()?;
+            tracing::info!("metadata: rewrote {moved} dedup index entries with prefix keys");
+        }
+        Ok(())
     }
 
     fn open_path(path: &Path) -> Result<FjallStore> {
@@ -134,5 +165,45 @@ impl Snapshot for FjallSnapshot<'_> {
             let (k, v) = g.into_inner()?;
             Ok((k.to_vec(), v.to_vec()))
         })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::meta;
+    use crate::store::Store;
+
+    /// A dedup index of format version 2 (32-byte fingerprint → chunk id) opens rewritten
+    /// with prefix keys; entries already in the current form are left alone.
+    #[test]
+    fn whole_fingerprint_index_keys_are_rewritten_at_open() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let (old, current) = (([7u8; 32], 3u64), ([8u8; 32], 4u64));
+        {
+            let store = FjallStore::create(dir.path())?;
+            let ks = store.keyspace(Table::Fps);
+            let mut b = store.db.batch().durability(Some(PersistMode::SyncData));
+            b.insert(ks, old.0.as_slice(), Codec::encode(&old.1));
+            let key = meta::fps_key(&current.0, current.1);
+            b.insert(ks, Codec::encode(&key), Codec::encode(&()));
+            b.commit()?;
+        }
+        for _ in 0..2 {
+            let store = Store::open(dir.path())?;
+            let keys: Vec<u128> = store
+                .read()?
+                .iter(meta::FPS)?
+                .map(|e| e.map(|(k, ())| k))
+                .collect::<Result<_>>()?;
+            assert_eq!(
+                keys,
+                vec![
+                    meta::fps_key(&old.0, old.1),
+                    meta::fps_key(&current.0, current.1)
+                ]
+            );
+        }
+        Ok(())
     }
 }

@@ -173,6 +173,19 @@ impl<const N: usize> Codec for [u8; N] {
     }
 }
 
+/// Big-endian, so keys sort as numbers.
+impl Codec for u128 {
+    type Owned = u128;
+    fn encode(&self) -> Vec<u8> {
+        self.to_be_bytes().to_vec()
+    }
+    fn decode(b: &[u8]) -> Result<u128> {
+        Ok(u128::from_be_bytes(
+            b.try_into().map_err(|_| corrupt("u128", b))?,
+        ))
+    }
+}
+
 impl Codec for str {
     type Owned = String;
     fn encode(&self) -> Vec<u8> {

@@ -16,6 +16,7 @@
 
 use super::{Batch, KvIter, MetaStore, Snapshot, Table, TableOps, TABLES};
 use crate::error::{Error, Result};
+use crate::meta;
 use ::redb::{
     Database, Key, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable,
     TableDefinition, TableHandle, Value,
@@ -37,11 +38,14 @@ const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
 /// The byte order is the same, so scans see the same order.
 const MAP: TableDefinition<&[u8], u64> = TableDefinition::new("map.bytes");
 const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
-const FPS: TableDefinition<&[u8], u64> = TableDefinition::new("fps.bytes");
-/// The map and dedup index of pools created before the byte-string tables; [`RedbStore::open`]
-/// moves their entries over, once.
+/// The dedup index: 16-byte integer keys (fingerprint prefix, chunk id), compared as numbers.
+const FPS: TableDefinition<u128, ()> = TableDefinition::new("fps.prefix");
+/// The map and dedup index of pools created before the byte-string tables (format version 1);
+/// [`RedbStore::open`] moves their entries over, once.
 const MAP_ARRAY_KEYS: TableDefinition<[u8; 16], u64> = TableDefinition::new("map");
 const FPS_ARRAY_KEYS: TableDefinition<[u8; 32], u64> = TableDefinition::new("fps");
+/// The dedup index of format version 2 (fingerprint → chunk id); moved over at open.
+const FPS_BYTE_KEYS: TableDefinition<&[u8], u64> = TableDefinition::new("fps.bytes");
 const SEGMENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("segments");
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 const LAYERS: TableDefinition<u64, u64> = TableDefinition::new("layers");
@@ -99,6 +103,20 @@ impl<const N: usize> Conv for [u8; N] {
     }
     fn with_seam_bytes<R>(v: &[u8; N], f: impl FnOnce(&[u8]) -> R) -> R {
         f(v)
+    }
+}
+
+impl Conv for u128 {
+    fn decode_seam(b: &[u8]) -> Result<u128> {
+        Ok(u128::from_be_bytes(
+            b.try_into().map_err(|_| bad("u128", b))?,
+        ))
+    }
+    fn encode_seam(v: &u128) -> Vec<u8> {
+        v.to_be_bytes().to_vec()
+    }
+    fn with_seam_bytes<R>(v: &u128, f: impl FnOnce(&[u8]) -> R) -> R {
+        f(&v.to_be_bytes())
     }
 }
 
@@ -164,7 +182,8 @@ impl RedbStore {
         let path = dir.join(FILE);
         let db = Database::open(&path)?;
         migrate_array_keys(&db, MAP_ARRAY_KEYS, MAP)?;
-        migrate_array_keys(&db, FPS_ARRAY_KEYS, FPS)?;
+        migrate_index(&db, FPS_ARRAY_KEYS)?;
+        migrate_index(&db, FPS_BYTE_KEYS)?;
         RedbStore::new(db, path)
     }
 
@@ -201,6 +220,41 @@ fn migrate_array_keys<const N: usize>(
     txn.commit()?;
     tracing::info!(
         "metadata: moved {moved} entries of table {} to byte-string keys",
+        old.name()
+    );
+    Ok(())
+}
+
+/// Rewrites every entry (fingerprint → chunk id) of the older dedup index table `old`, if the
+/// database has one, as a key of the current index, and deletes `old`: one transaction.
+fn migrate_index<K: Key + 'static>(db: &Database, old: TableDefinition<K, u64>) -> Result<()>
+where
+    for<'a> K::SelfType<'a>: AsRef<[u8]>,
+{
+    let txn = db.begin_write()?;
+    let exists = txn.list_tables()?.any(|t| t.name() == old.name());
+    if !exists {
+        return Ok(());
+    }
+    let mut moved = 0u64;
+    {
+        let from = txn.open_table(old)?;
+        let mut to = txn.open_table(FPS)?;
+        for item in from.iter()? {
+            let (k, v) = item?;
+            let key = k.value();
+            let fp: &[u8; 32] = key
+                .as_ref()
+                .try_into()
+                .map_err(|_| bad("dedup index key", key.as_ref()))?;
+            to.insert(meta::fps_key(fp, v.value()), ())?;
+            moved += 1;
+        }
+    }
+    txn.delete_table(old)?;
+    txn.commit()?;
+    tracing::info!(
+        "metadata: rewrote {moved} dedup index entries of table {} with prefix keys",
         old.name()
     );
     Ok(())
@@ -357,12 +411,71 @@ fn bound<K: Conv>(b: Bound<&[u8]>) -> Result<Bound<K::SelfType<'_>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Reader, Store};
-    use crate::{format, meta};
+    use crate::format;
+    use crate::store::Store;
 
-    /// A pool created with the array-keyed map and dedup index opens with their entries moved
-    /// to the byte-keyed tables (same values, same scan order) and the old tables deleted; the
-    /// next open finds nothing to move.
+    /// The dedup index as a store reads it: (chunk id, fingerprint prefix) pairs, sorted.
+    fn index_entries(store: &Store) -> Result<Vec<(u64, u64)>> {
+        let mut got: Vec<(u64, u64)> = store
+            .read()?
+            .iter(meta::FPS)?
+            .map(|e| e.map(|(k, ())| (meta::fps_key_chunk(k), (k >> 64) as u64)))
+            .collect::<Result<_>>()?;
+        got.sort();
+        Ok(got)
+    }
+
+    /// A format version 2 dedup index (32-byte fingerprint → chunk id) opens rewritten as
+    /// prefix keys, the old table deleted; the next open finds nothing to move.
+    #[test]
+    fn byte_keyed_index_moves_to_prefix_keys_at_open() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let fps = [([9u8; 32], 1u64), ([3u8; 32], 2), ([3u8; 32], 5)];
+        {
+            let db = Database::create(dir.path().join(FILE))?;
+            let txn = db.begin_write()?;
+            {
+                let mut t = txn.open_table(FPS_BYTE_KEYS)?;
+                for (fp, id) in &fps[..2] {
+                    t.insert(fp.as_slice(), id)?;
+                }
+            }
+            txn.commit()?;
+        }
+        for _ in 0..2 {
+            let store = Store::open(dir.path())?;
+            let expected = vec![
+                (1, meta::fp_prefix(&[9; 32])),
+                (2, meta::fp_prefix(&[3; 32])),
+            ];
+            assert_eq!(index_entries(&store)?, expected);
+        }
+        let db = Database::open(dir.path().join(FILE))?;
+        let names: Vec<String> = db
+            .begin_read()?
+            .list_tables()?
+            .map(|t| t.name().to_string())
+            .collect();
+        assert!(names.iter().all(|n| n != "fps.bytes"), "{names:?}");
+        // Two chunks under one prefix are two keys, both in the prefix's range.
+        drop(db);
+        let store = Store::open(dir.path())?;
+        let mut txn = store.write()?;
+        txn.insert(meta::FPS, &meta::fps_key(&fps[2].0, fps[2].1), &());
+        txn.commit()?;
+        let under: Vec<u64> = store
+            .read()?
+            .range(meta::FPS, meta::fps_range(&[3u8; 32]))?
+            .map(|e| e.map(|(k, ())| meta::fps_key_chunk(k)))
+            .collect::<Result<_>>()?;
+        assert_eq!(under, vec![2, 5]);
+        Ok(())
+    }
+
+    /// A pool created with the array-keyed map and dedup index (format version 1) opens with
+    /// the map moved to the byte-keyed table (same values, same scan order), the index
+    /// rewritten with prefix keys, and the old tables deleted; the next open finds nothing to
+    /// move.
     #[test]
     fn array_keyed_tables_move_to_byte_keys_at_open() -> Result<()> {
         let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
@@ -393,10 +506,13 @@ mod tests {
                 .collect();
             expected.sort();
             assert_eq!(scanned, expected);
-            for (fp, id) in fps {
-                assert_eq!(r.get(meta::FPS, &fp)?, Some(id));
-            }
-            assert_eq!(r.get(meta::FPS, &[4u8; 32])?, None);
+            drop(r);
+            let mut expected: Vec<(u64, u64)> = fps
+                .iter()
+                .map(|(fp, id)| (*id, meta::fp_prefix(fp)))
+                .collect();
+            expected.sort();
+            assert_eq!(index_entries(&store)?, expected);
         }
         let db = Database::open(dir.path().join(FILE))?;
         let txn = db.begin_read()?;
