@@ -352,7 +352,7 @@ impl Snapshot for Arc<RedbSnapshot> {
     }
 
     fn range(&self, table: Table, lo: Bound<&[u8]>, hi: Bound<&[u8]>) -> Result<KvIter<'_>> {
-        dispatch!(table, range_in, &self.txn, lo, hi)
+        dispatch!(table, range_in, self, table, lo, hi)
     }
 
     fn for_each_key(&self, table: Table, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
@@ -385,14 +385,17 @@ fn get_in<K: Key + Conv, V: Conv>(
     Ok(got.map(|g| V::encode_seam(&g.value())))
 }
 
+/// Scans on the snapshot's opened table (a dedup index lookup is a scan of one prefix).
 fn range_in<K: Key + Conv, V: Conv>(
     def: TableDefinition<K, V>,
-    txn: &ReadTransaction,
+    snapshot: &RedbSnapshot,
+    table: Table,
     lo: Bound<&[u8]>,
     hi: Bound<&[u8]>,
 ) -> Result<KvIter<'static>> {
-    let table = txn.open_table(def)?;
-    let range = table.range::<K::SelfType<'_>>((bound::<K>(lo)?, bound::<K>(hi)?))?;
+    let range = snapshot
+        .table(table, def)?
+        .range::<K::SelfType<'_>>((bound::<K>(lo)?, bound::<K>(hi)?))?;
     Ok(Box::new(range.map(|item| {
         let (k, v) = item?;
         let pair = (K::encode_seam(&k.value()), V::encode_seam(&v.value()));
