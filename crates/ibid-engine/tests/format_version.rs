@@ -77,3 +77,59 @@ fn older_pools_are_upgraded_and_newer_ones_refused() {
         "a refused pool is left as it was"
     );
 }
+
+/// A pool whose dedup index is in format version 2's form (redb table `fps.bytes`: the whole
+/// fingerprint → chunk id) opens upgraded: the index rewritten with prefix keys, the record at
+/// the current version, every chunk in the index (verify), and a block written again found as
+/// a duplicate instead of stored a second time.
+#[test]
+fn a_version_2_index_is_rewritten_and_still_finds_duplicates() {
+    use redb::{ReadableTable, TableDefinition};
+    const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
+    const FPS_V2: TableDefinition<&[u8], u64> = TableDefinition::new("fps.bytes");
+    const FPS_V3: TableDefinition<u128, ()> = TableDefinition::new("fps.prefix");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    {
+        let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+        let v = pool.create_volume("v", 1 << 20).expect("volume");
+        for i in 0..8u64 {
+            v.write(i * 4096, &random_block(i), false).expect("write");
+        }
+        pool.close().expect("close");
+    }
+    // Turn the index back into version 2's table, from the fingerprints in the chunk records.
+    {
+        let db = redb::Database::open(path.join("meta.redb")).expect("redb");
+        let txn = db.begin_write().expect("write");
+        {
+            let chunks = txn.open_table(CHUNKS).expect("chunks");
+            let mut old = txn.open_table(FPS_V2).expect("fps.bytes");
+            for item in chunks.iter().expect("iter") {
+                let (id, rec) = item.expect("chunk");
+                old.insert(&rec.value()[32..64], id.value())
+                    .expect("insert");
+            }
+        }
+        txn.delete_table(FPS_V3).expect("delete fps.prefix");
+        txn.commit().expect("commit");
+    }
+    set_version(&path, 2);
+    let pool = Pool::open(&path, quiet_config(1 << 30)).expect("open a version 2 pool");
+    let report = pool.verify().expect("verify after the upgrade");
+    assert_eq!(report.chunks, 8);
+    let chunks = pool.stats().unique_chunks;
+    {
+        let v = pool.volume("v").expect("v");
+        v.write(100 * 4096, &random_block(3), false)
+            .expect("write a duplicate");
+        pool.sync().expect("sync");
+        assert_eq!(pool.stats().unique_chunks, chunks, "stored twice");
+        let mut got = vec![0u8; 4096];
+        v.read(100 * 4096, &mut got).expect("read");
+        assert_eq!(got, random_block(3));
+    }
+    pool.close().expect("close");
+    assert_eq!(stored_version(&path), POOL_FORMAT_VERSION, "upgraded");
+}
