@@ -381,8 +381,25 @@ async fn next_request<R: AsyncRead + Unpin>(
         .acquire_many_owned(buffer_len as u32)
         .await
         .map_err(|_| ConnError::Protocol("semaphore closed".into()))?;
-    let mut payload = vec![0u8; payload_len as usize];
-    rd.read_exact(&mut payload).await?;
+    // Read into the allocation's spare capacity: no zeroing of bytes the payload overwrites
+    // (a 1 MiB write's memset showed in the server's profile).
+    let mut payload = Vec::with_capacity(payload_len as usize);
+    if payload_len > 0 {
+        (&mut *rd)
+            .take(payload_len)
+            .read_to_end(&mut payload)
+            .await?;
+    }
+    if payload.len() as u64 != payload_len {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "payload ended after {} of {payload_len} bytes",
+                payload.len()
+            ),
+        )
+        .into());
+    }
     let mut verdict = validate_request(
         &header,
         session.export.size(),
