@@ -369,6 +369,7 @@ impl Pool {
                 keep.insert(rec.segment);
             }
         }
+        name_prepare_threads();
         let (segments, found) = Segments::open(
             &dir.join("segments"),
             DATA_WRITERS + 1,
@@ -812,6 +813,22 @@ impl Drop for Inner {
             }
         }
     }
+}
+
+/// Builds rayon's global pool, on which a large write prepares its blocks (one thread per
+/// core), with named threads (`ibid-prepare-N`), once per process. Built lazily instead, its
+/// threads would take the name of whichever thread first used it (in `top` and profiles, the
+/// preparing threads showed up as `ibid-filters`). Left alone if something else built it.
+fn name_prepare_threads() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("ibid-prepare-{i}"))
+            .build_global()
+        {
+            tracing::debug!("rayon's pool was built before the pool opened: {e}");
+        }
+    });
 }
 
 /// Fingerprints the dedup filter is sized for, given the chunks stored: 50 % headroom, so the
