@@ -198,6 +198,10 @@ impl Inner {
         for s in &self.shards {
             s.lock().committing = Arc::new(ShardBatch::default());
         }
+        if !applied.died.is_empty() {
+            // Before any fingerprint leaves `dead_fps`: see `neighbours.rs`.
+            self.frees.fetch_add(1, Ordering::AcqRel);
+        }
         for (shard, fp) in &applied.died {
             self.shards[*shard].lock().dead_fps.remove(fp);
         }

@@ -4,8 +4,13 @@
 //! it are read with one range scan of the `chunks` table, and the write's other blocks are
 //! looked for among them first: a point read of the `fps` B-tree, whose random 32-byte keys make
 //! every lookup a walk through pages no cache holds, becomes a hash probe and a read of a chunk
-//! record beside the ones just read. A hint only: the caller checks every hit against the
-//! chunk's committed record before it takes a reference.
+//! record beside the ones just read. A hint only: the caller checks a hit against the chunk's
+//! committed record before it takes a reference, unless no commit has freed any chunk since
+//! the scan began (`Inner::frees` unchanged): only a commit frees chunks, and one that frees
+//! chunk X keeps X's fingerprint in its shard's `dead_fps` from before X leaves the store until
+//! after it bumps `frees`, so with the shard locked and `dead_fps` checked, an unchanged count
+//! proves X is still stored (the scan read it with that fingerprint; fingerprints never
+//! change).
 
 use crate::format::ChunkRecord;
 use crate::meta;
@@ -17,13 +22,16 @@ use std::sync::OnceLock;
 
 /// No index hit yet.
 const NONE: u64 = u64::MAX;
+/// The `frees` count of neighbours that must always be confirmed (never matches a real one).
+#[cfg(test)]
+const ALWAYS_CONFIRM: u64 = u64::MAX;
 
 /// The chunks stored around the first block of one write that the index found.
 pub(crate) struct Neighbours {
     /// Sequence numbers loaded on each side of that chunk.
     span: u64,
-    /// Fingerprint → chunk id, once loaded.
-    near: OnceLock<FxHashMap<[u8; 32], u64>>,
+    /// The pool's `frees` count when the scan began, and fingerprint → chunk id, once loaded.
+    near: OnceLock<(u64, FxHashMap<[u8; 32], u64>)>,
     /// The first chunk a lookup of this write found in the index ([`NONE`]: none yet).
     first_hit: AtomicU64,
 }
@@ -43,13 +51,15 @@ impl Neighbours {
     #[cfg(test)]
     pub(crate) fn loaded(near: FxHashMap<[u8; 32], u64>) -> Neighbours {
         let n = Neighbours::for_write(0);
-        let _ = n.near.set(near);
+        let _ = n.near.set((ALWAYS_CONFIRM, near));
         n
     }
 
-    /// The chunk with fingerprint `fp` among the loaded neighbours.
-    pub(crate) fn get(&self, fp: &[u8; 32]) -> Option<u64> {
-        self.near.get()?.get(fp).copied()
+    /// The chunk with fingerprint `fp` among the loaded neighbours, and the pool's `frees`
+    /// count when they were read.
+    pub(crate) fn get(&self, fp: &[u8; 32]) -> Option<(u64, u64)> {
+        let (frees, near) = self.near.get()?;
+        near.get(fp).map(|&id| (id, *frees))
     }
 
     /// Notes that the index holds chunk `id` (cheap: called with a dedup shard locked).
@@ -59,9 +69,10 @@ impl Neighbours {
             .compare_exchange(NONE, id, Ordering::AcqRel, Ordering::Acquire);
     }
 
-    /// Loads the neighbours of the first index hit, once; called with no lock held. A failed
+    /// Loads the neighbours of the first index hit, once; called with no lock held. `frees`:
+    /// the pool's count of commits that freed chunks, read before the scan's snapshot. A failed
     /// scan only leaves them unloaded (the index answers instead).
-    pub(crate) fn load_if_pending(&self, db: &Store) {
+    pub(crate) fn load_if_pending(&self, db: &Store, frees: &AtomicU64) {
         let hit = self.first_hit.load(Ordering::Acquire);
         if hit == NONE || self.near.get().is_some() {
             return;
@@ -70,10 +81,11 @@ impl Neighbours {
         let lo = seq.saturating_sub(self.span) << SHARD_BITS;
         let hi = (seq.saturating_add(self.span).min(u64::MAX >> SHARD_BITS) << SHARD_BITS)
             | ((1 << SHARD_BITS) - 1);
+        let before = frees.load(Ordering::Acquire);
         match scan(db, lo, hi) {
             // Another thread of the write may have loaded them meanwhile: either will do.
             Ok(near) => {
-                let _ = self.near.set(near);
+                let _ = self.near.set((before, near));
             }
             Err(e) => tracing::debug!("dedup neighbours of chunk {hit:#x}: {e}"),
         }

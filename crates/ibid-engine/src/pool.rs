@@ -148,6 +148,9 @@ pub(crate) struct Inner {
     /// Writes preparing whole blocks right now (see `write_range`): a large write spreads its
     /// blocks over the helper threads only while fewer writes than cores are busy.
     pub preparing: AtomicUsize,
+    /// Commits that freed chunks so far, bumped before their fingerprints leave `dead_fps`
+    /// (dedup neighbours read before an unchanged count need no re-check; `neighbours.rs`).
+    pub frees: AtomicU64,
     /// CPU cores available to the process.
     pub cores: usize,
     pub failed: Mutex<Option<String>>,
@@ -437,6 +440,7 @@ impl Pool {
             committed: AtomicU64::new(record.commits),
             chunk_seq: AtomicU64::new(record.next_chunk_seq),
             preparing: AtomicUsize::new(0),
+            frees: AtomicU64::new(0),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             capacity_bytes: AtomicU64::new(record.capacity_bytes),
             soft_threshold_pct: AtomicU64::new(record.soft_threshold_pct),

@@ -998,7 +998,7 @@ impl Inner {
                 *s.dirty.deltas.entry(id).or_default() += 1;
                 drop(s);
                 if let Some(n) = neighbours {
-                    n.load_if_pending(&self.db);
+                    n.load_if_pending(&self.db, &self.frees);
                 }
                 return Ok(Entry::Data(id));
             }
@@ -1083,8 +1083,9 @@ impl Inner {
         // state still holds that chunk with this fingerprint (then its shard is `s`, and no
         // commit frees it while `s` is locked, as for an index hit; one dying in the commit in
         // progress is in `dead_fps`, checked above).
-        if let Some(id) = neighbours.and_then(|n| n.get(fp)) {
-            if self.holds_chunk(id, fp)? {
+        if let Some((id, frees)) = neighbours.and_then(|n| n.get(fp)) {
+            // No chunk freed since the neighbours were read: still stored (see neighbours.rs).
+            if frees == self.frees.load(Ordering::Acquire) || self.holds_chunk(id, fp)? {
                 return Ok(Some(id));
             }
         }
@@ -1661,6 +1662,55 @@ mod tests {
         let mut near = rustc_hash::FxHashMap::default();
         near.insert(fp_kept, kept_id);
         assert_eq!(find(&fp_kept, &Neighbours::loaded(near)), Some(kept_id));
+    }
+
+    /// Neighbours read by a scan are taken without a re-check only while no commit has freed
+    /// a chunk since: one freed after the scan is passed over, one still stored is found.
+    #[test]
+    fn neighbours_read_before_a_free_are_checked_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            background: false,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+        pool.wait_filters_built();
+        let vol = pool.create_volume("v", 1 << 20).expect("volume");
+        let (gone, kept) = ([5u8; 4096], [6u8; 4096]);
+        vol.write(0, &gone, false).expect("write");
+        vol.write(4096, &kept, false).expect("write");
+        pool.sync().expect("commit");
+        let inner = &pool.inner;
+        let chunk = |b: u64| inner.lookup_range(&vol.state, b, b + 1).expect("map")[&b];
+        let fp = |b: &[u8]| *blake3::hash(b).as_bytes();
+        let (fp_gone, fp_kept) = (fp(&gone), fp(&kept));
+        let loaded = || {
+            let near = Neighbours::for_write(16);
+            near.found_in_index(chunk(0));
+            near.load_if_pending(&inner.db, &inner.frees);
+            assert_eq!(near.get(&fp_gone).map(|(id, _)| id), Some(chunk(0)));
+            near
+        };
+        let find = |fp: &[u8; 32], near: &Neighbours| {
+            let s = inner.shards[fp[0] as usize % SHARDS].lock();
+            inner.find_duplicate(&s, fp, Some(near)).expect("lookup")
+        };
+        let near = loaded();
+        assert_eq!(
+            find(&fp_gone, &near),
+            Some(chunk(0)),
+            "no free since the scan"
+        );
+        let near = loaded();
+        vol.write(0, &[7u8; 4096], false).expect("overwrite");
+        pool.sync().expect("commit: the first chunk dies");
+        assert_eq!(
+            find(&fp_gone, &near),
+            None,
+            "a neighbour freed after the scan"
+        );
+        assert_eq!(find(&fp_kept, &near), Some(chunk(1)));
     }
 
     /// A write is quick when it is whole blocks, at most `QUICK_WRITE_BLOCKS_MAX` of them, and
