@@ -1612,20 +1612,27 @@ mod tests {
         );
     }
 
+    /// A pool under `dir` with no background thread (commits by hand), its dedup filter
+    /// built, and a 1 MiB volume.
+    fn stepped_pool_with_a_volume(dir: &std::path::Path) -> (Pool, super::Volume) {
+        let config = PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            background: false,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.join("pool"), config).expect("create");
+        pool.wait_filters_built();
+        let vol = pool.create_volume("v", 1 << 20).expect("volume");
+        (pool, vol)
+    }
+
     /// A neighbour counts only while the committed state holds that chunk with that
     /// fingerprint: one that died since the neighbours were read, or one listed under another
     /// block's fingerprint, is passed over for the index's answer.
     #[test]
     fn stale_neighbours_are_checked_against_the_committed_chunks() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let config = PoolConfig {
-            capacity_bytes: Some(1 << 30),
-            background: false,
-            ..PoolConfig::default()
-        };
-        let pool = Pool::create(dir.path().join("pool"), config).expect("create");
-        pool.wait_filters_built();
-        let vol = pool.create_volume("v", 1 << 20).expect("volume");
+        let (pool, vol) = stepped_pool_with_a_volume(dir.path());
         let (gone, kept) = ([1u8; 4096], [2u8; 4096]);
         vol.write(0, &gone, false).expect("write");
         vol.write(4096, &kept, false).expect("write");
@@ -1669,14 +1676,7 @@ mod tests {
     #[test]
     fn neighbours_read_before_a_free_are_checked_again() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let config = PoolConfig {
-            capacity_bytes: Some(1 << 30),
-            background: false,
-            ..PoolConfig::default()
-        };
-        let pool = Pool::create(dir.path().join("pool"), config).expect("create");
-        pool.wait_filters_built();
-        let vol = pool.create_volume("v", 1 << 20).expect("volume");
+        let (pool, vol) = stepped_pool_with_a_volume(dir.path());
         let (gone, kept) = ([5u8; 4096], [6u8; 4096]);
         vol.write(0, &gone, false).expect("write");
         vol.write(4096, &kept, false).expect("write");
