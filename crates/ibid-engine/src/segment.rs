@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
@@ -250,6 +250,8 @@ pub struct Segments {
     io_thread: Option<JoinHandle<()>>,
     /// The first background write that failed: every later sync and append fails with it.
     io_failed: Mutex<Option<String>>,
+    /// Whether `io_failed` is set: read by every append without taking the lock.
+    io_failed_any: AtomicBool,
     /// Held by tests to keep the I/O thread from writing.
     #[cfg(test)]
     io_hold: Arc<Mutex<()>>,
@@ -376,6 +378,7 @@ impl Segments {
             io: Some(io),
             io_thread: Some(io_thread),
             io_failed: Mutex::new(None),
+            io_failed_any: AtomicBool::new(false),
             dir: dir.to_path_buf(),
             files: RwLock::new(files),
             writers,
@@ -451,6 +454,9 @@ impl Segments {
 
     /// Fails if a background write has failed.
     fn check_io(&self) -> Result<()> {
+        if !self.io_failed_any.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match &*self.io_failed.lock() {
             Some(why) => Err(Error::Failed(why.clone())),
             None => Ok(()),
@@ -505,6 +511,7 @@ impl Segments {
             self.io_failed
                 .lock()
                 .get_or_insert_with(|| format!("{context}: {e}"));
+            self.io_failed_any.store(true, Ordering::Release);
             o.flight = Some(flight);
             return Err(Error::io(context, e));
         }

@@ -1626,6 +1626,12 @@ mod tests {
         (pool, vol)
     }
 
+    /// `find_duplicate` of `fp` with `near` as the write's neighbours, its shard locked.
+    fn find_with(inner: &crate::pool::Inner, fp: &[u8; 32], near: &Neighbours) -> Option<u64> {
+        let s = inner.shards[fp[0] as usize % SHARDS].lock();
+        inner.find_duplicate(&s, fp, Some(near)).expect("lookup")
+    }
+
     /// A neighbour counts only while the committed state holds that chunk with that
     /// fingerprint: one that died since the neighbours were read, or one listed under another
     /// block's fingerprint, is passed over for the index's answer.
@@ -1648,10 +1654,7 @@ mod tests {
         pool.sync().expect("commit: the first chunk dies");
         let fp = |b: &[u8]| *blake3::hash(b).as_bytes();
         let (fp_gone, fp_kept) = (fp(&gone), fp(&kept));
-        let find = |fp: &[u8; 32], near: &Neighbours| {
-            let s = inner.shards[fp[0] as usize % SHARDS].lock();
-            inner.find_duplicate(&s, fp, Some(near)).expect("lookup")
-        };
+        let find = |fp: &[u8; 32], near: &Neighbours| find_with(inner, fp, near);
         let mut near = rustc_hash::FxHashMap::default();
         near.insert(fp_gone, gone_id);
         assert_eq!(
@@ -1692,10 +1695,7 @@ mod tests {
             assert_eq!(near.get(&fp_gone).map(|(id, _)| id), Some(chunk(0)));
             near
         };
-        let find = |fp: &[u8; 32], near: &Neighbours| {
-            let s = inner.shards[fp[0] as usize % SHARDS].lock();
-            inner.find_duplicate(&s, fp, Some(near)).expect("lookup")
-        };
+        let find = |fp: &[u8; 32], near: &Neighbours| find_with(inner, fp, near);
         let near = loaded();
         assert_eq!(
             find(&fp_gone, &near),

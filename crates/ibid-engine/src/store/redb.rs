@@ -194,53 +194,34 @@ impl RedbStore {
 }
 
 /// Moves every entry of the array-keyed table `old`, if the database has one, to the
-/// byte-keyed table `new`, and deletes `old`: one transaction, so a crash leaves either layout
-/// whole.
+/// byte-keyed table `new` (format version 1 to 2).
 fn migrate_array_keys<const N: usize>(
     db: &Database,
     old: TableDefinition<[u8; N], u64>,
     new: TableDefinition<&[u8], u64>,
 ) -> Result<()> {
-    let txn = db.begin_write()?;
-    let exists = txn.list_tables()?.any(|t| t.name() == old.name());
-    if !exists {
-        return Ok(());
-    }
-    let mut moved = 0u64;
-    {
-        let from = txn.open_table(old)?;
+    replace_table(db, old, "to byte-string keys", |txn| {
         let mut to = txn.open_table(new)?;
-        for item in from.range::<[u8; N]>(..)? {
+        let mut moved = 0u64;
+        for item in txn.open_table(old)?.iter()? {
             let (k, v) = item?;
             to.insert(k.value().as_slice(), v.value())?;
             moved += 1;
         }
-    }
-    txn.delete_table(old)?;
-    txn.commit()?;
-    tracing::info!(
-        "metadata: moved {moved} entries of table {} to byte-string keys",
-        old.name()
-    );
-    Ok(())
+        Ok(moved)
+    })
 }
 
 /// Rewrites every entry (fingerprint → chunk id) of the older dedup index table `old`, if the
-/// database has one, as a key of the current index, and deletes `old`: one transaction.
+/// database has one, as a key of the current index (format versions 1 and 2 to 3).
 fn migrate_index<K: Key + 'static>(db: &Database, old: TableDefinition<K, u64>) -> Result<()>
 where
     for<'a> K::SelfType<'a>: AsRef<[u8]>,
 {
-    let txn = db.begin_write()?;
-    let exists = txn.list_tables()?.any(|t| t.name() == old.name());
-    if !exists {
-        return Ok(());
-    }
-    let mut moved = 0u64;
-    {
-        let from = txn.open_table(old)?;
+    replace_table(db, old, "to prefix keys", |txn| {
         let mut to = txn.open_table(FPS)?;
-        for item in from.iter()? {
+        let mut moved = 0u64;
+        for item in txn.open_table(old)?.iter()? {
             let (k, v) = item?;
             let key = k.value();
             let fp: &[u8; 32] = key
@@ -250,11 +231,27 @@ where
             to.insert(meta::fps_key(fp, v.value()), ())?;
             moved += 1;
         }
+        Ok(moved)
+    })
+}
+
+/// If the database has table `old`, runs `copy` (which moves its entries elsewhere and returns
+/// how many) and deletes `old`, in one transaction, so a crash leaves either layout whole.
+fn replace_table<K: Key + 'static>(
+    db: &Database,
+    old: TableDefinition<K, u64>,
+    how: &str,
+    copy: impl FnOnce(&::redb::WriteTransaction) -> Result<u64>,
+) -> Result<()> {
+    let txn = db.begin_write()?;
+    if !txn.list_tables()?.any(|t| t.name() == old.name()) {
+        return Ok(());
     }
+    let moved = copy(&txn)?;
     txn.delete_table(old)?;
     txn.commit()?;
     tracing::info!(
-        "metadata: rewrote {moved} dedup index entries of table {} with prefix keys",
+        "metadata: moved {moved} entries of table {} {how}",
         old.name()
     );
     Ok(())
