@@ -91,7 +91,7 @@ pub fn transmission_bytes(data: &[u8]) {
         rest = tail;
         let verdict = transmission::validate_request(&req, export.size(), false, meta);
         let outcome = match verdict {
-            Ok(()) => transmission::execute(&export, &req, payload.to_vec()),
+            Ok(()) => transmission::execute(&export, &req, payload),
             Err(e) => transmission::Outcome::Error(e, String::new()),
         };
         let _ = transmission::encode(mode, &req, 1, outcome);

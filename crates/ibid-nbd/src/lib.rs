@@ -15,6 +15,7 @@
 //! - `workers`: the threads that run backend calls for all connections.
 #![deny(missing_docs, clippy::unwrap_used)]
 
+mod buffers;
 pub mod export;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -11,6 +11,7 @@
 //! error reply; framing it cannot trust (bad magic, a payload beyond [`PAYLOAD_LEN_MAX`], a
 //! truncated header) ends the connection.
 
+use crate::buffers::Buffers;
 use crate::export::{Export, ExportError, Extent, BLOCK_SIZE_MIN, PAYLOAD_LEN_MAX};
 use crate::wire::{self, Errno, ReplyMode, RequestHeader, StatusDescriptor, WireError};
 use crate::workers::Workers;
@@ -161,7 +162,7 @@ fn backend_error(e: ExportError) -> Outcome {
 }
 
 /// Runs a validated request against the backend (on a worker thread).
-pub(crate) fn execute(export: &dyn Export, req: &RequestHeader, payload: Vec<u8>) -> Outcome {
+pub(crate) fn execute(export: &dyn Export, req: &RequestHeader, payload: &[u8]) -> Outcome {
     let fua = req.flags & wire::CMD_FLAG_FUA != 0;
     let done = |r: Result<(), ExportError>| r.map_or_else(backend_error, |()| Outcome::Done);
     match req.kind {
@@ -173,7 +174,7 @@ pub(crate) fn execute(export: &dyn Export, req: &RequestHeader, payload: Vec<u8>
                 Err(e) => backend_error(e),
             }
         }
-        wire::CMD_WRITE => done(export.write(req.offset, &payload, fua)),
+        wire::CMD_WRITE => done(export.write(req.offset, payload, fua)),
         wire::CMD_FLUSH => done(export.flush()),
         wire::CMD_TRIM => done(export.trim(req.offset, req.len)),
         wire::CMD_CACHE => done(export.cache(req.offset, req.len)),
@@ -296,9 +297,10 @@ pub(crate) async fn run(
     let requests = Arc::new(Semaphore::new(INFLIGHT_REQUESTS_MAX));
     let bytes = Arc::new(Semaphore::new(INFLIGHT_BYTES_MAX as usize));
     let session = Arc::new(session);
+    let buffers = Arc::new(Buffers::default());
     let result = loop {
         let step = tokio::select! {
-            r = next_request(&mut rd, &session, &requests, &bytes) => r,
+            r = next_request(&mut rd, &session, &requests, &bytes, &buffers) => r,
             _ = stop.wait_for(|stopped| *stopped) => {
                 debug!("server stopping: closing NBD connection");
                 break Ok(());
@@ -306,7 +308,7 @@ pub(crate) async fn run(
             () = tx.closed() => break Err(ConnError::Protocol("replies could not be sent (socket failed or client stopped reading)".into())),
         };
         match step {
-            Ok(Some(request)) => dispatch(request, &session, workers, &tx),
+            Ok(Some(request)) => dispatch(request, &session, workers, &tx, &buffers),
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
         }
@@ -339,6 +341,7 @@ async fn next_request<R: AsyncRead + Unpin>(
     session: &Session,
     requests: &Arc<Semaphore>,
     bytes: &Arc<Semaphore>,
+    buffers: &Buffers,
 ) -> Result<Option<Request>, ConnError> {
     let extended = session.mode == ReplyMode::Extended;
     let header_len = if extended {
@@ -382,8 +385,8 @@ async fn next_request<R: AsyncRead + Unpin>(
         .await
         .map_err(|_| ConnError::Protocol("semaphore closed".into()))?;
     // Read into the allocation's spare capacity: no zeroing of bytes the payload overwrites
-    // (a 1 MiB write's memset showed in the server's profile).
-    let mut payload = Vec::with_capacity(payload_len as usize);
+    // (a 1 MiB write's memset showed in the server's profile), kept warm by `buffers`.
+    let mut payload = buffers.take(payload_len as usize);
     if payload_len > 0 {
         (&mut *rd)
             .take(payload_len)
@@ -427,6 +430,7 @@ fn dispatch(
     session: &Arc<Session>,
     workers: &Workers,
     tx: &mpsc::UnboundedSender<Outgoing>,
+    buffers: &Arc<Buffers>,
 ) {
     let Request {
         header,
@@ -438,6 +442,7 @@ fn dispatch(
     let quick = workers.quick_writes_inline && is_quick_write(&export, &header);
     let session = session.clone();
     let tx = tx.clone();
+    let buffers = buffers.clone();
     let reply = move |outcome: Outcome| {
         let ctx_id = session.meta_context.unwrap_or(0);
         let (header_bytes, data) = encode(session.mode, &header, ctx_id, outcome);
@@ -453,12 +458,13 @@ fn dispatch(
         Ok(()) => {
             let run = move || {
                 let outcome = catch_unwind(AssertUnwindSafe(|| {
-                    execute(export.as_ref(), &header, payload)
+                    execute(export.as_ref(), &header, &payload)
                 }))
                 .unwrap_or_else(|_| {
                     warn!("NBD backend call panicked");
                     Outcome::Error(Errno::Io, "internal error".into())
                 });
+                buffers.give(payload);
                 reply(outcome);
             };
             if quick {
