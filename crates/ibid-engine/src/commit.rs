@@ -170,7 +170,8 @@ impl Inner {
             .iter()
             .map(|s| {
                 let mut s = s.lock();
-                let b = Arc::new(std::mem::take(&mut s.dirty));
+                let next = s.dirty.sized_like();
+                let b = Arc::new(std::mem::replace(&mut s.dirty, next));
                 new_bytes += b
                     .new_chunks
                     .values()

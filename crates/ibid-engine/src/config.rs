@@ -34,6 +34,10 @@ pub struct PoolConfig {
     /// Whole 4 KiB blocks from which a range copy adds frames to the destination's stack (cost
     /// independent of the length) instead of sharing each block's reference (see `copy.rs`).
     pub frame_copy_blocks_min: u64,
+    /// Fingerprints the dedup filter is sized for at least (10 bits each: the default, 1 Mi,
+    /// is 1.25 MiB of RAM and covers 4 GiB of unique data). Below it a growing pool never
+    /// rebuilds the filter; past it, each rebuild sizes the filter for 1.5 × the chunks stored.
+    pub dedup_filter_min: u64,
 }
 
 impl Default for PoolConfig {
@@ -51,6 +55,7 @@ impl Default for PoolConfig {
             meta_backend: crate::store::Backend::from_env(),
             frame_copy_blocks_min: 256,
             direct_io: true,
+            dedup_filter_min: 1 << 20,
         }
     }
 }

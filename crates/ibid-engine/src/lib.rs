@@ -23,6 +23,7 @@ mod commit;
 pub mod config;
 mod copy;
 pub mod error;
+mod fingerprint;
 pub mod format;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -91,11 +91,30 @@ pub(crate) struct ShardBatch {
     pub deltas: FxHashMap<u64, i64>,
 }
 
+impl ShardBatch {
+    /// An empty batch with room for as many entries as `self` holds: the next batch of a
+    /// steady write load is about as large, and its maps then skip growing step by step
+    /// (each step rehashes into freshly allocated memory).
+    pub fn sized_like(&self) -> ShardBatch {
+        fn sized<K, V>(n: usize) -> FxHashMap<K, V> {
+            FxHashMap::with_capacity_and_hasher(n, Default::default())
+        }
+        ShardBatch {
+            new_chunks: sized(self.new_chunks.len()),
+            fps: sized(self.fps.len()),
+            deltas: sized(self.deltas.len()),
+        }
+    }
+}
+
 pub(crate) struct ShardState {
     pub dirty: ShardBatch,
     pub committing: Arc<ShardBatch>,
     /// Fingerprints whose chunk died in a commit not yet visible to readers of the store.
     pub dead_fps: FxHashSet<[u8; 32]>,
+    /// Fingerprints of new chunks a writer is appending without the shard lock (see
+    /// `store_new_block`): another writer of the same block waits for it to be placed.
+    pub placing: FxHashSet<[u8; 32]>,
 }
 
 /// Committed counters, owned by the committer.
@@ -385,13 +404,17 @@ impl Pool {
             segments.remove(*id)?;
         }
         let journal = Journal::open(dir)?;
-        let bloom = Bloom::with_capacity(bloom_capacity(record.live_chunks), false);
+        let bloom = Bloom::with_capacity(
+            bloom_capacity(record.live_chunks, config.dedup_filter_min),
+            false,
+        );
         let shards = (0..SHARDS)
             .map(|_| {
                 Mutex::new(ShardState {
                     dirty: ShardBatch::default(),
                     committing: Arc::new(ShardBatch::default()),
                     dead_fps: FxHashSet::default(),
+                    placing: FxHashSet::default(),
                 })
             })
             .collect();
@@ -839,9 +862,11 @@ fn name_prepare_threads() {
 /// filter costs 1.5 × 10 bits ≈ 1.9 bytes per unique block when built and 1.25 bytes when the
 /// pool has grown into it; it is then rebuilt larger. Each rebuild scans the whole index, so
 /// the headroom sets the scanning cost of growth: every fingerprint is read about 3 times
-/// while a pool fills (1 / (1 − 1/1.5)), where 25 % headroom read it 5 times.
-fn bloom_capacity(live_chunks: u64) -> u64 {
-    live_chunks.saturating_add(live_chunks / 2)
+/// while a pool fills (1 / (1 − 1/1.5)), where 25 % headroom read it 5 times. Never below
+/// `min` ([`PoolConfig::dedup_filter_min`]): a pool that starts empty skips the rebuilds of its
+/// first `min` chunks (from 64 Ki, seven scans and the commits they start before 1 Mi).
+fn bloom_capacity(live_chunks: u64, min: u64) -> u64 {
+    live_chunks.saturating_add(live_chunks / 2).max(min)
 }
 
 /// Whether `used` bytes reach `pct` percent of `capacity`.
@@ -960,7 +985,10 @@ impl Inner {
     /// index. New chunks go into the new filter as soon as it is installed; a commit right after
     /// makes sure every older chunk is in the index snapshot the scan reads.
     pub(crate) fn rebuild_bloom(&self) -> Result<()> {
-        let capacity = bloom_capacity(self.live_chunks.load(Ordering::Relaxed));
+        let capacity = bloom_capacity(
+            self.live_chunks.load(Ordering::Relaxed),
+            self.config.dedup_filter_min,
+        );
         let bloom = {
             let mut current = self.bloom.write();
             let bloom = Arc::new(Bloom::growing_from(capacity, current.clone()));

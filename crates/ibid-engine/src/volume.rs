@@ -5,6 +5,7 @@
 //! the block's stripe lock so concurrent partial writes to one block never lose each other.
 
 use crate::error::{Error, Result};
+use crate::fingerprint;
 use crate::format::{self, Frame, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
 use crate::journal::Change;
 use crate::layer_filter::LayerFilters;
@@ -23,6 +24,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 const BLOCK: u64 = BLOCK_BYTES as u64;
+/// Blocks of a write fingerprinted together.
+const LANES: u64 = fingerprint::LANES as u64;
 /// Times a read retries when the chunk it found was concurrently freed or moved.
 const READ_RETRIES_MAX: usize = 8;
 
@@ -88,6 +91,27 @@ thread_local! {
     /// compressing a block allocates nothing.
     static LZ4_SCRATCH: std::cell::RefCell<Vec<u8>> =
         std::cell::RefCell::new(vec![0; lz4_flex::block::get_maximum_output_size(BLOCK_BYTES)]);
+}
+
+/// The fingerprints of whole blocks (at most [`fingerprint::LANES`]), `None` for an all-zero
+/// block (never fingerprinted: it becomes a zero entry).
+fn fingerprints(blocks: &[&[u8]]) -> Vec<Option<[u8; 32]>> {
+    let zero: Vec<bool> = blocks.iter().map(|b| all_zero(b)).collect();
+    if zero.iter().all(|&z| z) {
+        return vec![None; blocks.len()];
+    }
+    let nonzero: Vec<&[u8]> = blocks
+        .iter()
+        .zip(&zero)
+        .filter(|(_, &z)| !z)
+        .map(|(b, _)| *b)
+        .collect();
+    let mut fps = [[0u8; 32]; fingerprint::LANES];
+    fingerprint::of_blocks(&nonzero, &mut fps);
+    let mut next = fps.into_iter();
+    zero.iter()
+        .map(|&z| (!z).then(|| next.next().expect("one per nonzero block")))
+        .collect()
 }
 
 fn all_zero(b: &[u8]) -> bool {
@@ -913,29 +937,46 @@ impl Inner {
         // Small writes look every block up in the index: a neighbourhood scan would cost more
         // than it could spare them.
         let neighbours = (f1 - f0 >= PARALLEL_BLOCKS_MIN).then(|| Neighbours::for_write(f1 - f0));
-        let prepare = |b: u64| {
-            let start = (b * BLOCK - offset) as usize;
-            self.prepare_block(
-                v,
-                &data[start..start + BLOCK_BYTES],
-                stamp,
-                neighbours.as_ref(),
-            )
+        // Blocks go in groups of `fingerprint::LANES`, fingerprinted together; a group stops
+        // at its first failure (the blocks after a failure are only released, below, so the
+        // groups after a short one need not line up).
+        let prepare_group = |g: usize| {
+            let g = g as u64;
+            let (lo, hi) = (f0 + g * LANES, (f0 + (g + 1) * LANES).min(f1));
+            let blocks: Vec<&[u8]> = (lo..hi)
+                .map(|b| {
+                    let start = (b * BLOCK - offset) as usize;
+                    &data[start..start + BLOCK_BYTES]
+                })
+                .collect();
+            let mut results = Vec::with_capacity(blocks.len());
+            for (block, fp) in blocks.iter().zip(fingerprints(&blocks)) {
+                let r = self.prepare_fingerprinted(v, block, fp, stamp, neighbours.as_ref());
+                let failed = r.is_err();
+                results.push(r);
+                if failed {
+                    break;
+                }
+            }
+            results
         };
+        let groups = (f1 - f0).div_ceil(LANES) as usize;
         let busy = Preparing::enter(&self.preparing);
         let results: Vec<Result<Entry>> =
             if f1 - f0 >= PARALLEL_BLOCKS_MIN && busy.count < self.cores {
-                (0..(f1 - f0) as usize)
+                let per_task = (PARALLEL_BLOCKS_MIN / 2 / LANES) as usize;
+                let grouped: Vec<Vec<Result<Entry>>> = (0..groups)
                     .into_par_iter()
-                    .with_min_len(PARALLEL_BLOCKS_MIN as usize / 2)
-                    .map(|i| prepare(f0 + i as u64))
-                    .collect()
+                    .with_min_len(per_task)
+                    .map(prepare_group)
+                    .collect();
+                grouped.into_iter().flatten().collect()
             } else {
                 let mut results = Vec::with_capacity((f1 - f0) as usize);
-                for b in f0..f1 {
-                    let r = prepare(b);
-                    let failed = r.is_err();
-                    results.push(r);
+                for g in 0..groups {
+                    let group = prepare_group(g);
+                    let failed = group.last().is_some_and(|r| r.is_err());
+                    results.extend(group);
                     if failed {
                         break;
                     }
@@ -987,13 +1028,26 @@ impl Inner {
         stamp: u64,
         neighbours: Option<&Neighbours>,
     ) -> Result<Entry> {
-        if all_zero(block) {
+        let fp = (!all_zero(block)).then(|| fingerprint::of(block));
+        self.prepare_fingerprinted(v, block, fp, stamp, neighbours)
+    }
+
+    /// [`Self::prepare_block`] with the block's fingerprint already computed (`None`: the block
+    /// is all zero).
+    fn prepare_fingerprinted(
+        &self,
+        v: &VolumeState,
+        block: &[u8],
+        fp: Option<[u8; 32]>,
+        stamp: u64,
+        neighbours: Option<&Neighbours>,
+    ) -> Result<Entry> {
+        let Some(fp) = fp else {
             return Ok(Entry::Zero);
-        }
-        let fp: [u8; 32] = *blake3::hash(block).as_bytes();
+        };
         let shard = fp[0] as usize % SHARDS;
         {
-            let mut s = self.shards[shard].lock();
+            let mut s = self.lock_settled(shard, &fp);
             if let Some(id) = self.find_duplicate(&s, &fp, neighbours)? {
                 *s.dirty.deltas.entry(id).or_default() += 1;
                 drop(s);
@@ -1007,10 +1061,29 @@ impl Inner {
             .with_borrow_mut(|scratch| self.store_new_block(v, block, fp, shard, stamp, scratch))
     }
 
+    /// Locks shard `shard` once no writer is placing a new chunk with fingerprint `fp`.
+    /// Waiting is rare (two writers storing the same new block at once): a poll will do.
+    fn lock_settled(&self, shard: usize, fp: &[u8; 32]) -> MutexGuard<'_, ShardState> {
+        loop {
+            let s = self.shards[shard].lock();
+            if !s.placing.contains(fp) {
+                return s;
+            }
+            drop(s);
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+
     /// [`Self::prepare_block`] for a block no stored chunk matched (`shard`: its fingerprint's
-    /// shard): compresses it (into
-    /// `scratch`, without holding the shard), looks again in case another writer stored the
+    /// shard): compresses it (into `scratch`), looks again in case another writer stored the
     /// same block meanwhile, and appends it as a new chunk.
+    ///
+    /// The shard is locked only to decide: the fingerprint is marked `placing` while the record
+    /// is appended and journaled without the lock (a segment writer or the journal may be busy,
+    /// and every writer whose block falls in the shard would wait behind them), then the chunk
+    /// is registered. A writer of the same block meanwhile waits for the registration
+    /// ([`Self::lock_settled`]), so its map entry is journaled after the chunk it refers to.
+    /// No commit cuts the batch meanwhile: the caller holds the gate.
     fn store_new_block(
         &self,
         v: &VolumeState,
@@ -1024,11 +1097,39 @@ impl Inner {
             Ok(n) if n < BLOCK_BYTES => (RECORD_FLAG_LZ4, &scratch[..n]),
             _ => (0, block),
         };
-        let mut s = self.shards[shard].lock();
-        if let Some(id) = self.find_duplicate(&s, &fp, None)? {
-            *s.dirty.deltas.entry(id).or_default() += 1;
-            return Ok(Entry::Data(id));
+        {
+            let mut s = self.lock_settled(shard, &fp);
+            if let Some(id) = self.find_duplicate(&s, &fp, None)? {
+                *s.dirty.deltas.entry(id).or_default() += 1;
+                return Ok(Entry::Data(id));
+            }
+            s.placing.insert(fp);
         }
+        let placed = self.place_chunk(v, fp, shard, flags, payload, stamp);
+        let mut s = self.shards[shard].lock();
+        s.placing.remove(&fp);
+        let (id, rec) = placed?;
+        s.dirty.new_chunks.insert(id, rec);
+        s.dirty.fps.insert(fp, id);
+        *s.dirty.deltas.entry(id).or_default() += 1;
+        drop(s);
+        self.pending_bytes
+            .fetch_add(rec.physical_bytes() as i64, Ordering::Relaxed);
+        self.bloom().insert(meta::fp_prefix(&fp));
+        Ok(Entry::Data(id))
+    }
+
+    /// Appends a new chunk's record to a segment and journals it; returns its id and record
+    /// (not yet registered in its shard).
+    fn place_chunk(
+        &self,
+        v: &VolumeState,
+        fp: [u8; 32],
+        shard: usize,
+        flags: u16,
+        payload: &[u8],
+        stamp: u64,
+    ) -> Result<(u64, format::ChunkRecord)> {
         let physical = (RECORD_HEADER_BYTES + payload.len()) as u64;
         self.reserve_space(physical, v)?;
         let id = (self.chunk_seq.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | shard as u64;
@@ -1044,9 +1145,6 @@ impl Inner {
             refs: 0,
             fingerprint: fp,
         };
-        s.dirty.new_chunks.insert(id, rec);
-        s.dirty.fps.insert(fp, id);
-        *s.dirty.deltas.entry(id).or_default() += 1;
         self.journal.append(
             stamp,
             Change::Chunk {
@@ -1055,10 +1153,7 @@ impl Inner {
                 inline: None,
             },
         );
-        self.pending_bytes
-            .fetch_add(physical as i64, Ordering::Relaxed);
-        self.bloom().insert(meta::fp_prefix(&fp));
-        Ok(Entry::Data(id))
+        Ok((id, rec))
     }
 
     /// A live chunk with this fingerprint, if any. Called with the fingerprint's shard locked,

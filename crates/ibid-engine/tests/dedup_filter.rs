@@ -9,7 +9,9 @@ use ibid_engine::{Pool, PoolConfig};
 use std::time::{Duration, Instant};
 
 const BLOCK: u64 = 4096;
-/// Past the filter's smallest size (64 Ki fingerprints), so the pool must outgrow it.
+/// The filter's smallest size here (the default is larger, to keep the test short).
+const FILTER_MIN: u64 = 64 * 1024;
+/// Past [`FILTER_MIN`], so the pool must outgrow it.
 const BLOCKS: u64 = 96 * 1024;
 
 /// Writes blocks `0..BLOCKS` (each `random_block(seed)`) to `vol` with 1 MiB writes.
@@ -31,10 +33,16 @@ fn the_filter_grows_in_the_background_and_keeps_every_fingerprint() {
     let config = PoolConfig {
         capacity_bytes: Some(4 << 30),
         background_interval_ms: 50,
+        dedup_filter_min: FILTER_MIN,
         ..PoolConfig::default()
     };
     let pool = Pool::create(dir.path().join("pool"), config).expect("create");
     pool.wait_filters_built();
+    assert_eq!(
+        pool.stats().dedup_filter_ram_bytes,
+        FILTER_MIN * 10 / 8,
+        "an empty pool's filter is sized for the configured minimum"
+    );
     let first_ram = pool.stats().dedup_filter_ram_bytes;
     let a = pool.create_volume("a", BLOCKS * BLOCK).expect("volume a");
     write_all(&a);

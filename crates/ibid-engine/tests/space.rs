@@ -180,17 +180,22 @@ fn bad_arguments_are_refused() {
     assert_eq!(pool.stats().logical_written_bytes, 0);
 }
 
-/// Many threads on one volume and on several: sectors of one block written concurrently by
-/// different threads (read-modify-write) never lose each other's updates.
-#[test]
-fn concurrent_writers_lose_no_update() {
-    let dir = tempfile::tempdir().expect("tempdir");
+/// A 1 GiB pool whose background thread commits every 5 ms, for tests of concurrent writers.
+fn busy_pool(dir: &std::path::Path) -> Arc<Pool> {
     let config = PoolConfig {
         capacity_bytes: Some(1 << 30),
         background_interval_ms: 5,
         ..PoolConfig::default()
     };
-    let pool = Arc::new(Pool::create(dir.path().join("p"), config).expect("create"));
+    Arc::new(Pool::create(dir.join("p"), config).expect("create"))
+}
+
+/// Many threads on one volume and on several: sectors of one block written concurrently by
+/// different threads (read-modify-write) never lose each other's updates.
+#[test]
+fn concurrent_writers_lose_no_update() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = busy_pool(dir.path());
     pool.create_volume("shared", 16 << 20).expect("shared");
     pool.create_volume("other", 16 << 20).expect("other");
     const THREADS: u64 = 8;
@@ -242,17 +247,68 @@ fn concurrent_writers_lose_no_update() {
     pool.verify().expect("verify");
 }
 
+/// Threads writing the same new data at the same moment (one volume each) store each block
+/// once: the first to store it appends it, the others wait for it to be placed and refer to
+/// it. Writes of 16 blocks prepare on the writer's thread, writes of 128 spread over the
+/// helper threads; every block reads back and the pool verifies.
+#[test]
+fn writers_of_the_same_new_data_store_it_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = busy_pool(dir.path());
+    const THREADS: u64 = 4;
+    const ROUNDS: u64 = 40;
+    for t in 0..THREADS {
+        pool.create_volume(&format!("v{t}"), 64 << 20)
+            .expect("volume");
+    }
+    let data = |round: u64| -> Vec<u8> {
+        let blocks = if round.is_multiple_of(2) { 16 } else { 128 };
+        (0..blocks)
+            .flat_map(|b| random_block(round * 1000 + b))
+            .collect()
+    };
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (pool, barrier) = (pool.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let vol = pool.volume(&format!("v{t}")).expect("volume");
+                for r in 0..ROUNDS {
+                    let buf = data(r);
+                    barrier.wait();
+                    vol.write(r * (512 << 10), &buf, false).expect("write");
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("writer thread");
+    }
+    let blocks: u64 = (0..ROUNDS).map(|r| data(r).len() as u64 / 4096).sum();
+    pool.sync().expect("sync");
+    assert_eq!(
+        pool.stats().unique_chunks,
+        blocks,
+        "blocks written at once by {THREADS} threads were stored more than once"
+    );
+    for t in 0..THREADS {
+        let vol = pool.volume(&format!("v{t}")).expect("volume");
+        for r in 0..ROUNDS {
+            let want = data(r);
+            let mut got = vec![0u8; want.len()];
+            vol.read(r * (512 << 10), &mut got).expect("read");
+            assert!(got == want, "volume v{t}, round {r} reads back wrong");
+        }
+    }
+    pool.verify().expect("verify");
+}
+
 /// Many threads increment one counter with compare-and-write (the VMFS heartbeat / ATS
 /// pattern): every increment that reported success is counted exactly once.
 #[test]
 fn compare_and_write_increments_lose_no_update() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = PoolConfig {
-        capacity_bytes: Some(1 << 30),
-        background_interval_ms: 5,
-        ..PoolConfig::default()
-    };
-    let pool = Arc::new(Pool::create(dir.path().join("p"), config).expect("create"));
+    let pool = busy_pool(dir.path());
     pool.create_volume("ats", 1 << 20).expect("volume");
     const THREADS: u64 = 6;
     const INCREMENTS: u64 = 150;
