@@ -96,6 +96,10 @@ thread_local! {
 /// The fingerprints of whole blocks (at most [`fingerprint::LANES`]), `None` for an all-zero
 /// block (never fingerprinted: it becomes a zero entry).
 fn fingerprints(blocks: &[&[u8]]) -> Vec<Option<[u8; 32]>> {
+    if let [block] = blocks {
+        // One block (a small write): nothing to hash beside it.
+        return vec![(!all_zero(block)).then(|| fingerprint::of(block))];
+    }
     let zero: Vec<bool> = blocks.iter().map(|b| all_zero(b)).collect();
     if zero.iter().all(|&z| z) {
         return vec![None; blocks.len()];
