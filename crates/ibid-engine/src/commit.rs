@@ -228,10 +228,16 @@ impl Inner {
         let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
         // Sorted by chunk id: the reference count updates then read the chunks table in key
         // order (ids grow with time, so a copy of data written together reads neighbours).
+        // A new chunk's references are counted into its record below, from its shard's deltas
+        // (where every change to them is recorded: a chunk id names its fingerprint's shard),
+        // so they stay out of this map: a 64 Ki-block commit of new data otherwise inserted
+        // and removed each one (a tenth of the commit thread).
         let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
         for shard in &batch.shards {
             for (&id, &d) in &shard.deltas {
-                *deltas.entry(id).or_default() += d;
+                if !shard.new_chunks.contains_key(&id) {
+                    *deltas.entry(id).or_default() += d;
+                }
             }
         }
         // Chunks no longer referenced, to free unless something still or again refers to them,
@@ -242,7 +248,7 @@ impl Inner {
             for (&id, rec) in &shard.new_chunks {
                 // A new chunk is stored with its references already counted (no second
                 // lookup and rewrite of its record below).
-                let refs = deltas.remove(&id).unwrap_or(0);
+                let refs = shard.deltas.get(&id).copied().unwrap_or(0);
                 if refs < 0 {
                     return Err(Error::Corrupt(format!(
                         "new chunk {id:#x} would have {refs} references"
