@@ -128,10 +128,10 @@ impl MetaStore for FjallStore {
         let mut b = self.db.batch().durability(Some(PersistMode::SyncData));
         for t in Table::ALL {
             let ks = self.keyspace(t);
-            for (k, v) in &batch.tables[t.index()] {
+            for (k, v) in batch.tables[t.index()].sorted() {
                 match v {
-                    Some(v) => b.insert(ks, k.as_slice(), v.as_slice()),
-                    None => b.remove(ks, k.as_slice()),
+                    Some(v) => b.insert(ks, k, v),
+                    None => b.remove(ks, k),
                 }
             }
         }

@@ -21,6 +21,7 @@ pub mod fjall;
 pub mod redb;
 
 use crate::error::{Error, Result};
+use indexmap::IndexMap;
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
@@ -92,13 +93,63 @@ impl Table {
 pub type KvPair = (Vec<u8>, Vec<u8>);
 /// An ordered scan over a snapshot.
 pub type KvIter<'a> = Box<dyn Iterator<Item = Result<KvPair>> + 'a>;
-/// Changes to one table: key → new value, `None` to delete.
-pub type TableOps = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
+/// Changes to one table: key → new value (`None`: delete); a later change to a key replaces
+/// the earlier one.
+///
+/// Kept in arrival order with a hash index (for a transaction's reads of its own changes) and
+/// put in key order once, when the batch is written ([`TableOps::sorted`]). A commit of new
+/// data adds three changes per block, mostly in runs of ascending keys (a volume's blocks,
+/// chunk ids per shard), which a stable sort merges in near-linear time; a `BTreeMap`
+/// compared each key ~30 times on insert and was a quarter of the commit thread's CPU.
+#[derive(Debug, Default)]
+pub struct TableOps {
+    ops: IndexMap<Vec<u8>, Option<Vec<u8>>, rustc_hash::FxBuildHasher>,
+}
+
+impl TableOps {
+    /// Records that `key` becomes `value` (`None`: is deleted).
+    pub fn set(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        self.ops.insert(key, value);
+    }
+
+    /// This batch's change to `key`, if it has one.
+    pub fn get(&self, key: &[u8]) -> Option<&Option<Vec<u8>>> {
+        self.ops.get(key)
+    }
+
+    /// Whether there is no change.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Every change, in key order.
+    pub fn sorted(&self) -> Vec<(&[u8], Option<&[u8]>)> {
+        let mut v: Vec<(&[u8], Option<&[u8]>)> = self
+            .ops
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_deref()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(b.0));
+        v
+    }
+
+    /// The changes to keys within `(lo, hi)`, in key order.
+    fn in_range(&self, lo: Bound<&[u8]>, hi: Bound<&[u8]>) -> Vec<(&[u8], Option<&[u8]>)> {
+        let mut v: Vec<(&[u8], Option<&[u8]>)> = self
+            .ops
+            .iter()
+            .filter(|(k, _)| (lo, hi).contains(k.as_slice()))
+            .map(|(k, v)| (k.as_slice(), v.as_deref()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(b.0));
+        v
+    }
+}
 
 /// One atomic batch of changes across the tables.
 #[derive(Debug, Default)]
 pub struct Batch {
-    /// Per table (indexed by [`Table::index`]), its changes in key order.
+    /// Per table (indexed by [`Table::index`]), its changes.
     pub tables: [TableOps; TABLES],
 }
 
@@ -486,12 +537,12 @@ impl WriteTxn<'_> {
         key: &K,
         value: &V,
     ) {
-        self.batch.tables[def.table.index()].insert(key.encode(), Some(value.encode()));
+        self.batch.tables[def.table.index()].set(key.encode(), Some(value.encode()));
     }
 
     /// Deletes `key` (absent or not).
     pub fn remove<K: Codec + ?Sized, V: Codec + ?Sized>(&mut self, def: Def<K, V>, key: &K) {
-        self.batch.tables[def.table.index()].insert(key.encode(), None);
+        self.batch.tables[def.table.index()].set(key.encode(), None);
     }
 
     /// Entries with keys in `range` as this transaction sees them, in key order.
@@ -528,7 +579,7 @@ impl WriteTxn<'_> {
         for (kb, vb) in self.range_raw(def.table, &byte_bounds(&range))? {
             let (k, v) = (K::decode(&kb)?, V::decode(&vb)?);
             if take(&k, &v) {
-                self.batch.tables[def.table.index()].insert(kb, None);
+                self.batch.tables[def.table.index()].set(kb, None);
                 out.push((k, v));
             }
         }
@@ -543,9 +594,9 @@ impl WriteTxn<'_> {
         let (lo, hi) = as_slices(bounds);
         let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
             self.base.range(table, lo, hi)?.collect::<Result<_>>()?;
-        for (k, v) in self.batch.tables[table.index()].range::<[u8], _>((lo, hi)) {
+        for (k, v) in self.batch.tables[table.index()].in_range(lo, hi) {
             match v {
-                Some(v) => merged.insert(k.clone(), v.clone()),
+                Some(v) => merged.insert(k.to_vec(), v.to_vec()),
                 None => merged.remove(k),
             };
         }
@@ -569,6 +620,32 @@ impl WriteTxn<'_> {
 mod tests {
     use super::*;
     use crate::meta;
+
+    /// A batch's changes come out in key order whatever order they were made in, the last
+    /// change to a key winning; a range sees only its own keys.
+    #[test]
+    fn table_ops_sort_and_keep_the_last_change() {
+        let mut ops = TableOps::default();
+        for (k, v) in [
+            (3u8, Some(30u8)),
+            (1, Some(10)),
+            (2, None),
+            (3, None),
+            (2, Some(21)),
+        ] {
+            ops.set(vec![k], v.map(|v| vec![v]));
+        }
+        let expect: Vec<(&[u8], Option<&[u8]>)> = vec![
+            (&[1], Some(&[10][..])),
+            (&[2], Some(&[21][..])),
+            (&[3], None),
+        ];
+        assert_eq!(ops.sorted(), expect);
+        assert_eq!(ops.get(&[3]), Some(&None));
+        assert_eq!(ops.get(&[4]), None);
+        let r = ops.in_range(Bound::Excluded(&[1][..]), Bound::Unbounded);
+        assert_eq!(r, expect[1..].to_vec());
+    }
 
     /// Both backends: a batch is visible after commit, a write transaction reads its own
     /// changes, range scans are in numeric key order, and a reopened store keeps its backend.

@@ -294,7 +294,7 @@ fn apply_ops<K: Key + Conv, V: Conv>(
     ops: &TableOps,
 ) -> Result<()> {
     let mut table = txn.open_table(def)?;
-    for (k, v) in ops {
+    for (k, v) in ops.sorted() {
         let key = K::decode_seam(k)?;
         match v {
             Some(v) => {
