@@ -71,6 +71,10 @@ struct EngineArgs {
     /// MiB written by each sequential 1 MiB write test (zero test: 4×).
     #[arg(long)]
     seq_mib: Option<u64>,
+    /// Threads issuing the sequential 1 MiB writes, each taking the next MiB in turn (1: one
+    /// write in flight; 8: like an NBD client at queue depth 8).
+    #[arg(long, default_value_t = 1)]
+    seq_writers: usize,
     /// Threads for the random 4 KiB tests ("many in flight" on a synchronous API).
     #[arg(long, default_value_t = 32)]
     threads: usize,
@@ -99,6 +103,7 @@ struct Settings {
     base: PathBuf,
     runs: usize,
     seq_bytes: u64,
+    seq_writers: usize,
     threads: usize,
     secs: f64,
     unique_blocks: u64,
@@ -113,6 +118,7 @@ impl Settings {
             base: a.dir.clone().unwrap_or_else(std::env::temp_dir),
             runs: a.runs.unwrap_or(if q { 1 } else { 3 }),
             seq_bytes: a.seq_mib.unwrap_or(if q { 16 } else { 2048 }) * MIB,
+            seq_writers: a.seq_writers.max(1),
             threads: a.threads,
             secs: a.secs.unwrap_or(if q { 0.3 } else { 8.0 }),
             unique_blocks: if a.no_scale {
@@ -239,19 +245,34 @@ fn fresh_pool(base: &Path) -> Result<(tempfile::TempDir, Pool)> {
 
 /// Sequential 1 MiB writes of `data` (cycled to `total` bytes) from offset 0; the final
 /// `sync` is inside the timed interval.
-fn seq_write(pool: &Pool, vol: &Volume, data: &[u8], total: u64) -> Result<Sample> {
-    let mut lat = Vec::with_capacity((total / MIB) as usize);
+fn seq_write(pool: &Pool, vol: &Volume, data: &[u8], total: u64, writers: usize) -> Result<Sample> {
+    let next = AtomicU64::new(0);
     let t0 = Instant::now();
-    let mut off = 0u64;
-    while off < total {
-        let src = (off % data.len() as u64) as usize;
-        let t = Instant::now();
-        vol.write(off, &data[src..src + MIB as usize], false)?;
-        lat.push(t.elapsed().as_nanos() as u64);
-        off += MIB;
-    }
+    let lats = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..writers)
+            .map(|_| {
+                scope.spawn(|| -> Result<Vec<u64>> {
+                    let mut lat = Vec::new();
+                    loop {
+                        let off = next.fetch_add(MIB, Ordering::Relaxed);
+                        if off >= total {
+                            return Ok(lat);
+                        }
+                        let src = (off % data.len() as u64) as usize;
+                        let t = Instant::now();
+                        vol.write(off, &data[src..src + MIB as usize], false)?;
+                        lat.push(t.elapsed().as_nanos() as u64);
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("writer thread panicked"))
+            .collect::<Result<Vec<_>>>()
+    })?;
     pool.sync()?;
-    Ok(sample(total, t0.elapsed(), lat))
+    Ok(sample(total, t0.elapsed(), lats.concat()))
 }
 
 /// [`seq_write`] of `data` with the first 8 bytes of every block changed: as unique and
@@ -457,10 +478,11 @@ fn uptime() -> String {
 fn engine(a: &EngineArgs) -> Result<()> {
     let s = Settings::from(a);
     println!(
-        "# ibid-bench engine: meta={} runs={} seq={} MiB threads={} secs={} unique_blocks={} (load avg {})",
+        "# ibid-bench engine: meta={} runs={} seq={} MiB seq_writers={} threads={} secs={} unique_blocks={} (load avg {})",
         ibid_engine::MetaBackend::from_env().name(),
         s.runs,
         s.seq_bytes / MIB,
+        s.seq_writers,
         s.threads,
         s.secs,
         s.unique_blocks,
@@ -532,15 +554,15 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
         for (i, row) in rows.iter_mut().enumerate() {
             if !sel(i) {
                 if i == 0 && need_a {
-                    seq_write(&pool, &va, &data, s.seq_bytes)?;
+                    seq_write(&pool, &va, &data, s.seq_bytes, s.seq_writers)?;
                 }
                 continue;
             }
             let r = match i {
-                0 => with_cpu(|| seq_write(&pool, &va, &data, s.seq_bytes))?,
+                0 => with_cpu(|| seq_write(&pool, &va, &data, s.seq_bytes, s.seq_writers))?,
                 // Same content as volume a: every block is already in the pool.
-                1 => with_cpu(|| seq_write(&pool, &vb, &data, s.seq_bytes))?,
-                2 => with_cpu(|| seq_write(&pool, &vz, &zeros, 4 * s.seq_bytes))?,
+                1 => with_cpu(|| seq_write(&pool, &vb, &data, s.seq_bytes, s.seq_writers))?,
+                2 => with_cpu(|| seq_write(&pool, &vz, &zeros, 4 * s.seq_bytes, s.seq_writers))?,
                 3 => with_cpu(|| {
                     let r = random_4k(&vr, s.threads, s.secs, rand_blocks, true)?;
                     pool.sync()?;

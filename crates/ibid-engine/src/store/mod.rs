@@ -122,6 +122,21 @@ impl TableOps {
         self.ops.is_empty()
     }
 
+    /// Forgets every change, keeping the memory for the next batch unless it holds room for
+    /// more than [`TableOps::RETAINED_MAX`] changes (a rare huge batch, such as the deletion
+    /// of a large layer, gives its memory back).
+    fn clear(&mut self) {
+        if self.ops.capacity() > Self::RETAINED_MAX {
+            self.ops = IndexMap::default();
+        } else {
+            self.ops.clear();
+        }
+    }
+
+    /// Most changes a table's emptied batch keeps room for (a commit under a sequential write
+    /// load holds about 128 Ki per table).
+    const RETAINED_MAX: usize = 512 << 10;
+
     /// Every change, in key order.
     pub fn sorted(&self) -> Vec<(&[u8], Option<&[u8]>)> {
         let mut v: Vec<(&[u8], Option<&[u8]>)> = self
@@ -360,8 +375,11 @@ pub fn exists(dir: &Path) -> bool {
 pub struct Store {
     backend: Box<dyn MetaStore>,
     kind: Backend,
-    /// Held by the one open [`WriteTxn`].
-    writer: Mutex<()>,
+    /// Held by the one open [`WriteTxn`]: the last transaction's emptied batch, whose tables
+    /// keep their capacity. A commit of new data fills them with hundreds of thousands of
+    /// changes; allocated afresh each time, that memory came from the kernel, zeroed, on
+    /// every commit.
+    writer: Mutex<Batch>,
 }
 
 impl Store {
@@ -389,7 +407,7 @@ impl Store {
         Store {
             backend,
             kind,
-            writer: Mutex::new(()),
+            writer: Mutex::new(Batch::default()),
         }
     }
 
@@ -407,12 +425,13 @@ impl Store {
 
     /// A write transaction; waits for the previous one to finish.
     pub fn write(&self) -> Result<WriteTxn<'_>> {
-        let guard = self.writer.lock();
+        let mut guard = self.writer.lock();
+        let batch = std::mem::take(&mut *guard);
         Ok(WriteTxn {
-            base: self.backend.snapshot()?,
-            batch: Batch::default(),
+            base: Some(self.backend.snapshot()?),
+            batch,
             store: self,
-            _guard: guard,
+            guard,
         })
     }
 
@@ -514,17 +533,31 @@ impl ReadTxn<'_> {
 /// changes; [`WriteTxn::commit`] applies them as one atomic, durable batch. Dropped without
 /// commit, it changes nothing.
 pub struct WriteTxn<'a> {
-    base: Box<dyn Snapshot + 'a>,
+    /// The committed state this transaction reads under its changes; released before the
+    /// batch is written (a redb read transaction held across the write would keep the pages
+    /// the write frees from being reused).
+    base: Option<Box<dyn Snapshot + 'a>>,
     batch: Batch,
     store: &'a Store,
-    _guard: MutexGuard<'a, ()>,
+    /// The store's writer lock; gets the batch back, emptied, when the transaction ends.
+    guard: MutexGuard<'a, Batch>,
+}
+
+impl Drop for WriteTxn<'_> {
+    fn drop(&mut self) {
+        let mut batch = std::mem::take(&mut self.batch);
+        for t in &mut batch.tables {
+            t.clear();
+        }
+        *self.guard = batch;
+    }
 }
 
 impl Reader for WriteTxn<'_> {
     fn get_raw(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>> {
         match self.batch.tables[table.index()].get(key) {
             Some(v) => Ok(v.clone()),
-            None => self.base.get(table, key),
+            None => self.base().get(table, key),
         }
     }
 }
@@ -586,6 +619,12 @@ impl WriteTxn<'_> {
         Ok(out)
     }
 
+    fn base(&self) -> &(dyn Snapshot + '_) {
+        self.base
+            .as_deref()
+            .expect("taken only by commit, which consumes the transaction")
+    }
+
     fn range_raw(
         &self,
         table: Table,
@@ -593,7 +632,7 @@ impl WriteTxn<'_> {
     ) -> Result<Vec<KvPair>> {
         let (lo, hi) = as_slices(bounds);
         let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
-            self.base.range(table, lo, hi)?.collect::<Result<_>>()?;
+            self.base().range(table, lo, hi)?.collect::<Result<_>>()?;
         for (k, v) in self.batch.tables[table.index()].in_range(lo, hi) {
             match v {
                 Some(v) => merged.insert(k.to_vec(), v.to_vec()),
@@ -604,15 +643,12 @@ impl WriteTxn<'_> {
     }
 
     /// Applies every change atomically; durable when it returns `Ok`.
-    pub fn commit(self) -> Result<()> {
-        let WriteTxn {
-            base, batch, store, ..
-        } = self;
-        drop(base);
-        if batch.is_empty() {
+    pub fn commit(mut self) -> Result<()> {
+        self.base = None;
+        if self.batch.is_empty() {
             return Ok(());
         }
-        store.backend.write(&batch)
+        self.store.backend.write(&self.batch)
     }
 }
 
