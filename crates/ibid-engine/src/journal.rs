@@ -512,6 +512,8 @@ impl Inner {
     /// journal cannot take it.
     pub(crate) fn flush(&self) -> Result<()> {
         self.check_failed()?;
+        self.last_flush_ms
+            .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
         match self.journal.flush(self) {
             Ok(FlushOutcome::Done) => Ok(()),
             Ok(FlushOutcome::NeedsCommit) => self.commit(),

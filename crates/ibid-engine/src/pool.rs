@@ -174,6 +174,10 @@ pub(crate) struct Inner {
     pub cores: usize,
     pub failed: Mutex<Option<String>>,
     pub soft_warned: AtomicBool,
+    /// When a flush last ran, in milliseconds since `opened` (the cleaner defers to flushes;
+    /// see `gc.rs`).
+    pub last_flush_ms: AtomicU64,
+    pub opened: std::time::Instant,
     /// Orphan chunks may need freeing: the next commit runs even with nothing else to do.
     pub orphans_pending: AtomicBool,
     /// Bumped whenever a volume is created or deleted.
@@ -476,6 +480,8 @@ impl Pool {
             dirty_blocks: AtomicU64::new(0),
             failed: Mutex::new(None),
             soft_warned: AtomicBool::new(false),
+            last_flush_ms: AtomicU64::new(0),
+            opened: std::time::Instant::now(),
             catalog_generation: AtomicU64::new(0),
             orphans_pending: AtomicBool::new(true),
             background: Mutex::new(None),

@@ -100,6 +100,63 @@ fn overwrite_and_zero_release_physical_space() {
     pool.verify().expect("verify");
 }
 
+/// The background cleaner waits while flushes run (a cleaning pass's writes would delay
+/// them), and cleans once they stop: overwritten space still comes back without `gc_now`.
+#[test]
+fn background_cleaner_waits_for_a_pause_in_flushes() {
+    const BLOCKS: u64 = 4096;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = PoolConfig {
+        background: true,
+        background_interval_ms: 5,
+        segment_bytes_max: 256 << 10,
+        ..quiet_config(1 << 30)
+    };
+    let pool = Pool::create(dir.path().join("p"), config).expect("create");
+    let v = pool.create_volume("v", BLOCKS * 4096).expect("v");
+    for i in 0..BLOCKS {
+        v.write(i * 4096, &random_block(i), false).expect("write");
+    }
+    // Three blocks in four overwritten: every first-pass segment is a quarter live, which the
+    // cleaner relocates (a segment with nothing live is dropped by the commit itself).
+    for i in (0..BLOCKS).filter(|i| i % 4 != 0) {
+        v.write(i * 4096, &random_block(1 << 32 | i), false)
+            .expect("overwrite");
+    }
+    v.flush().expect("flush");
+    pool.sync().expect("sync");
+    let before = pool.stats().garbage_bytes;
+    assert!(before > 8 << 20, "garbage after overwriting: {before}");
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_millis(500) {
+        v.flush().expect("flush");
+    }
+    let during = pool.stats().garbage_bytes;
+    assert!(
+        during > before / 2,
+        "the cleaner ran while flushes did: garbage {before} -> {during}"
+    );
+    let t0 = std::time::Instant::now();
+    loop {
+        let now = pool.stats().garbage_bytes;
+        if now < before / 4 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "the cleaner did not run after flushes stopped: garbage {before} -> {now}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let mut buf = vec![0u8; 4096];
+    for i in (0..BLOCKS).step_by(61) {
+        v.read(i * 4096, &mut buf).expect("read");
+        let expect = if i % 4 == 0 { i } else { 1 << 32 | i };
+        assert!(buf == random_block(expect)[..], "block {i} read wrong");
+    }
+    pool.verify().expect("verify");
+}
+
 /// Zeroing and block status cost per mapped extent, not per byte: a 1 PiB volume.
 #[test]
 fn petabyte_volume_zero_and_block_status_are_metadata_operations() {
