@@ -1,4 +1,6 @@
-//! `ibid-bench store-shapes` runs on a small count and prints a number for every shape.
+//! `ibid-bench store-shapes` runs on a small count and prints a number for every shape (10
+//! transactions: `flat-runs16` merges its runs once and keeps two, and every shape's lookups
+//! must find every stored fingerprint, through the runs and the B-tree).
 
 use std::process::Command;
 
@@ -9,7 +11,7 @@ fn store_shapes_prints_every_shape() {
         .args([
             "store-shapes",
             "--blocks",
-            "3000",
+            "10000",
             "--batch",
             "1000",
             "--dir",
@@ -29,6 +31,7 @@ fn store_shapes_prints_every_shape() {
         "grouped",
         "grouped-fps16",
         "grouped-nofps",
+        "flat-runs16",
     ] {
         let prefix = format!("| {shape} | ");
         let line = stdout
