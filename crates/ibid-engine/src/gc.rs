@@ -115,14 +115,9 @@ impl Inner {
     }
 
     /// Segment file bytes that no live record occupies.
-    pub(crate) fn garbage_bytes(&self) -> u64 {
-        let files: u64 = self
-            .segments
-            .ids()
-            .iter()
-            .map(|&id| self.segments.file_bytes(id))
-            .sum();
-        files.saturating_sub(self.live_bytes.load(Ordering::Relaxed))
+    fn garbage_bytes(&self) -> u64 {
+        self.segment_file_bytes()
+            .saturating_sub(self.live_bytes.load(Ordering::Relaxed))
     }
 
     /// Cleans the emptiest eligible segment (among `only`, if given). With `thorough`, any

@@ -1055,12 +1055,7 @@ impl Inner {
             mapped += m.mapped_blocks;
         }
         let reserved = self.reserved_bytes();
-        let segment_file_bytes: u64 = self
-            .segments
-            .ids()
-            .iter()
-            .map(|&id| self.segments.file_bytes(id))
-            .sum();
+        let segment_file_bytes = self.segment_file_bytes();
         let used = physical + meta_bytes;
         let logical = mapped * BLOCK_BYTES as u64;
         let soft_pct = self.soft_threshold_pct.load(Ordering::Relaxed);
@@ -1098,6 +1093,15 @@ impl Inner {
             + self.pending_bytes.load(Ordering::Relaxed)
             + self.meta_bytes.load(Ordering::Relaxed) as i64;
         used.max(0) as u64
+    }
+
+    /// Bytes of all segment files.
+    pub(crate) fn segment_file_bytes(&self) -> u64 {
+        self.segments
+            .ids()
+            .iter()
+            .map(|&id| self.segments.file_bytes(id))
+            .sum()
     }
 
     /// Logs the soft threshold crossing once, and its clearing; cheap (atomics only), run
