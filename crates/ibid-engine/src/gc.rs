@@ -39,11 +39,17 @@ const CLEAN_DEFER_MAX: Duration = Duration::from_secs(30);
 const CLEAN_DEFER_GARBAGE_PCT: u64 = 5;
 
 /// Whether the cleaner should skip this wake-up: a flush ran `since_flush` ago, it has been
-/// waiting for `waited`, and the pool holds `garbage` bytes of garbage in `capacity`.
-fn cleaner_waits(since_flush: Duration, waited: Duration, garbage: u64, capacity: u64) -> bool {
+/// waiting for `waited`, and the pool holds `garbage()` bytes of garbage in `capacity`
+/// (asked only when the rest says wait: it looks at every segment file).
+fn cleaner_waits(
+    since_flush: Duration,
+    waited: Duration,
+    garbage: impl FnOnce() -> u64,
+    capacity: u64,
+) -> bool {
     since_flush < FLUSH_QUIET
         && waited < CLEAN_DEFER_MAX
-        && garbage as u128 * 100 < capacity as u128 * CLEAN_DEFER_GARBAGE_PCT as u128
+        && (garbage() as u128 * 100) < capacity as u128 * CLEAN_DEFER_GARBAGE_PCT as u128
 }
 
 /// The background thread: commit, grow the dedup filter when outgrown, clean a few segments.
@@ -82,7 +88,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         if cleaner_waits(
             inner.since_last_flush(),
             waited,
-            inner.garbage_bytes(),
+            || inner.garbage_bytes(),
             inner.capacity_bytes.load(Ordering::Relaxed),
         ) {
             waiting_since.get_or_insert_with(Instant::now);
@@ -267,16 +273,16 @@ mod tests {
     fn cleaner_waits_only_briefly_and_with_little_garbage() {
         let ms = Duration::from_millis;
         let gib = 1u64 << 30;
-        assert!(cleaner_waits(ms(10), ms(0), 0, gib));
-        assert!(cleaner_waits(ms(99), ms(29_999), gib / 25, gib));
+        assert!(cleaner_waits(ms(10), ms(0), || 0, gib));
+        assert!(cleaner_waits(ms(99), ms(29_999), || gib / 25, gib));
         // No flush lately.
-        assert!(!cleaner_waits(FLUSH_QUIET, ms(0), 0, gib));
+        assert!(!cleaner_waits(FLUSH_QUIET, ms(0), || 0, gib));
         // Waited long enough.
-        assert!(!cleaner_waits(ms(10), CLEAN_DEFER_MAX, 0, gib));
+        assert!(!cleaner_waits(ms(10), CLEAN_DEFER_MAX, || 0, gib));
         // Too much garbage (5 % of the capacity).
-        assert!(!cleaner_waits(ms(10), ms(0), gib / 20 + 1, gib));
+        assert!(!cleaner_waits(ms(10), ms(0), || gib / 20 + 1, gib));
         // An unbounded capacity does not overflow.
-        assert!(cleaner_waits(ms(10), ms(0), u64::MAX / 100, u64::MAX));
-        assert!(!cleaner_waits(ms(10), ms(0), u64::MAX / 10, u64::MAX));
+        assert!(cleaner_waits(ms(10), ms(0), || u64::MAX / 100, u64::MAX));
+        assert!(!cleaner_waits(ms(10), ms(0), || u64::MAX / 10, u64::MAX));
     }
 }

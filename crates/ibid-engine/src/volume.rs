@@ -65,6 +65,35 @@ const PARALLEL_BLOCKS_MIN: u64 = 64;
 /// microseconds of fingerprinting and compression at most.
 pub const QUICK_WRITE_BLOCKS_MAX: u64 = 16;
 
+/// A fingerprint marked `placing` in its shard: the mark comes off when the chunk is
+/// registered ([`PlacingMark::clear`]) or, should placing it panic, when this is dropped —
+/// a mark left behind would keep every later writer of that block waiting in
+/// `lock_settled`, holding the gate, and so stop every commit.
+struct PlacingMark<'a> {
+    inner: &'a Inner,
+    shard: usize,
+    fp: [u8; 32],
+}
+
+impl<'a> PlacingMark<'a> {
+    /// Removes the mark; returns the shard, still locked, to register the chunk in.
+    fn clear(self) -> MutexGuard<'a, ShardState> {
+        let mut s = self.inner.shards[self.shard].lock();
+        s.placing.remove(&self.fp);
+        std::mem::forget(self);
+        s
+    }
+}
+
+impl Drop for PlacingMark<'_> {
+    fn drop(&mut self) {
+        self.inner.shards[self.shard]
+            .lock()
+            .placing
+            .remove(&self.fp);
+    }
+}
+
 /// One write counted in `Inner::preparing` while it prepares blocks (uncounted when dropped,
 /// also by a panic).
 struct Preparing<'a> {
@@ -1109,9 +1138,13 @@ impl Inner {
             }
             s.placing.insert(fp);
         }
+        let mark = PlacingMark {
+            inner: self,
+            shard,
+            fp,
+        };
         let placed = self.place_chunk(v, fp, shard, flags, payload, stamp);
-        let mut s = self.shards[shard].lock();
-        s.placing.remove(&fp);
+        let mut s = mark.clear();
         let (id, rec) = placed?;
         s.dirty.new_chunks.insert(id, rec);
         s.dirty.fps.insert(fp, id);
@@ -1663,10 +1696,43 @@ pub(crate) fn shard_of_chunk(id: u64) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{format, Neighbours, SHARDS};
+    use super::{format, Neighbours, PlacingMark, SHARDS};
     use crate::{Pool, PoolConfig};
     use std::sync::mpsc;
     use std::time::Duration;
+
+    /// A writer that panics while placing a new chunk takes its `placing` mark with it (the
+    /// mark's drop), so the next writer of that block does not wait forever; on the normal
+    /// path, `clear` removes it and hands back the shard to register the chunk in.
+    #[test]
+    fn a_placing_mark_does_not_outlive_a_panic() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = Pool::create(dir.path().join("p"), PoolConfig::default()).expect("create");
+        let inner = &*pool.inner;
+        let (shard, fp) = (5, [9u8; 32]);
+        let place = |panic: bool| {
+            inner.shards[shard].lock().placing.insert(fp);
+            let mark = PlacingMark { inner, shard, fp };
+            assert!(!panic, "placing failed");
+            drop(mark.clear());
+        };
+        place(false);
+        assert!(inner.shards[shard].lock().placing.is_empty());
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| place(true)));
+        assert!(unwound.is_err());
+        assert!(
+            inner.shards[shard].lock().placing.is_empty(),
+            "the mark survived the panic"
+        );
+        let (tx, rx) = mpsc::channel();
+        let later = pool.inner.clone();
+        std::thread::spawn(move || {
+            drop(later.lock_settled(shard, &fp));
+            tx.send(()).expect("send");
+        });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("a later writer of the block waited");
+    }
 
     /// Past `dirty_blocks_throttle` uncommitted blocks, a writer waits for the commit in
     /// progress (here: the commit lock, held by the test) and goes on as soon as it ends;

@@ -534,8 +534,7 @@ impl ReadTxn<'_> {
 /// commit, it changes nothing.
 pub struct WriteTxn<'a> {
     /// The committed state this transaction reads under its changes; released before the
-    /// batch is written (a redb read transaction held across the write would keep the pages
-    /// the write frees from being reused).
+    /// batch is written.
     base: Option<Box<dyn Snapshot + 'a>>,
     batch: Batch,
     store: &'a Store,
