@@ -39,16 +39,20 @@ const CLEAN_DEFER_MAX: Duration = Duration::from_secs(30);
 const CLEAN_DEFER_GARBAGE_PCT: u64 = 5;
 
 /// Whether the cleaner should skip this wake-up: a flush ran `since_flush` ago, it has been
-/// waiting for `waited`, and the pool holds `garbage()` bytes of garbage in `capacity`
-/// (asked only when the rest says wait: it looks at every segment file).
+/// waiting for `waited`, the pool is (`full`) or is not past its soft threshold, and it holds
+/// `garbage()` bytes of garbage in `capacity` (asked only when the rest says wait: it looks at
+/// every segment file). A pool past its soft threshold never waits: garbage is not counted as
+/// used space, and the filesystem under a nearly full pool has no room for it.
 fn cleaner_waits(
     since_flush: Duration,
     waited: Duration,
+    full: bool,
     garbage: impl FnOnce() -> u64,
     capacity: u64,
 ) -> bool {
     since_flush < FLUSH_QUIET
         && waited < CLEAN_DEFER_MAX
+        && !full
         && (garbage() as u128 * 100) < capacity as u128 * CLEAN_DEFER_GARBAGE_PCT as u128
 }
 
@@ -88,6 +92,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         if cleaner_waits(
             inner.since_last_flush(),
             waited,
+            inner.soft_warned.load(Ordering::Relaxed),
             || inner.garbage_bytes(),
             inner.capacity_bytes.load(Ordering::Relaxed),
         ) {
@@ -267,22 +272,36 @@ impl Inner {
 mod tests {
     use super::*;
 
-    /// The cleaner waits only while a flush ran lately, for a bounded time, and while garbage
-    /// is a small share of the pool.
+    /// The cleaner waits only while a flush ran lately, for a bounded time, while the pool is
+    /// under its soft threshold and garbage is a small share of it.
     #[test]
     fn cleaner_waits_only_briefly_and_with_little_garbage() {
         let ms = Duration::from_millis;
         let gib = 1u64 << 30;
-        assert!(cleaner_waits(ms(10), ms(0), || 0, gib));
-        assert!(cleaner_waits(ms(99), ms(29_999), || gib / 25, gib));
+        assert!(cleaner_waits(ms(10), ms(0), false, || 0, gib));
+        assert!(cleaner_waits(ms(99), ms(29_999), false, || gib / 25, gib));
         // No flush lately.
-        assert!(!cleaner_waits(FLUSH_QUIET, ms(0), || 0, gib));
+        assert!(!cleaner_waits(FLUSH_QUIET, ms(0), false, || 0, gib));
         // Waited long enough.
-        assert!(!cleaner_waits(ms(10), CLEAN_DEFER_MAX, || 0, gib));
+        assert!(!cleaner_waits(ms(10), CLEAN_DEFER_MAX, false, || 0, gib));
+        // Past the soft threshold.
+        assert!(!cleaner_waits(ms(10), ms(0), true, || 0, gib));
         // Too much garbage (5 % of the capacity).
-        assert!(!cleaner_waits(ms(10), ms(0), || gib / 20 + 1, gib));
+        assert!(!cleaner_waits(ms(10), ms(0), false, || gib / 20 + 1, gib));
         // An unbounded capacity does not overflow.
-        assert!(cleaner_waits(ms(10), ms(0), || u64::MAX / 100, u64::MAX));
-        assert!(!cleaner_waits(ms(10), ms(0), || u64::MAX / 10, u64::MAX));
+        assert!(cleaner_waits(
+            ms(10),
+            ms(0),
+            false,
+            || u64::MAX / 100,
+            u64::MAX
+        ));
+        assert!(!cleaner_waits(
+            ms(10),
+            ms(0),
+            false,
+            || u64::MAX / 10,
+            u64::MAX
+        ));
     }
 }
