@@ -97,6 +97,18 @@ struct EngineArgs {
     /// Skip the large-pool part.
     #[arg(long)]
     no_scale: bool,
+    /// Runs the dedup index keeps before merging them into its B-tree (the pool default
+    /// unless given; 1 writes every commit's keys into the B-tree, as before format 4).
+    #[arg(long)]
+    dedup_runs_max: Option<usize>,
+}
+
+/// The configuration of the benchmark's pools, set once from the options.
+static POOL_CONFIG: std::sync::OnceLock<PoolConfig> = std::sync::OnceLock::new();
+
+/// The configuration every pool of this benchmark is created and opened with.
+fn pool_config() -> PoolConfig {
+    POOL_CONFIG.get().cloned().unwrap_or_default()
 }
 
 struct Settings {
@@ -239,7 +251,7 @@ fn fresh_pool(base: &Path) -> Result<(tempfile::TempDir, Pool)> {
     let dir = tempfile::Builder::new()
         .prefix("ibid-bench-")
         .tempdir_in(base)?;
-    let pool = Pool::create(dir.path().join("pool"), PoolConfig::default())?;
+    let pool = Pool::create(dir.path().join("pool"), pool_config())?;
     Ok((dir, pool))
 }
 
@@ -477,8 +489,16 @@ fn uptime() -> String {
 
 fn engine(a: &EngineArgs) -> Result<()> {
     let s = Settings::from(a);
+    let mut config = PoolConfig::default();
+    if let Some(n) = a.dedup_runs_max {
+        config.dedup_runs_max = n;
+    }
+    let runs_max = config.dedup_runs_max;
+    POOL_CONFIG
+        .set(config)
+        .map_err(|_| anyhow::anyhow!("pool configuration set twice"))?;
     println!(
-        "# ibid-bench engine: meta={} runs={} seq={} MiB seq_writers={} threads={} secs={} unique_blocks={} (load avg {})",
+        "# ibid-bench engine: meta={} runs={} seq={} MiB seq_writers={} threads={} secs={} unique_blocks={} dedup_runs_max={runs_max} (load avg {})",
         ibid_engine::MetaBackend::from_env().name(),
         s.runs,
         s.seq_bytes / MIB,
@@ -676,12 +696,12 @@ fn scale(s: &Settings) -> Result<()> {
     // Clean reopen: the filter is sized from the stored chunk count.
     let rss2 = rss_bytes();
     let t = Instant::now();
-    let pool = Pool::open(&path, PoolConfig::default())?;
+    let pool = Pool::open(&path, pool_config())?;
     let open_clean = t.elapsed();
     let t = Instant::now();
     pool.close()?;
     let close_clean = t.elapsed();
-    let pool = Pool::open(&path, PoolConfig::default())?;
+    let pool = Pool::open(&path, pool_config())?;
     let st2 = pool.stats();
     println!(
         "| dedup filter RAM after reopen | {:.1} MiB | {:.2} B | ≤ 4 B (aim 2): {} |",
@@ -733,7 +753,7 @@ fn scale(s: &Settings) -> Result<()> {
         unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
         child.wait()?;
         let t = Instant::now();
-        let pool = Pool::open(&path, PoolConfig::default())?;
+        let pool = Pool::open(&path, pool_config())?;
         let open = t.elapsed();
         let vol = pool.volume("scale")?;
         let mut buf = compressible_template(BLOCK);
@@ -773,7 +793,7 @@ fn scale(s: &Settings) -> Result<()> {
 }
 
 fn crash_child(dir: &Path, seed: u64) -> Result<()> {
-    let pool = Pool::open(dir, PoolConfig::default())?;
+    let pool = Pool::open(dir, pool_config())?;
     let vol = pool.volume("scale")?;
     let mut out = std::io::stdout();
     writeln!(out, "writing")?;

@@ -15,6 +15,7 @@
 //! record the batch references was already durable (step 2). An error in steps 2–3 fails the
 //! pool: it must be reopened, which recovers the last committed state.
 
+use crate::dedup_index::{IndexUpdate, Runs};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, Frame, SegmentUsage, VolumeRecord};
 use crate::layer_filter::LayerFilters;
@@ -53,6 +54,8 @@ impl Batch {
 struct Applied {
     died: Vec<(usize, [u8; 32])>,
     dead_segments: Vec<u64>,
+    /// The dedup index's runs after the transaction, if it changed them.
+    runs: Option<Runs>,
 }
 
 impl Inner {
@@ -90,7 +93,7 @@ impl Inner {
         }
         let t0 = std::time::Instant::now();
         let mut record = cs.record.clone();
-        let applied = match self
+        let mut applied = match self
             .segments
             .sync()
             .and_then(|()| self.apply(&batch, &mut record))
@@ -102,6 +105,10 @@ impl Inner {
             }
         };
         cs.record = record;
+        if let Some(runs) = applied.runs.take() {
+            // Before publishing: see `dedup_index.rs`.
+            *self.dedup_runs.write() = Arc::new(runs);
+        }
         self.live_bytes
             .store(cs.record.live_bytes, Ordering::Relaxed);
         self.live_chunks
@@ -226,6 +233,8 @@ impl Inner {
         record: &mut meta::PoolRecord,
     ) -> Result<Applied> {
         let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
+        let runs = self.dedup_runs();
+        let mut index = IndexUpdate::new(&runs);
         // Sorted by chunk id: the reference count updates then read the chunks table in key
         // order (ids grow with time, so a copy of data written together reads neighbours).
         // A new chunk's references are counted into its record below, from its shard's deltas
@@ -259,7 +268,7 @@ impl Inner {
                     ..*rec
                 };
                 txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
-                txn.insert(meta::FPS, &meta::fps_key(&rec.fingerprint, id), &());
+                index.add(meta::fps_key(&rec.fingerprint, id));
                 let u = segment_usage(&mut usage, txn, rec.segment)?;
                 u.total_bytes += rec.physical_bytes();
                 u.live_bytes += rec.physical_bytes();
@@ -349,13 +358,15 @@ impl Inner {
                 txn.remove(meta::ORPHANS, &id);
             }
             txn.remove(meta::CHUNKS, &id);
-            txn.remove(meta::FPS, &meta::fps_key(&rec.fingerprint, id));
+            let new = batch.shards[shard].new_chunks.contains_key(&id);
+            index.remove(txn, meta::fps_key(&rec.fingerprint, id), new);
             let u = segment_usage(&mut usage, txn, rec.segment)?;
             u.live_bytes -= rec.physical_bytes().min(u.live_bytes);
             record.live_chunks -= 1;
             record.live_bytes -= rec.physical_bytes();
             applied.died.push((shard, rec.fingerprint));
         }
+        applied.runs = index.finish(txn, batch.no, self.run_policy());
         for (seg, u) in usage {
             if u.live_bytes == 0 && self.segments.fully_committed(seg, batch.no) {
                 txn.remove(meta::SEGMENTS, &seg);

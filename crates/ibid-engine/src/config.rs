@@ -38,6 +38,12 @@ pub struct PoolConfig {
     /// is 1.25 MiB of RAM and covers 4 GiB of unique data). Below it a growing pool never
     /// rebuilds the filter; past it, each rebuild sizes the filter for 1.5 × the chunks stored.
     pub dedup_filter_min: u64,
+    /// New chunks a commit must have for their dedup index keys to be written as one sorted
+    /// run rather than into the index's B-tree (see `dedup_index.rs`).
+    pub dedup_run_keys_min: usize,
+    /// Runs the dedup index keeps before a commit merges them into its B-tree (1: every run
+    /// is merged at once, i.e. no runs).
+    pub dedup_runs_max: usize,
 }
 
 impl Default for PoolConfig {
@@ -56,6 +62,8 @@ impl Default for PoolConfig {
             frame_copy_blocks_min: 256,
             direct_io: true,
             dedup_filter_min: 1 << 20,
+            dedup_run_keys_min: 4096,
+            dedup_runs_max: 8,
         }
     }
 }

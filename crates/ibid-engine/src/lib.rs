@@ -22,6 +22,7 @@ mod bloom;
 mod commit;
 pub mod config;
 mod copy;
+mod dedup_index;
 pub mod error;
 mod fingerprint;
 pub mod format;

@@ -6,7 +6,9 @@
 //! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
 //! | `map`      | (layer u64 BE, block u64 BE)         | chunk id (absent = zero)               |
 //! | `chunks`   | chunk id                             | [`crate::format::ChunkRecord`]         |
-//! | `fps`      | (fingerprint prefix u64, chunk id) as u128 BE | () — the dedup index          |
+//! | `fps`      | (fingerprint prefix u64, chunk id) as u128 BE | () — the dedup index's B-tree |
+//! | `fps.runs` | commit number                        | a run: ascending `fps` keys, 16 B each |
+//! | `fps.dead` | `fps` key                            | () — keys in runs of dead chunks       |
 //! | `segments` | segment id                           | [`crate::format::SegmentUsage`]        |
 //! | `orphans`  | chunk id                             | () — chunks at zero refs kept alive    |
 //! | `snapshots`| `VOLUME@SNAPSHOT`                    | [`crate::format::VolumeRecord`]        |
@@ -15,9 +17,10 @@
 //! A map value of [`crate::format::ZERO_TOMBSTONE`] (0) in an upper layer hides lower layers.
 //!
 //! The dedup index holds one key per live chunk: the first 8 bytes of its fingerprint (as a
-//! big-endian u64) in the high half, its id in the low half ([`fps_key`]). A lookup scans the
-//! keys of one prefix ([`fps_range`]) and confirms each candidate against the full fingerprint
-//! in its `chunks` record; two chunks may share a prefix. Sixteen-byte integer keys keep the
+//! big-endian u64) in the high half, its id in the low half ([`fps_key`]). A key is in the
+//! `fps` B-tree or in one of a few recent sorted runs (`fps.runs`, see `dedup_index.rs`). A
+//! lookup scans the keys of one prefix ([`fps_range`]) and confirms each candidate against the
+//! full fingerprint in its `chunks` record; two chunks may share a prefix. Sixteen-byte integer keys keep the
 //! index's pages dense: the index was most of a commit's store work with 32-byte keys (see
 //! `ibid-bench store-shapes`).
 //!
@@ -36,8 +39,13 @@ pub const VOLUMES: Def<str, [u8]> = Def::new(Table::Volumes);
 pub const MAP: Def<[u8; 16], u64> = Def::new(Table::Map);
 /// Chunks: id → record.
 pub const CHUNKS: Def<u64, [u8]> = Def::new(Table::Chunks);
-/// The dedup index: (fingerprint prefix, chunk id) → () (see the module doc).
+/// The dedup index's B-tree: (fingerprint prefix, chunk id) → () (see the module doc).
 pub const FPS: Def<u128, ()> = Def::new(Table::Fps);
+/// The dedup index's runs: commit number → that commit's new keys, ascending, packed as
+/// 16-byte big-endian integers.
+pub const FPS_RUNS: Def<u64, [u8]> = Def::new(Table::FpsRuns);
+/// Keys in runs whose chunks died: left out when the runs are merged into [`FPS`].
+pub const FPS_DEAD: Def<u128, ()> = Def::new(Table::FpsDead);
 /// Segment usage: id → (total, live) bytes.
 pub const SEGMENTS: Def<u64, [u8]> = Def::new(Table::Segments);
 /// Snapshots by `VOLUME@SNAPSHOT`.
@@ -84,7 +92,10 @@ pub const POOL_KEY: &str = "pool";
 /// is opened; a binary that knows only version 1 then refuses the pool instead of reading
 /// tables it cannot see. 3 — the dedup index is keyed by (fingerprint prefix, chunk id), one
 /// 16-byte integer key per chunk (redb table `fps.prefix`; fjall keeps the `fps` keyspace with
-/// the new keys); older pools have their index rewritten when opened.
+/// the new keys); older pools have their index rewritten when opened. 4 — the dedup index
+/// also keeps recent keys in sorted runs (`fps.runs`, `fps.dead`); a version 3 pool has no
+/// runs and needs only the empty tables, but a build that knows only version 3 would not see
+/// the keys in runs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -115,7 +126,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 3;
+pub const POOL_FORMAT_VERSION: u64 = 4;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

@@ -2,6 +2,7 @@
 
 use crate::bloom::Bloom;
 use crate::config::PoolConfig;
+use crate::dedup_index::{RunPolicy, Runs};
 use crate::error::{Error, Result};
 use crate::format::{
     ChunkRecord, Frame, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
@@ -131,6 +132,9 @@ pub(crate) struct Inner {
     /// Changes since the last commit, flushed to the journal files (see `journal.rs`).
     pub journal: Journal,
     pub bloom: RwLock<Arc<Bloom>>,
+    /// The dedup index's runs as committed (see `dedup_index.rs`): replaced by a commit that
+    /// changes them, after its transaction and before it publishes.
+    pub dedup_runs: RwLock<Arc<Runs>>,
     /// Which blocks each layer holds entries for (see `layer_filter.rs`).
     pub layer_filters: LayerFilters,
     pub shards: Vec<Mutex<ShardState>>,
@@ -347,7 +351,7 @@ impl Pool {
 
     fn open_locked(dir: &Path, config: PoolConfig, lock: File) -> Result<Pool> {
         let db = Store::open(dir)?;
-        let (mut record, volumes, snapshots, segment_ids) = {
+        let (mut record, volumes, snapshots, segment_ids, dedup_runs) = {
             let txn = db.read()?;
             let raw = txn
                 .get(meta::POOL, meta::POOL_KEY)?
@@ -367,7 +371,7 @@ impl Pool {
             for item in txn.iter(meta::SEGMENTS)? {
                 segment_ids.insert(item?.0);
             }
-            (record, volumes, snapshots, segment_ids)
+            (record, volumes, snapshots, segment_ids, Runs::load(&txn)?)
         };
         if record.version < meta::POOL_FORMAT_VERSION {
             // The store moved the tables to this version's layout when it opened; the record
@@ -449,6 +453,7 @@ impl Pool {
             segments,
             journal,
             bloom: RwLock::new(Arc::new(bloom)),
+            dedup_runs: RwLock::new(Arc::new(dedup_runs)),
             layer_filters,
             shards,
             volumes: RwLock::new(vols),
@@ -945,6 +950,19 @@ impl Inner {
         c.notify_one();
     }
 
+    /// The dedup index's runs as last committed.
+    pub(crate) fn dedup_runs(&self) -> Arc<Runs> {
+        self.dedup_runs.read().clone()
+    }
+
+    /// When commits write and merge dedup index runs.
+    pub(crate) fn run_policy(&self) -> RunPolicy {
+        RunPolicy {
+            keys_min: self.config.dedup_run_keys_min,
+            runs_max: self.config.dedup_runs_max,
+        }
+    }
+
     pub(crate) fn bloom(&self) -> Arc<Bloom> {
         self.bloom.read().clone()
     }
@@ -1009,6 +1027,10 @@ impl Inner {
             bloom.insert(meta::fps_key_prefix(key));
             filled += 1;
         })?;
+        for key in self.dedup_runs().keys() {
+            bloom.insert(meta::fps_key_prefix(key));
+            filled += 1;
+        }
         bloom.set_ready();
         tracing::debug!(
             "dedup filter: {filled} fingerprints into a filter for {capacity} in {:.1} ms",

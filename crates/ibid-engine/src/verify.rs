@@ -2,6 +2,7 @@
 //! usage figure and counter recomputed from scratch and compared, and every live chunk read
 //! back and checked against its fingerprint. Tests run it after every step that matters.
 
+use crate::dedup_index::Runs;
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, SegmentUsage, VolumeRecord, BLOCK_BYTES};
 use crate::meta::{self, PoolRecord};
@@ -118,6 +119,22 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             )));
         }
     }
+    let runs = Runs::load(&txn)?;
+    if runs.summary() != inner.dedup_runs().summary() {
+        return Err(fail(format!(
+            "dedup index runs stored {:?}, held in memory {:?}",
+            runs.summary(),
+            inner.dedup_runs().summary()
+        )));
+    }
+    if let Some(k) = runs.dead().find(|&k| !runs.contains(k)) {
+        return Err(fail(format!("dead index key {k:#x} is in no run")));
+    }
+    for k in runs.keys() {
+        if txn.get(meta::FPS, &k)?.is_some() {
+            return Err(fail(format!("index key {k:#x} is in a run and the B-tree")));
+        }
+    }
     let mut usage: HashMap<u64, u64> = HashMap::new();
     let mut block = vec![0u8; BLOCK_BYTES];
     for item in txn.iter(meta::CHUNKS)? {
@@ -138,10 +155,8 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             }
             report.orphans += 1;
         }
-        if txn
-            .get(meta::FPS, &meta::fps_key(&rec.fingerprint, id))?
-            .is_none()
-        {
+        let key = meta::fps_key(&rec.fingerprint, id);
+        if !runs.holds(key) && txn.get(meta::FPS, &key)?.is_none() {
             return Err(fail(format!("chunk {id:#x} is not in the dedup index")));
         }
         if !inner.read_chunk(id, &mut block)? {
@@ -161,7 +176,7 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             "{n} map entries reference missing chunk {id:#x}"
         )));
     }
-    let index_entries = txn.iter(meta::FPS)?.count() as u64;
+    let index_entries = txn.iter(meta::FPS)?.count() as u64 + runs.keys().count() as u64;
     if index_entries != report.chunks {
         return Err(fail(format!(
             "index has {index_entries} entries for {} chunks",

@@ -1226,14 +1226,24 @@ impl Inner {
         }
         // The index gives the chunks whose fingerprint starts like `fp`; the one whose record
         // holds all of `fp` is the duplicate (same snapshot, so it exists; the shard lock
-        // keeps it alive, as for a neighbour).
+        // keeps it alive, as for a neighbour). The runs are taken before the snapshot (see
+        // `dedup_index.rs`).
+        let runs = self.dedup_runs();
         let txn = self.db.read()?;
         let mut found = None;
-        for entry in txn.range(meta::FPS, meta::fps_range(fp))? {
-            let id = meta::fps_key_chunk(entry?.0);
+        for id in runs.candidates(meta::fp_prefix(fp)) {
             if holds_chunk_in(&txn, id, fp)? {
                 found = Some(id);
                 break;
+            }
+        }
+        if found.is_none() {
+            for entry in txn.range(meta::FPS, meta::fps_range(fp))? {
+                let id = meta::fps_key_chunk(entry?.0);
+                if holds_chunk_in(&txn, id, fp)? {
+                    found = Some(id);
+                    break;
+                }
             }
         }
         if let (Some(n), Some(id)) = (neighbours, found) {

@@ -29,6 +29,9 @@ fn config() -> PoolConfig {
         segment_bytes_max: 128 << 10,
         background_interval_ms: 5,
         gc_live_pct_max: 90,
+        // Dedup index keys in runs (merged every third) when a crash comes.
+        dedup_run_keys_min: 1,
+        dedup_runs_max: 3,
         ..PoolConfig::default()
     }
 }

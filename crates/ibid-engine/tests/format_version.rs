@@ -7,7 +7,7 @@ mod common;
 use common::{quiet_config, random_block};
 use ibid_engine::meta::{self, POOL_FORMAT_VERSION};
 use ibid_engine::store::{Reader, Store};
-use ibid_engine::{Error, Pool};
+use ibid_engine::{Error, Pool, PoolConfig};
 use std::path::Path;
 
 /// The version field of the stored pool record (its first little-endian u64), read without
@@ -88,11 +88,17 @@ fn a_version_2_index_is_rewritten_and_still_finds_duplicates() {
     const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
     const FPS_V2: TableDefinition<&[u8], u64> = TableDefinition::new("fps.bytes");
     const FPS_V3: TableDefinition<u128, ()> = TableDefinition::new("fps.prefix");
+    const FPS_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.runs");
+    const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
 
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("p");
     {
-        let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+        let btree_only = PoolConfig {
+            dedup_runs_max: 1,
+            ..quiet_config(1 << 30)
+        };
+        let pool = Pool::create(&path, btree_only).expect("create");
         let v = pool.create_volume("v", 1 << 20).expect("volume");
         for i in 0..8u64 {
             v.write(i * 4096, &random_block(i), false).expect("write");
@@ -113,6 +119,8 @@ fn a_version_2_index_is_rewritten_and_still_finds_duplicates() {
             }
         }
         txn.delete_table(FPS_V3).expect("delete fps.prefix");
+        txn.delete_table(FPS_RUNS).expect("delete fps.runs");
+        txn.delete_table(FPS_DEAD).expect("delete fps.dead");
         txn.commit().expect("commit");
     }
     set_version(&path, 2);
@@ -132,4 +140,77 @@ fn a_version_2_index_is_rewritten_and_still_finds_duplicates() {
     }
     pool.close().expect("close");
     assert_eq!(stored_version(&path), POOL_FORMAT_VERSION, "upgraded");
+}
+
+/// A version 3 pool (no run tables: every index key in the B-tree) opens upgraded: the run
+/// tables created, the record at the current version, every chunk in the index (verify), a
+/// block written again found as a duplicate, and new data's keys written as runs that a
+/// reopen finds.
+#[test]
+fn a_version_3_pool_gets_run_tables_and_keeps_its_index() {
+    use redb::TableDefinition;
+    const FPS_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.runs");
+    const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    let btree_only = PoolConfig {
+        dedup_runs_max: 1,
+        ..quiet_config(1 << 30)
+    };
+    {
+        let pool = Pool::create(&path, btree_only).expect("create");
+        let v = pool.create_volume("v", 1 << 20).expect("volume");
+        for i in 0..8u64 {
+            v.write(i * 4096, &random_block(i), false).expect("write");
+        }
+        pool.close().expect("close");
+    }
+    {
+        let db = redb::Database::open(path.join("meta.redb")).expect("redb");
+        let txn = db.begin_write().expect("write");
+        assert!(txn.delete_table(FPS_RUNS).expect("delete fps.runs"));
+        assert!(txn.delete_table(FPS_DEAD).expect("delete fps.dead"));
+        txn.commit().expect("commit");
+    }
+    set_version(&path, 3);
+    {
+        let pool = Pool::open(&path, quiet_config(1 << 30)).expect("open a version 3 pool");
+        assert_eq!(pool.verify().expect("verify after the upgrade").chunks, 8);
+        let v = pool.volume("v").expect("v");
+        v.write(100 * 4096, &random_block(3), false)
+            .expect("write a duplicate");
+        for i in 0..8u64 {
+            v.write((200 + i) * 4096, &random_block(1000 + i), false)
+                .expect("write new data");
+        }
+        pool.sync().expect("sync");
+        assert_eq!(
+            pool.stats().unique_chunks,
+            16,
+            "the duplicate was stored again"
+        );
+        pool.close().expect("close");
+    }
+    assert_eq!(stored_version(&path), POOL_FORMAT_VERSION, "upgraded");
+    {
+        let db = redb::Database::open(path.join("meta.redb")).expect("redb");
+        let txn = redb::ReadableDatabase::begin_read(&db).expect("read");
+        let runs = txn.open_table(FPS_RUNS).expect("fps.runs");
+        assert!(
+            redb::ReadableTableMetadata::len(&runs).expect("len") > 0,
+            "no run"
+        );
+    }
+    let pool = Pool::open(&path, quiet_config(1 << 30)).expect("reopen");
+    assert_eq!(pool.verify().expect("verify").chunks, 16);
+    let v = pool.volume("v").expect("v");
+    v.write(240 * 4096, &random_block(1005), false)
+        .expect("write a duplicate of a key in a run");
+    pool.sync().expect("sync");
+    assert_eq!(
+        pool.stats().unique_chunks,
+        16,
+        "a key in a run was not found"
+    );
 }

@@ -226,6 +226,9 @@ impl Harness {
             background_interval_ms: 20,
             // Most aligned copies go through frames (the default keeps them for >= 1 MiB).
             frame_copy_blocks_min: 8,
+            // Dedup index keys in runs from the first new chunk, merged every third run.
+            dedup_run_keys_min: 1,
+            dedup_runs_max: 3,
             ..PoolConfig::default()
         };
         let pool = Pool::create(dir.path().join("pool"), config.clone()).expect("create pool");

@@ -39,7 +39,7 @@ pub enum Table {
     Map,
     /// Chunks: id → record.
     Chunks,
-    /// The dedup index: fingerprint → chunk id.
+    /// The dedup index's B-tree: (fingerprint prefix, chunk id).
     Fps,
     /// Segment usage.
     Segments,
@@ -49,10 +49,14 @@ pub enum Table {
     Layers,
     /// Chunks at zero references kept alive.
     Orphans,
+    /// The dedup index's runs: commit number → sorted keys.
+    FpsRuns,
+    /// Dedup index keys in runs whose chunks died.
+    FpsDead,
 }
 
 /// Number of tables.
-pub const TABLES: usize = 9;
+pub const TABLES: usize = 11;
 
 impl Table {
     /// Every table, in index order.
@@ -66,6 +70,8 @@ impl Table {
         Table::Snapshots,
         Table::Layers,
         Table::Orphans,
+        Table::FpsRuns,
+        Table::FpsDead,
     ];
 
     /// Position in [`Table::ALL`].
@@ -85,6 +91,8 @@ impl Table {
             Table::Snapshots => "snapshots",
             Table::Layers => "layers",
             Table::Orphans => "orphans",
+            Table::FpsRuns => "fps.runs",
+            Table::FpsDead => "fps.dead",
         }
     }
 }

@@ -50,6 +50,8 @@ const SEGMENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("segments");
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 const LAYERS: TableDefinition<u64, u64> = TableDefinition::new("layers");
 const ORPHANS: TableDefinition<u64, ()> = TableDefinition::new("orphans");
+const FPS_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.runs");
+const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
 
 /// Runs the generic function `$f` on the redb table of `$table`, with the other arguments.
 macro_rules! dispatch {
@@ -64,6 +66,8 @@ macro_rules! dispatch {
             Table::Snapshots => $f(SNAPSHOTS, $($arg),*),
             Table::Layers => $f(LAYERS, $($arg),*),
             Table::Orphans => $f(ORPHANS, $($arg),*),
+            Table::FpsRuns => $f(FPS_RUNS, $($arg),*),
+            Table::FpsDead => $f(FPS_DEAD, $($arg),*),
         }
     };
 }
@@ -184,6 +188,7 @@ impl RedbStore {
         migrate_array_keys(&db, MAP_ARRAY_KEYS, MAP)?;
         migrate_index(&db, FPS_ARRAY_KEYS)?;
         migrate_index(&db, FPS_BYTE_KEYS)?;
+        create_missing_tables(&db)?;
         RedbStore::new(db, path)
     }
 
@@ -255,6 +260,29 @@ fn replace_table<K: Key + 'static>(
         old.name()
     );
     Ok(())
+}
+
+/// Creates the tables an older format did not have (empty), in one transaction if any.
+fn create_missing_tables(db: &Database) -> Result<()> {
+    let txn = db.begin_write()?;
+    let names: Vec<String> = txn.list_tables()?.map(|t| t.name().to_string()).collect();
+    let missing: Vec<Table> = Table::ALL
+        .into_iter()
+        .filter(|t| !names.contains(&dispatch!(*t, def_name,)))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    for t in &missing {
+        dispatch!(*t, create_table, &txn)?;
+    }
+    txn.commit()?;
+    tracing::info!("metadata: created tables {missing:?}");
+    Ok(())
+}
+
+fn def_name<K: Key + Conv, V: Conv>(def: TableDefinition<K, V>) -> String {
+    def.name().to_string()
 }
 
 fn create_table<K: Key + Conv, V: Conv>(

@@ -23,6 +23,10 @@ pub fn quiet_config(capacity: u64) -> PoolConfig {
         capacity_bytes: Some(capacity),
         background: false,
         segment_bytes_max: 1 << 20,
+        // Most commits write their dedup index keys as a run, and every fourth merges the
+        // runs, so tests exercise every place a key can be.
+        dedup_run_keys_min: 2,
+        dedup_runs_max: 4,
         ..PoolConfig::default()
     }
 }

@@ -1,0 +1,390 @@
+//! The dedup index's write-optimized front: sorted runs of recent keys in front of the `fps`
+//! B-tree.
+//!
+//! Inserted straight into the B-tree, a commit's new keys (random 16-byte integers, see
+//! [`crate::meta`]) land on nearly every leaf once the tree is large: 64 Ki keys into a tree
+//! of a few thousand leaves copy most of them on write for a handful of entries each, and the
+//! index became most of a commit's store work as the pool grew (`ibid-bench store-shapes`).
+//! Instead, a commit with at least [`RunPolicy::keys_min`] new keys writes them as one sorted
+//! **run** (`fps.runs`: commit number → the keys packed as 16-byte big-endian integers), and
+//! the commit that would bring the runs to [`RunPolicy::runs_max`] (or past [`RUN_KEYS_MAX`]
+//! keys) merges them all into the B-tree, in key order, in its own transaction: a leaf is then
+//! rewritten once for several commits' keys. Smaller commits insert their keys into the B-tree
+//! directly.
+//!
+//! Every key is in exactly one place: the B-tree or one run. A chunk that dies while its key
+//! is in a run has the key recorded in `fps.dead` (key → ()); the merge leaves it out and
+//! clears the table. A dead key in a run never misleads a lookup, which confirms every
+//! candidate against the chunk's record (a chunk id is never reused).
+//!
+//! The runs and the dead keys are kept in memory ([`Runs`], loaded at open), so a lookup in
+//! them is a binary search per run, with no store read. A commit installs its new [`Runs`]
+//! after its transaction is durable and before it publishes (empties the `committing`
+//! slots); a lookup, with its fingerprint's shard locked, checks the `committing` slot, then
+//! takes the runs, then its store snapshot. So a key the lookup misses in the slot was
+//! published, hence is in the runs it took or in the B-tree of any later snapshot; and runs it
+//! took after a merge come with a snapshot that holds the merged B-tree.
+
+use crate::error::{Error, Result};
+use crate::meta;
+use crate::store::{ReadTxn, WriteTxn};
+use rustc_hash::FxHashSet;
+use std::sync::Arc;
+
+/// Most keys the runs hold (16 bytes each in memory): past it, the next run merges them.
+pub(crate) const RUN_KEYS_MAX: usize = 1 << 20;
+
+/// When a commit writes a run, and when it merges the runs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunPolicy {
+    /// A commit with fewer new keys inserts them into the B-tree directly (a run of a few
+    /// keys would save nothing and cost a row).
+    pub keys_min: usize,
+    /// Most runs kept: the commit that would write one more merges them all instead.
+    pub runs_max: usize,
+}
+
+/// One commit's new index keys, sorted.
+#[derive(Debug)]
+pub(crate) struct Run {
+    /// The commit (batch) number that wrote it: its key in `fps.runs`.
+    pub no: u64,
+    /// The keys, ascending.
+    pub keys: Vec<u128>,
+}
+
+/// The index keys not (yet) in the B-tree, as committed.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Runs {
+    /// Oldest first.
+    runs: Vec<Arc<Run>>,
+    /// Keys of chunks that died while in a run.
+    dead: FxHashSet<u128>,
+}
+
+/// Packs ascending keys as a run's value.
+fn encode(keys: &[u128]) -> Vec<u8> {
+    keys.iter().flat_map(|k| k.to_be_bytes()).collect()
+}
+
+/// Unpacks run `no`'s value, which must hold ascending keys.
+fn decode(no: u64, v: &[u8]) -> Result<Vec<u128>> {
+    if !v.len().is_multiple_of(16) {
+        return Err(Error::Corrupt(format!(
+            "dedup index run {no}: {} bytes, not whole 16-byte keys",
+            v.len()
+        )));
+    }
+    let keys: Vec<u128> = v
+        .chunks_exact(16)
+        .map(|k| u128::from_be_bytes(k.try_into().expect("16 bytes")))
+        .collect();
+    if keys.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::Corrupt(format!(
+            "dedup index run {no}: keys out of order"
+        )));
+    }
+    Ok(keys)
+}
+
+impl Runs {
+    /// The runs and dead keys committed in `txn`'s snapshot.
+    pub fn load(txn: &ReadTxn) -> Result<Runs> {
+        let mut runs = Vec::new();
+        for item in txn.iter(meta::FPS_RUNS)? {
+            let (no, v) = item?;
+            runs.push(Arc::new(Run {
+                no,
+                keys: decode(no, &v)?,
+            }));
+        }
+        let mut dead = FxHashSet::default();
+        for item in txn.iter(meta::FPS_DEAD)? {
+            dead.insert(item?.0);
+        }
+        Ok(Runs { runs, dead })
+    }
+
+    /// The chunk ids of live keys with fingerprint prefix `prefix`, newest run first.
+    pub fn candidates(&self, prefix: u64) -> impl Iterator<Item = u64> + '_ {
+        let lo = (prefix as u128) << 64;
+        self.runs.iter().rev().flat_map(move |run| {
+            let from = run.keys.partition_point(|&k| k < lo);
+            run.keys[from..]
+                .iter()
+                .take_while(move |&&k| meta::fps_key_prefix(k) == prefix)
+                .filter(|k| !self.dead.contains(k))
+                .map(|&k| meta::fps_key_chunk(k))
+        })
+    }
+
+    /// Whether `key` is in a run (dead or not).
+    pub fn contains(&self, key: u128) -> bool {
+        self.runs.iter().any(|r| r.keys.binary_search(&key).is_ok())
+    }
+
+    /// Whether `key` is a live key of a run.
+    pub fn holds(&self, key: u128) -> bool {
+        !self.dead.contains(&key) && self.contains(key)
+    }
+
+    /// Every live key in the runs (unordered across runs).
+    pub fn keys(&self) -> impl Iterator<Item = u128> + '_ {
+        self.runs
+            .iter()
+            .flat_map(|r| r.keys.iter().copied())
+            .filter(|k| !self.dead.contains(k))
+    }
+
+    /// Every dead key.
+    pub fn dead(&self) -> impl Iterator<Item = u128> + '_ {
+        self.dead.iter().copied()
+    }
+
+    /// Number of runs.
+    pub fn len(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// The runs' commit numbers and key counts, and the number of dead keys (to compare two
+    /// views of the runs).
+    pub fn summary(&self) -> (Vec<(u64, usize)>, usize) {
+        let runs = self.runs.iter().map(|r| (r.no, r.keys.len())).collect();
+        (runs, self.dead.len())
+    }
+
+    /// Keys in the runs, dead ones included.
+    fn stored_keys(&self) -> usize {
+        self.runs.iter().map(|r| r.keys.len()).sum()
+    }
+}
+
+/// One commit's changes to the dedup index, written by [`IndexUpdate::finish`].
+pub(crate) struct IndexUpdate<'a> {
+    runs: &'a Runs,
+    /// Keys of the commit's new chunks.
+    added: Vec<u128>,
+    /// Keys of new chunks that die in the same commit: never written anywhere.
+    born_dead: FxHashSet<u128>,
+    /// Keys of runs whose chunks died in this commit.
+    dead: Vec<u128>,
+}
+
+impl<'a> IndexUpdate<'a> {
+    /// An update on top of the committed `runs`.
+    pub fn new(runs: &'a Runs) -> Self {
+        IndexUpdate {
+            runs,
+            added: Vec::new(),
+            born_dead: FxHashSet::default(),
+            dead: Vec::new(),
+        }
+    }
+
+    /// Adds the key of a chunk new in this commit.
+    pub fn add(&mut self, key: u128) {
+        self.added.push(key);
+    }
+
+    /// Removes the key of a dying chunk. `new`: the chunk was added in this commit.
+    pub fn remove(&mut self, txn: &mut WriteTxn, key: u128, new: bool) {
+        if new {
+            self.born_dead.insert(key);
+        } else if self.runs.contains(key) {
+            self.dead.push(key);
+        } else {
+            txn.remove(meta::FPS, &key);
+        }
+    }
+
+    /// Writes the changes into `txn` as commit `no`'s; returns the runs as they are once
+    /// `txn` commits, or `None` when they do not change.
+    pub fn finish(mut self, txn: &mut WriteTxn, no: u64, policy: RunPolicy) -> Option<Runs> {
+        if !self.born_dead.is_empty() {
+            self.added.retain(|k| !self.born_dead.contains(k));
+        }
+        self.added.sort_unstable();
+        if self.added.len() < policy.keys_min.max(1) {
+            for k in &self.added {
+                txn.insert(meta::FPS, k, &());
+            }
+            if self.dead.is_empty() {
+                return None;
+            }
+            for k in &self.dead {
+                txn.insert(meta::FPS_DEAD, k, &());
+            }
+            let mut next = self.runs.clone();
+            next.dead.extend(self.dead);
+            return Some(next);
+        }
+        if self.runs.len() + 1 >= policy.runs_max
+            || self.runs.stored_keys() + self.added.len() > RUN_KEYS_MAX
+        {
+            return Some(self.merge(txn));
+        }
+        txn.insert(meta::FPS_RUNS, &no, encode(&self.added).as_slice());
+        for k in &self.dead {
+            txn.insert(meta::FPS_DEAD, k, &());
+        }
+        let mut next = self.runs.clone();
+        next.dead.extend(self.dead);
+        next.runs.push(Arc::new(Run {
+            no,
+            keys: self.added,
+        }));
+        Some(next)
+    }
+
+    /// Moves every live key of the runs, and the added ones, into the B-tree, in key order;
+    /// removes the runs and the dead keys.
+    fn merge(self, txn: &mut WriteTxn) -> Runs {
+        let dead: FxHashSet<u128> = self.runs.dead.iter().chain(&self.dead).copied().collect();
+        let mut all = self.added;
+        all.extend(
+            self.runs
+                .runs
+                .iter()
+                .flat_map(|r| r.keys.iter().copied())
+                .filter(|k| !dead.contains(k)),
+        );
+        all.sort_unstable();
+        for k in &all {
+            txn.insert(meta::FPS, k, &());
+        }
+        for r in &self.runs.runs {
+            txn.remove(meta::FPS_RUNS, &r.no);
+        }
+        for k in &self.runs.dead {
+            txn.remove(meta::FPS_DEAD, k);
+        }
+        Runs::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Backend, Store};
+
+    const POLICY: RunPolicy = RunPolicy {
+        keys_min: 4,
+        runs_max: 3,
+    };
+
+    /// Key `i` of prefix `p` (several chunks may share a prefix).
+    fn key(p: u64, id: u64) -> u128 {
+        ((p as u128) << 64) | id as u128
+    }
+
+    /// One commit (number `no`) adding `added` (new) and removing `removed` (new or not)
+    /// on top of `runs`; returns the runs after it.
+    fn commit(
+        store: &Store,
+        runs: &Runs,
+        no: u64,
+        added: &[u128],
+        removed: &[(u128, bool)],
+    ) -> Result<Runs> {
+        let mut txn = store.write()?;
+        let mut update = IndexUpdate::new(runs);
+        for &k in added {
+            update.add(k);
+        }
+        for &(k, new) in removed {
+            update.remove(&mut txn, k, new);
+        }
+        let next = update.finish(&mut txn, no, POLICY);
+        txn.commit()?;
+        Ok(next.unwrap_or_else(|| runs.clone()))
+    }
+
+    fn btree(store: &Store) -> Result<Vec<u128>> {
+        store
+            .read()?
+            .iter(meta::FPS)?
+            .map(|e| e.map(|(k, ())| k))
+            .collect()
+    }
+
+    /// Small commits go to the B-tree; large ones become runs, found by prefix (newest
+    /// first) and reloaded as written; the commit that would make `runs_max` runs merges
+    /// them all, leaving out keys of chunks that died in a run, and clears both tables.
+    #[test]
+    fn runs_are_written_found_and_merged_without_their_dead_keys() -> Result<()> {
+        for kind in [Backend::Redb, Backend::Fjall] {
+            let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+            let store = Store::create(dir.path(), kind)?;
+            let runs = commit(&store, &Runs::default(), 1, &[key(9, 1), key(2, 2)], &[])?;
+            assert_eq!(runs.len(), 0, "a small commit writes no run");
+            assert_eq!(btree(&store)?, vec![key(2, 2), key(9, 1)]);
+
+            let first = [key(7, 10), key(3, 11), key(7, 12), key(1, 13), key(5, 14)];
+            let runs = commit(&store, &runs, 2, &first, &[])?;
+            assert_eq!(runs.summary(), (vec![(2, 5)], 0));
+            assert_eq!(runs.candidates(7).collect::<Vec<_>>(), vec![10, 12]);
+            assert_eq!(runs.candidates(4).count(), 0);
+            assert_eq!(btree(&store)?.len(), 2, "a run leaves the B-tree alone");
+            let second = [key(7, 20), key(6, 21), key(8, 22), key(0, 23)];
+            // Chunk 11 (in a run) and chunk 2 (in the B-tree) die.
+            let runs = commit(
+                &store,
+                &runs,
+                3,
+                &second,
+                &[(key(3, 11), false), (key(2, 2), false)],
+            )?;
+            assert_eq!(runs.summary(), (vec![(2, 5), (3, 4)], 1));
+            assert_eq!(runs.candidates(7).collect::<Vec<_>>(), vec![20, 10, 12]);
+            assert_eq!(runs.candidates(3).count(), 0, "a dead key is no candidate");
+            assert!(runs.holds(key(6, 21)) && !runs.holds(key(3, 11)));
+            assert_eq!(btree(&store)?, vec![key(9, 1)]);
+            let loaded = Runs::load(&store.read()?)?;
+            assert_eq!(loaded.summary(), runs.summary());
+            assert_eq!(
+                loaded.keys().collect::<Vec<_>>(),
+                runs.keys().collect::<Vec<_>>()
+            );
+
+            // The third run merges: every live key lands in the B-tree, in one place.
+            let third = [key(4, 30), key(4, 31), key(9, 32), key(2, 33)];
+            let runs = commit(&store, &runs, 4, &third, &[(key(7, 12), false)])?;
+            assert_eq!(runs.summary(), (vec![], 0));
+            let mut expect: Vec<u128> = [&first[..], &second, &third, &[key(9, 1)]]
+                .concat()
+                .into_iter()
+                .filter(|&k| k != key(3, 11) && k != key(7, 12))
+                .collect();
+            expect.sort_unstable();
+            assert_eq!(btree(&store)?, expect);
+            let r = store.read()?;
+            assert_eq!(r.iter(meta::FPS_RUNS)?.count(), 0);
+            assert_eq!(r.iter(meta::FPS_DEAD)?.count(), 0);
+        }
+        Ok(())
+    }
+
+    /// A chunk added and dead in the same commit leaves no key anywhere, in a run or not.
+    #[test]
+    fn keys_born_dead_are_never_written() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let added = [key(1, 1), key(2, 2), key(3, 3), key(4, 4), key(5, 5)];
+        let runs = commit(&store, &Runs::default(), 1, &added, &[(key(3, 3), true)])?;
+        assert_eq!(runs.summary(), (vec![(1, 4)], 0));
+        assert!(!runs.contains(key(3, 3)));
+        let runs = commit(&store, &runs, 2, &[key(6, 6)], &[(key(6, 6), true)])?;
+        assert_eq!(runs.summary(), (vec![(1, 4)], 0));
+        assert!(btree(&store)?.is_empty());
+        Ok(())
+    }
+
+    /// A stored run that is not whole keys in ascending order is refused as corrupt.
+    #[test]
+    fn a_malformed_run_is_corrupt() {
+        assert!(decode(1, &[0u8; 17]).is_err());
+        let keys = encode(&[5, 3]);
+        assert!(matches!(decode(1, &keys), Err(Error::Corrupt(m)) if m.contains("out of order")));
+        assert_eq!(decode(1, &encode(&[3, 5])).expect("ascending"), vec![3, 5]);
+    }
+}
