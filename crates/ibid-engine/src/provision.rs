@@ -61,20 +61,34 @@ impl Inner {
         blocks * RESERVED_BYTES_PER_BLOCK
     }
 
-    /// Fails with `NoSpace` if `bytes` more for volume `v` would not fit: a thin volume may not
-    /// use what thick volumes keep reserved; a thick volume may, and is always admitted while
-    /// it has blocks without data (its reservation covers them).
-    pub(crate) fn reserve_space(&self, bytes: u64, v: &VolumeState) -> Result<()> {
+    /// Claims `bytes` of pool space for a new chunk of volume `v`: counts them as used (in
+    /// `pending_bytes`, which the commit that stores the chunk moves to `live_bytes`) for as
+    /// long as the returned claim is held or kept. Fails with `NoSpace`, counting nothing, if
+    /// they would not fit: a thin volume may not use what thick volumes keep reserved; a thick
+    /// volume may, and is always admitted while it has blocks without data (its reservation
+    /// covers them).
+    ///
+    /// The bytes are added before the check, and the check uses the sum that addition
+    /// returned, so concurrent writers see each other's claims and together never pass the
+    /// capacity (two racing for the last bytes may both fail; a write retries once after a
+    /// commit). A check first and an addition after the append let every writer preparing a
+    /// block at once pass the same check.
+    pub(crate) fn reserve_space(&self, bytes: u64, v: &VolumeState) -> Result<SpaceClaim<'_>> {
+        let claim = SpaceClaim { inner: self, bytes };
+        let pending = self.pending_bytes.fetch_add(bytes as i64, Ordering::AcqRel) + bytes as i64;
+        let used = self.live_bytes.load(Ordering::Relaxed) as i64
+            + pending
+            + self.meta_bytes.load(Ordering::Relaxed) as i64;
         let capacity = self.capacity_bytes.load(Ordering::Relaxed);
         let thick = v.format().is_thick();
         let reserved = if thick { 0 } else { self.reserved_bytes() };
-        if self.used_now() + reserved + bytes <= capacity {
-            return Ok(());
+        if used.max(0) as u64 + reserved <= capacity {
+            return Ok(claim);
         }
         if thick {
             let map = v.map.lock();
             if unwritten_blocks(map.size, map.mapped_blocks) > 0 {
-                return Ok(());
+                return Ok(claim);
             }
         }
         Err(Error::NoSpace)
@@ -99,6 +113,30 @@ impl Inner {
             return Err(Error::CannotReserve { needed, available });
         }
         Ok(())
+    }
+}
+
+/// Pool space counted as used for a new chunk not yet registered ([`Inner::reserve_space`]):
+/// given back when dropped, unless [`SpaceClaim::keep`] hands it to the chunk (whose commit
+/// then counts it as live).
+#[must_use = "a claim dropped at once gives its space back"]
+pub(crate) struct SpaceClaim<'a> {
+    inner: &'a Inner,
+    bytes: u64,
+}
+
+impl SpaceClaim<'_> {
+    /// The chunk is registered: its uncommitted bytes stay counted until its commit.
+    pub(crate) fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for SpaceClaim<'_> {
+    fn drop(&mut self) {
+        self.inner
+            .pending_bytes
+            .fetch_sub(self.bytes as i64, Ordering::AcqRel);
     }
 }
 
@@ -188,5 +226,73 @@ impl Pool {
         txn.commit()?;
         cs.record = record;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::format::{BLOCK_BYTES, RECORD_HEADER_BYTES};
+    use crate::{Error, Pool, PoolConfig};
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Barrier};
+
+    /// A held claim counts as used space at once, so a second claim cannot take the same
+    /// bytes; a failed claim and a dropped one count nothing; writers claiming at once never
+    /// claim more than the free space together.
+    #[test]
+    fn claims_count_at_once_and_never_pass_the_capacity() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = PoolConfig {
+            capacity_bytes: Some(64 << 20),
+            background: false,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.path().join("p"), config).expect("create");
+        pool.create_volume("v", 1 << 30).expect("v");
+        let inner = pool.inner.clone();
+        let v = inner.volumes.read()["v"].clone();
+        let free = inner.capacity_bytes.load(Ordering::Relaxed) - inner.used_now();
+        let chunk = (RECORD_HEADER_BYTES + BLOCK_BYTES) as u64;
+
+        let held = inner
+            .reserve_space(free - chunk, &v)
+            .expect("most of the space");
+        assert!(matches!(
+            inner.reserve_space(2 * chunk, &v),
+            Err(Error::NoSpace)
+        ));
+        let last = inner.reserve_space(chunk, &v).expect("the rest");
+        assert_eq!(
+            inner.used_now(),
+            inner.capacity_bytes.load(Ordering::Relaxed)
+        );
+        drop((held, last));
+        assert_eq!(inner.pending_bytes.load(Ordering::Relaxed), 0);
+
+        let writers = 8;
+        let start = Arc::new(Barrier::new(writers));
+        let kept: u64 = (0..writers)
+            .map(|_| {
+                let (inner, v, start) = (inner.clone(), v.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    let mut kept = 0;
+                    while let Ok(claim) = inner.reserve_space(chunk, &v) {
+                        claim.keep();
+                        kept += chunk;
+                    }
+                    kept
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().expect("writer"))
+            .sum();
+        assert!(kept <= free, "claimed {kept} of {free} free bytes");
+        assert!(
+            kept + writers as u64 * chunk > free,
+            "claimed only {kept} of {free}"
+        );
+        assert_eq!(inner.pending_bytes.load(Ordering::Relaxed), kept as i64);
     }
 }

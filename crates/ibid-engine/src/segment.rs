@@ -423,6 +423,9 @@ impl Segments {
         commit_no: u64,
     ) -> Result<Placement> {
         self.check_io()?;
+        // The header's CRC covers the payload: computed before the lock, which other writers
+        // of this segment wait for.
+        let (header, crc) = format::encode_record_header(chunk_id, flags, payload);
         let writer = &self.writers[w];
         let mut guard = writer.open.lock();
         let rec_bytes = (RECORD_HEADER_BYTES + payload.len()) as u64;
@@ -438,7 +441,6 @@ impl Segments {
         }
         let o = guard.as_mut().expect("open segment");
         let offset = o.end();
-        let (header, crc) = format::encode_record_header(chunk_id, flags, payload);
         o.buf.push(&header);
         o.buf.push(payload);
         let placement = Placement {

@@ -1150,14 +1150,13 @@ impl Inner {
         s.dirty.fps.insert(fp, id);
         *s.dirty.deltas.entry(id).or_default() += 1;
         drop(s);
-        self.pending_bytes
-            .fetch_add(rec.physical_bytes() as i64, Ordering::Relaxed);
         self.bloom().insert(meta::fp_prefix(&fp));
         Ok(Entry::Data(id))
     }
 
     /// Appends a new chunk's record to a segment and journals it; returns its id and record
-    /// (not yet registered in its shard).
+    /// (not yet registered in its shard: the caller registers it, and its space stays counted
+    /// as pending until then).
     fn place_chunk(
         &self,
         v: &VolumeState,
@@ -1168,7 +1167,7 @@ impl Inner {
         stamp: u64,
     ) -> Result<(u64, format::ChunkRecord)> {
         let physical = (RECORD_HEADER_BYTES + payload.len()) as u64;
-        self.reserve_space(physical, v)?;
+        let claim = self.reserve_space(physical, v)?;
         let id = (self.chunk_seq.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | shard as u64;
         let placed = self
             .segments
@@ -1190,6 +1189,7 @@ impl Inner {
                 inline: None,
             },
         );
+        claim.keep();
         Ok((id, rec))
     }
 
