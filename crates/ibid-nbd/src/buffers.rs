@@ -10,8 +10,9 @@ use std::sync::Mutex;
 
 /// Buffers larger than this are not kept (rare: most clients write at most 1–4 MiB at once).
 const KEPT_CAPACITY_MAX: usize = 4 << 20;
-/// Buffers kept at most per connection (the requests in flight at a queue depth of 16).
-const KEPT_MAX: usize = 16;
+/// Bytes of buffers a connection keeps at most, in use or not (16 writes of 1 MiB in flight, or
+/// 4 of 4 MiB): what an idle connection holds on to, outside its in-flight budget.
+const KEPT_BYTES_MAX: usize = 16 << 20;
 
 /// A connection's spare payload buffers.
 #[derive(Default)]
@@ -41,7 +42,8 @@ impl Buffers {
         }
         buf.clear();
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        if free.len() < KEPT_MAX {
+        let kept: usize = free.iter().map(Vec::capacity).sum();
+        if kept + buf.capacity() <= KEPT_BYTES_MAX {
             free.push(buf);
         }
     }
@@ -72,9 +74,13 @@ mod tests {
             1,
             "a buffer over the limit is dropped"
         );
-        for _ in 0..2 * KEPT_MAX {
-            b.give(Vec::with_capacity(4096));
+        for _ in 0..2 * KEPT_BYTES_MAX / KEPT_CAPACITY_MAX {
+            b.give(Vec::with_capacity(KEPT_CAPACITY_MAX));
         }
-        assert_eq!(b.free.lock().expect("lock").len(), KEPT_MAX);
+        let kept: usize = b.free.lock().expect("lock").iter().map(Vec::capacity).sum();
+        assert!(
+            kept <= KEPT_BYTES_MAX && kept + KEPT_CAPACITY_MAX > KEPT_BYTES_MAX,
+            "kept {kept} bytes"
+        );
     }
 }
