@@ -97,6 +97,13 @@ struct EngineArgs {
     /// Skip the large-pool part.
     #[arg(long)]
     no_scale: bool,
+    /// MiB of generated data the sequential tests write from (default: `--seq-mib`, so that
+    /// nothing is generated in the timed part). Smaller, it lets `--seq-mib` exceed the RAM:
+    /// past it the unique test copies each MiB and writes each block's index into its first
+    /// 8 bytes (a 1 MiB copy per write, in the timed part), so its blocks stay unique and
+    /// incompressible; the other tests repeat the data.
+    #[arg(long)]
+    seq_data_mib: Option<u64>,
     /// Runs the dedup index keeps before merging them into its B-tree (the pool default
     /// unless given; 1 writes every commit's keys into the B-tree, as before format 4).
     #[arg(long)]
@@ -115,6 +122,8 @@ struct Settings {
     base: PathBuf,
     runs: usize,
     seq_bytes: u64,
+    /// Bytes of generated data the sequential tests write from (at most `seq_bytes`).
+    seq_data_bytes: u64,
     seq_writers: usize,
     threads: usize,
     secs: f64,
@@ -126,10 +135,12 @@ struct Settings {
 impl Settings {
     fn from(a: &EngineArgs) -> Settings {
         let q = a.quick;
+        let seq_mib = a.seq_mib.unwrap_or(if q { 16 } else { 2048 }).max(1);
         Settings {
             base: a.dir.clone().unwrap_or_else(std::env::temp_dir),
             runs: a.runs.unwrap_or(if q { 1 } else { 3 }),
-            seq_bytes: a.seq_mib.unwrap_or(if q { 16 } else { 2048 }) * MIB,
+            seq_bytes: seq_mib * MIB,
+            seq_data_bytes: a.seq_data_mib.unwrap_or(seq_mib).clamp(1, seq_mib) * MIB,
             seq_writers: a.seq_writers.max(1),
             threads: a.threads,
             secs: a.secs.unwrap_or(if q { 0.3 } else { 8.0 }),
@@ -257,7 +268,23 @@ fn fresh_pool(base: &Path) -> Result<(tempfile::TempDir, Pool)> {
 
 /// Sequential 1 MiB writes of `data` (cycled to `total` bytes) from offset 0; the final
 /// `sync` is inside the timed interval.
-fn seq_write(pool: &Pool, vol: &Volume, data: &[u8], total: u64, writers: usize) -> Result<Sample> {
+/// How [`seq_write`] treats offsets past the end of its data.
+#[derive(Clone, Copy, PartialEq)]
+enum Wrap {
+    /// Write the data again (duplicates, or zeros again).
+    Repeat,
+    /// Write a copy with each block's index in its first 8 bytes (unique blocks).
+    Unique,
+}
+
+fn seq_write(
+    pool: &Pool,
+    vol: &Volume,
+    data: &[u8],
+    total: u64,
+    writers: usize,
+    wrap: Wrap,
+) -> Result<Sample> {
     let next = AtomicU64::new(0);
     let t0 = Instant::now();
     let lats = std::thread::scope(|scope| {
@@ -265,6 +292,7 @@ fn seq_write(pool: &Pool, vol: &Volume, data: &[u8], total: u64, writers: usize)
             .map(|_| {
                 scope.spawn(|| -> Result<Vec<u64>> {
                     let mut lat = Vec::new();
+                    let mut copy = Vec::new();
                     loop {
                         let off = next.fetch_add(MIB, Ordering::Relaxed);
                         if off >= total {
@@ -272,7 +300,17 @@ fn seq_write(pool: &Pool, vol: &Volume, data: &[u8], total: u64, writers: usize)
                         }
                         let src = (off % data.len() as u64) as usize;
                         let t = Instant::now();
-                        vol.write(off, &data[src..src + MIB as usize], false)?;
+                        let mut buf = &data[src..src + MIB as usize];
+                        if wrap == Wrap::Unique && off >= data.len() as u64 {
+                            copy.clear();
+                            copy.extend_from_slice(buf);
+                            for (i, block) in copy.chunks_exact_mut(BLOCK).enumerate() {
+                                let index = off / BLOCK as u64 + i as u64;
+                                block[..8].copy_from_slice(&(index | 1 << 63).to_le_bytes());
+                            }
+                            buf = &copy;
+                        }
+                        vol.write(off, buf, false)?;
                         lat.push(t.elapsed().as_nanos() as u64);
                     }
                 })
@@ -498,10 +536,11 @@ fn engine(a: &EngineArgs) -> Result<()> {
         .set(config)
         .map_err(|_| anyhow::anyhow!("pool configuration set twice"))?;
     println!(
-        "# ibid-bench engine: meta={} runs={} seq={} MiB seq_writers={} threads={} secs={} unique_blocks={} dedup_runs_max={runs_max} (load avg {})",
+        "# ibid-bench engine: meta={} runs={} seq={} MiB (from {} MiB of data) seq_writers={} threads={} secs={} unique_blocks={} dedup_runs_max={runs_max} (load avg {})",
         ibid_engine::MetaBackend::from_env().name(),
         s.runs,
         s.seq_bytes / MIB,
+        s.seq_data_bytes / MIB,
         s.seq_writers,
         s.threads,
         s.secs,
@@ -523,7 +562,7 @@ fn engine(a: &EngineArgs) -> Result<()> {
 }
 
 fn throughput(s: &Settings) -> Result<Vec<Row>> {
-    let mut data = vec![0u8; s.seq_bytes as usize];
+    let mut data = vec![0u8; s.seq_data_bytes as usize];
     Rng(7).fill(&mut data);
     let zeros = vec![0u8; MIB as usize];
     let rand_blocks = (4 << 30) / BLOCK as u64;
@@ -574,15 +613,22 @@ fn throughput(s: &Settings) -> Result<Vec<Row>> {
         for (i, row) in rows.iter_mut().enumerate() {
             if !sel(i) {
                 if i == 0 && need_a {
-                    seq_write(&pool, &va, &data, s.seq_bytes, s.seq_writers)?;
+                    seq_write(&pool, &va, &data, s.seq_bytes, s.seq_writers, Wrap::Unique)?;
                 }
                 continue;
             }
             let r = match i {
-                0 => with_cpu(|| seq_write(&pool, &va, &data, s.seq_bytes, s.seq_writers))?,
+                0 => with_cpu(|| {
+                    seq_write(&pool, &va, &data, s.seq_bytes, s.seq_writers, Wrap::Unique)
+                })?,
                 // Same content as volume a: every block is already in the pool.
-                1 => with_cpu(|| seq_write(&pool, &vb, &data, s.seq_bytes, s.seq_writers))?,
-                2 => with_cpu(|| seq_write(&pool, &vz, &zeros, 4 * s.seq_bytes, s.seq_writers))?,
+                1 => with_cpu(|| {
+                    seq_write(&pool, &vb, &data, s.seq_bytes, s.seq_writers, Wrap::Repeat)
+                })?,
+                2 => with_cpu(|| {
+                    let (z, n) = (&zeros, 4 * s.seq_bytes);
+                    seq_write(&pool, &vz, z, n, s.seq_writers, Wrap::Repeat)
+                })?,
                 3 => with_cpu(|| {
                     let r = random_4k(&vr, s.threads, s.secs, rand_blocks, true)?;
                     pool.sync()?;
@@ -806,5 +852,35 @@ fn crash_child(dir: &Path, seed: u64) -> Result<()> {
         }
         write_unique_compressible(&vol, b, 256)?;
         b += 256;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past the end of its data, the unique test still writes blocks the pool has not seen,
+    /// and incompressible ones; the others repeat the data.
+    #[test]
+    fn wrapped_unique_writes_stay_unique() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let (_pool_dir, pool) = fresh_pool(dir.path())?;
+        let mut data = vec![0u8; MIB as usize];
+        Rng(7).fill(&mut data);
+        let total = 4 * MIB;
+        let blocks = total / BLOCK as u64;
+        let unique = pool.create_volume("u", total)?;
+        seq_write(&pool, &unique, &data, total, 2, Wrap::Unique)?;
+        let stats = pool.stats();
+        assert_eq!(stats.unique_chunks, blocks);
+        assert!(
+            stats.physical_bytes >= total,
+            "{} compressed",
+            stats.physical_bytes
+        );
+        let repeated = pool.create_volume("r", total)?;
+        seq_write(&pool, &repeated, &data, total, 2, Wrap::Repeat)?;
+        assert_eq!(pool.stats().unique_chunks, blocks, "repeats are duplicates");
+        Ok(())
     }
 }

@@ -10,8 +10,8 @@ use std::sync::Mutex;
 
 /// Buffers larger than this are not kept (rare: most clients write at most 1–4 MiB at once).
 const KEPT_CAPACITY_MAX: usize = 4 << 20;
-/// Bytes of buffers a connection keeps at most, in use or not (16 writes of 1 MiB in flight, or
-/// 4 of 4 MiB): what an idle connection holds on to, outside its in-flight budget.
+/// Bytes of spare buffers a connection keeps at most (room for 16 writes of 1 MiB in flight,
+/// or 4 of 4 MiB): what an idle connection holds on to, outside its in-flight budget.
 const KEPT_BYTES_MAX: usize = 16 << 20;
 
 /// A connection's spare payload buffers.
