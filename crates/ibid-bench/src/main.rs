@@ -266,8 +266,6 @@ fn fresh_pool(base: &Path) -> Result<(tempfile::TempDir, Pool)> {
     Ok((dir, pool))
 }
 
-/// Sequential 1 MiB writes of `data` (cycled to `total` bytes) from offset 0; the final
-/// `sync` is inside the timed interval.
 /// How [`seq_write`] treats offsets past the end of its data.
 #[derive(Clone, Copy, PartialEq)]
 enum Wrap {
@@ -277,6 +275,8 @@ enum Wrap {
     Unique,
 }
 
+/// Sequential 1 MiB writes of `data` (cycled to `total` bytes, as `wrap` says) from offset 0;
+/// the final `sync` is inside the timed interval.
 fn seq_write(
     pool: &Pool,
     vol: &Volume,

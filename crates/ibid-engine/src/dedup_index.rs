@@ -204,35 +204,33 @@ impl<'a> IndexUpdate<'a> {
             self.added.retain(|k| !self.born_dead.contains(k));
         }
         self.added.sort_unstable();
-        if self.added.len() < policy.keys_min.max(1) {
+        let as_run = self.added.len() >= policy.keys_min.max(1);
+        if as_run
+            && (self.runs.len() + 1 >= policy.runs_max
+                || self.runs.stored_keys() + self.added.len() > RUN_KEYS_MAX)
+        {
+            return Some(self.merge(txn));
+        }
+        if !as_run {
             for k in &self.added {
                 txn.insert(meta::FPS, k, &());
             }
             if self.dead.is_empty() {
                 return None;
             }
-            for k in &self.dead {
-                txn.insert(meta::FPS_DEAD, k, &());
-            }
-            let mut next = self.runs.clone();
-            next.dead.extend(self.dead);
-            return Some(next);
         }
-        if self.runs.len() + 1 >= policy.runs_max
-            || self.runs.stored_keys() + self.added.len() > RUN_KEYS_MAX
-        {
-            return Some(self.merge(txn));
-        }
-        txn.insert(meta::FPS_RUNS, &no, encode(&self.added).as_slice());
         for k in &self.dead {
             txn.insert(meta::FPS_DEAD, k, &());
         }
         let mut next = self.runs.clone();
         next.dead.extend(self.dead);
-        next.runs.push(Arc::new(Run {
-            no,
-            keys: self.added,
-        }));
+        if as_run {
+            txn.insert(meta::FPS_RUNS, &no, encode(&self.added).as_slice());
+            next.runs.push(Arc::new(Run {
+                no,
+                keys: self.added,
+            }));
+        }
         Some(next)
     }
 

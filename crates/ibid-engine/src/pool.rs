@@ -1111,8 +1111,13 @@ impl Inner {
 
     /// Bytes used, counting chunks appended but not yet committed.
     pub(crate) fn used_now(&self) -> u64 {
+        self.used_with_pending(self.pending_bytes.load(Ordering::Relaxed))
+    }
+
+    /// [`Self::used_now`] with `pending` uncommitted new bytes.
+    pub(crate) fn used_with_pending(&self, pending: i64) -> u64 {
         let used = self.live_bytes.load(Ordering::Relaxed) as i64
-            + self.pending_bytes.load(Ordering::Relaxed)
+            + pending
             + self.meta_bytes.load(Ordering::Relaxed) as i64;
         used.max(0) as u64
     }

@@ -76,13 +76,11 @@ impl Inner {
     pub(crate) fn reserve_space(&self, bytes: u64, v: &VolumeState) -> Result<SpaceClaim<'_>> {
         let claim = SpaceClaim { inner: self, bytes };
         let pending = self.pending_bytes.fetch_add(bytes as i64, Ordering::AcqRel) + bytes as i64;
-        let used = self.live_bytes.load(Ordering::Relaxed) as i64
-            + pending
-            + self.meta_bytes.load(Ordering::Relaxed) as i64;
+        let used = self.used_with_pending(pending);
         let capacity = self.capacity_bytes.load(Ordering::Relaxed);
         let thick = v.format().is_thick();
         let reserved = if thick { 0 } else { self.reserved_bytes() };
-        if used.max(0) as u64 + reserved <= capacity {
+        if used + reserved <= capacity {
             return Ok(claim);
         }
         if thick {

@@ -1230,21 +1230,14 @@ impl Inner {
         // `dedup_index.rs`).
         let runs = self.dedup_runs();
         let txn = self.db.read()?;
-        let mut found = None;
-        for id in runs.candidates(meta::fp_prefix(fp)) {
-            if holds_chunk_in(&txn, id, fp)? {
-                found = Some(id);
-                break;
-            }
-        }
+        let mut found = first_holding(&txn, runs.candidates(meta::fp_prefix(fp)).map(Ok), fp)?;
         if found.is_none() {
-            for entry in txn.range(meta::FPS, meta::fps_range(fp))? {
-                let id = meta::fps_key_chunk(entry?.0);
-                if holds_chunk_in(&txn, id, fp)? {
-                    found = Some(id);
-                    break;
-                }
-            }
+            let in_tree = txn.range(meta::FPS, meta::fps_range(fp))?;
+            found = first_holding(
+                &txn,
+                in_tree.map(|e| e.map(|(k, ())| meta::fps_key_chunk(k))),
+                fp,
+            )?;
         }
         if let (Some(n), Some(id)) = (neighbours, found) {
             n.found_in_index(id);
@@ -1694,6 +1687,21 @@ fn holds_chunk_in(store: &impl Reader, id: u64, fp: &[u8; 32]) -> Result<bool> {
         Some(v) => format::ChunkRecord::decode(&v)?.fingerprint == *fp,
         None => false,
     })
+}
+
+/// The first of the chunk ids `ids` that `store` holds with fingerprint `fp`.
+fn first_holding(
+    store: &impl Reader,
+    ids: impl Iterator<Item = Result<u64>>,
+    fp: &[u8; 32],
+) -> Result<Option<u64>> {
+    for id in ids {
+        let id = id?;
+        if holds_chunk_in(store, id, fp)? {
+            return Ok(Some(id));
+        }
+    }
+    Ok(None)
 }
 
 fn stripe_of(block: u64) -> usize {

@@ -78,6 +78,24 @@ fn older_pools_are_upgraded_and_newer_ones_refused() {
     );
 }
 
+const FPS_RUNS: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("fps.runs");
+const FPS_DEAD: redb::TableDefinition<u128, ()> = redb::TableDefinition::new("fps.dead");
+
+/// Creates a pool at `path` holding 8 random blocks in volume `v`, with its index keys in the
+/// B-tree (no runs, as before format 4), and closes it.
+fn pool_with_eight_blocks(path: &Path) {
+    let btree_only = PoolConfig {
+        dedup_runs_max: 1,
+        ..quiet_config(1 << 30)
+    };
+    let pool = Pool::create(path, btree_only).expect("create");
+    let v = pool.create_volume("v", 1 << 20).expect("volume");
+    for i in 0..8u64 {
+        v.write(i * 4096, &random_block(i), false).expect("write");
+    }
+    pool.close().expect("close");
+}
+
 /// A pool whose dedup index is in format version 2's form (redb table `fps.bytes`: the whole
 /// fingerprint → chunk id) opens upgraded: the index rewritten with prefix keys, the record at
 /// the current version, every chunk in the index (verify), and a block written again found as
@@ -88,23 +106,10 @@ fn a_version_2_index_is_rewritten_and_still_finds_duplicates() {
     const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
     const FPS_V2: TableDefinition<&[u8], u64> = TableDefinition::new("fps.bytes");
     const FPS_V3: TableDefinition<u128, ()> = TableDefinition::new("fps.prefix");
-    const FPS_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.runs");
-    const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
 
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("p");
-    {
-        let btree_only = PoolConfig {
-            dedup_runs_max: 1,
-            ..quiet_config(1 << 30)
-        };
-        let pool = Pool::create(&path, btree_only).expect("create");
-        let v = pool.create_volume("v", 1 << 20).expect("volume");
-        for i in 0..8u64 {
-            v.write(i * 4096, &random_block(i), false).expect("write");
-        }
-        pool.close().expect("close");
-    }
+    pool_with_eight_blocks(&path);
     // Turn the index back into version 2's table, from the fingerprints in the chunk records.
     {
         let db = redb::Database::open(path.join("meta.redb")).expect("redb");
@@ -148,24 +153,9 @@ fn a_version_2_index_is_rewritten_and_still_finds_duplicates() {
 /// reopen finds.
 #[test]
 fn a_version_3_pool_gets_run_tables_and_keeps_its_index() {
-    use redb::TableDefinition;
-    const FPS_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.runs");
-    const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
-
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("p");
-    let btree_only = PoolConfig {
-        dedup_runs_max: 1,
-        ..quiet_config(1 << 30)
-    };
-    {
-        let pool = Pool::create(&path, btree_only).expect("create");
-        let v = pool.create_volume("v", 1 << 20).expect("volume");
-        for i in 0..8u64 {
-            v.write(i * 4096, &random_block(i), false).expect("write");
-        }
-        pool.close().expect("close");
-    }
+    pool_with_eight_blocks(&path);
     {
         let db = redb::Database::open(path.join("meta.redb")).expect("redb");
         let txn = db.begin_write().expect("write");
