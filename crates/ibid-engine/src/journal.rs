@@ -512,8 +512,7 @@ impl Inner {
     /// journal cannot take it.
     pub(crate) fn flush(&self) -> Result<()> {
         self.check_failed()?;
-        self.last_flush_ms
-            .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.note_io();
         match self.journal.flush(self) {
             Ok(FlushOutcome::Done) => Ok(()),
             Ok(FlushOutcome::NeedsCommit) => self.commit(),

@@ -178,9 +178,9 @@ pub(crate) struct Inner {
     pub cores: usize,
     pub failed: Mutex<Option<String>>,
     pub soft_warned: AtomicBool,
-    /// When a flush last ran, in milliseconds since `opened` (the cleaner defers to flushes;
-    /// see `gc.rs`).
-    pub last_flush_ms: AtomicU64,
+    /// When a foreground request (read, write, zeroing, flush) last ran, in milliseconds
+    /// since `opened` (the cleaner yields to them; see `gc.rs`).
+    pub last_io_ms: AtomicU64,
     pub opened: std::time::Instant,
     /// Orphan chunks may need freeing: the next commit runs even with nothing else to do.
     pub orphans_pending: AtomicBool,
@@ -485,7 +485,7 @@ impl Pool {
             dirty_blocks: AtomicU64::new(0),
             failed: Mutex::new(None),
             soft_warned: AtomicBool::new(false),
-            last_flush_ms: AtomicU64::new(0),
+            last_io_ms: AtomicU64::new(0),
             opened: std::time::Instant::now(),
             catalog_generation: AtomicU64::new(0),
             orphans_pending: AtomicBool::new(true),
@@ -1107,6 +1107,12 @@ impl Inner {
             layer_filter_ram_bytes: self.layer_filters.ram_bytes(),
             committed_batches: self.committed.load(Ordering::Relaxed),
         }
+    }
+
+    /// Notes that a foreground request runs now (see `last_io_ms`).
+    pub(crate) fn note_io(&self) {
+        self.last_io_ms
+            .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
     /// Bytes used, counting chunks appended but not yet committed.

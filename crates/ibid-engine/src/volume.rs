@@ -214,6 +214,7 @@ impl Volume {
     /// Reads `buf.len()` bytes at `offset`.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
+        self.inner.note_io();
         self.inner.read_range(&self.state, offset, buf)
     }
 
@@ -250,6 +251,7 @@ impl Volume {
         self.check_writable()?;
         self.check_range(offset, data.len() as u64)?;
         self.inner.check_failed()?;
+        self.inner.note_io();
         if !data.is_empty() {
             self.inner
                 .retry_after_commit(|| self.inner.write_range(&self.state, offset, data))?;
@@ -264,6 +266,7 @@ impl Volume {
         self.check_writable()?;
         self.check_range(offset, len)?;
         self.inner.check_failed()?;
+        self.inner.note_io();
         let end = offset + len;
         let (full0, full1) = (offset.div_ceil(BLOCK), end / BLOCK);
         if full0 >= full1 {
@@ -374,6 +377,7 @@ impl Volume {
         self.check_writable()?;
         self.check_range(offset, new.len() as u64)?;
         self.inner.check_failed()?;
+        self.inner.note_io();
         // Nothing is installed unless everything was prepared, so a retry is safe.
         let outcome = self.inner.retry_after_commit(|| {
             self.inner
@@ -409,6 +413,7 @@ impl Volume {
         src.check_range(src_offset, len)?;
         self.check_range(dst_offset, len)?;
         self.inner.check_failed()?;
+        self.inner.note_io();
         let report = self
             .inner
             .copy_range(&src.state, src_offset, &self.state, dst_offset, len)?;

@@ -100,54 +100,77 @@ fn overwrite_and_zero_release_physical_space() {
     pool.verify().expect("verify");
 }
 
-/// The background cleaner waits while flushes run (a cleaning pass's writes would delay
-/// them), and cleans once they stop: overwritten space still comes back without `gc_now`.
-#[test]
-fn background_cleaner_waits_for_a_pause_in_flushes() {
-    const BLOCKS: u64 = 4096;
-    let dir = tempfile::tempdir().expect("tempdir");
+/// Blocks of the volume [`garbage_pool`] fills.
+const GARBAGE_BLOCKS: u64 = 4096;
+
+/// A pool of `capacity` bytes whose background thread wakes every 5 ms, and a volume of
+/// [`GARBAGE_BLOCKS`] blocks, written, then three blocks in four overwritten: every
+/// first-pass segment is a quarter live, which the cleaner relocates (a segment with nothing
+/// live is dropped by the commit itself). Returns them and the garbage that leaves.
+fn garbage_pool(dir: &std::path::Path, capacity: u64) -> (Pool, ibid_engine::Volume, u64) {
     let config = PoolConfig {
         background: true,
         background_interval_ms: 5,
         segment_bytes_max: 256 << 10,
-        ..quiet_config(1 << 30)
+        ..quiet_config(capacity)
     };
-    let pool = Pool::create(dir.path().join("p"), config).expect("create");
-    let v = pool.create_volume("v", BLOCKS * 4096).expect("v");
-    for i in 0..BLOCKS {
+    let pool = Pool::create(dir.join("p"), config).expect("create");
+    let v = pool.create_volume("v", GARBAGE_BLOCKS * 4096).expect("v");
+    for i in 0..GARBAGE_BLOCKS {
         v.write(i * 4096, &random_block(i), false).expect("write");
     }
-    // Three blocks in four overwritten: every first-pass segment is a quarter live, which the
-    // cleaner relocates (a segment with nothing live is dropped by the commit itself).
-    for i in (0..BLOCKS).filter(|i| i % 4 != 0) {
+    for i in (0..GARBAGE_BLOCKS).filter(|i| i % 4 != 0) {
         v.write(i * 4096, &random_block(1 << 32 | i), false)
             .expect("overwrite");
     }
     v.flush().expect("flush");
     pool.sync().expect("sync");
-    let before = pool.stats().garbage_bytes;
-    assert!(before > 8 << 20, "garbage after overwriting: {before}");
+    let garbage = pool.stats().garbage_bytes;
+    (pool, v, garbage)
+}
+
+/// Waits up to 20 s for the garbage to fall under `below`, doing `io` meanwhile.
+fn garbage_falls_under(pool: &Pool, below: u64, mut io: impl FnMut()) -> bool {
     let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_secs(20) {
+        if pool.stats().garbage_bytes < below {
+            return true;
+        }
+        io();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    false
+}
+
+/// The background cleaner yields to foreground I/O (a cleaning pass takes device time from
+/// reads and writes, and its fsync delays flushes): while reads run, or flushes, it waits;
+/// once they stop it cleans, so overwritten space still comes back without `gc_now`.
+#[test]
+fn background_cleaner_yields_to_io() {
+    const BLOCKS: u64 = GARBAGE_BLOCKS;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, v, before) = garbage_pool(dir.path(), 1 << 30);
+    assert!(before > 8 << 20, "garbage after overwriting: {before}");
+    let mut buf = vec![0u8; 4096];
+    let t0 = std::time::Instant::now();
+    let mut i = 0;
     while t0.elapsed() < std::time::Duration::from_millis(500) {
+        v.read(i % BLOCKS * 4096, &mut buf).expect("read");
+        i += 1;
+    }
+    while t0.elapsed() < std::time::Duration::from_millis(1000) {
         v.flush().expect("flush");
     }
     let during = pool.stats().garbage_bytes;
     assert!(
         during > before / 2,
-        "the cleaner ran while flushes did: garbage {before} -> {during}"
+        "the cleaner ran while reads and flushes did: garbage {before} -> {during}"
     );
-    let t0 = std::time::Instant::now();
-    loop {
-        let now = pool.stats().garbage_bytes;
-        if now < before / 4 {
-            break;
-        }
-        assert!(
-            t0.elapsed() < std::time::Duration::from_secs(20),
-            "the cleaner did not run after flushes stopped: garbage {before} -> {now}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    assert!(
+        garbage_falls_under(&pool, before / 4, || {}),
+        "the cleaner did not run after the I/O stopped: garbage {before} -> {}",
+        pool.stats().garbage_bytes
+    );
     let mut buf = vec![0u8; 4096];
     for i in (0..BLOCKS).step_by(61) {
         v.read(i * 4096, &mut buf).expect("read");
@@ -155,6 +178,35 @@ fn background_cleaner_waits_for_a_pause_in_flushes() {
         assert!(buf == random_block(expect)[..], "block {i} read wrong");
     }
     pool.verify().expect("verify");
+}
+
+/// Once garbage reaches a quarter of the pool's free space, the cleaner runs however busy
+/// the pool is: garbage is not counted as used space, and it occupies the filesystem below.
+#[test]
+fn background_cleaner_runs_under_load_once_garbage_is_large() {
+    const BLOCKS: u64 = GARBAGE_BLOCKS;
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 16 MiB written, 12 MiB of it overwritten: more garbage than a quarter of what is free.
+    let (pool, v, before) = garbage_pool(dir.path(), 56 << 20);
+    let free = pool.stats().free_bytes;
+    assert!(
+        before > free / 4 && before > 8 << 20,
+        "garbage {before} of free {free}"
+    );
+    let mut buf = vec![0u8; 4096];
+    let mut i = 0;
+    // It cleans until garbage is back under the limit, then yields again.
+    assert!(
+        garbage_falls_under(&pool, free / 4 + 1, || {
+            for _ in 0..64 {
+                v.read(i % BLOCKS * 4096, &mut buf).expect("read");
+                i += 1;
+            }
+            v.flush().expect("flush");
+        }),
+        "the cleaner did not run under load: garbage {before} -> {} (free {free})",
+        pool.stats().garbage_bytes
+    );
 }
 
 /// Zeroing and block status cost per mapped extent, not per byte: a 1 PiB volume.
