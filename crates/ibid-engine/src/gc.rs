@@ -25,7 +25,7 @@ use std::time::Duration;
 const CLEAN_PER_WAKE_MAX: usize = 4;
 
 /// The cleaner yields to foreground I/O: it does not start a pass within this long of the
-/// last read, write, zeroing or flush.
+/// last read, write, zeroing, copy or flush.
 ///
 /// A pass reads whole segments and writes and fsyncs up to 16 MiB of relocated records: it
 /// takes CPU and device time from the requests in flight, and a flush behind its fsync waits

@@ -178,7 +178,7 @@ pub(crate) struct Inner {
     pub cores: usize,
     pub failed: Mutex<Option<String>>,
     pub soft_warned: AtomicBool,
-    /// When a foreground request (read, write, zeroing, flush) last ran, in milliseconds
+    /// When a foreground request (read, write, zeroing, copy, flush) last ran, in milliseconds
     /// since `opened` (the cleaner yields to them; see `gc.rs`).
     pub last_io_ms: AtomicU64,
     pub opened: std::time::Instant,
