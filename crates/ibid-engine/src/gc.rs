@@ -41,14 +41,13 @@ const IO_QUIET: Duration = Duration::from_millis(100);
 const GARBAGE_OF_FREE_PCT_MAX: u64 = 25;
 
 /// Whether the cleaner should skip this wake-up: foreground I/O ran `since_io` ago, the pool
-/// is (`full`) or is not past its soft threshold, and holds `garbage()` bytes of garbage
-/// with `free` bytes free (asked only when the rest says wait: it looks at every segment
-/// file). Under steady load garbage grows to the limit, and from there the cleaner keeps it
+/// is (`full`) or is not past its soft threshold, and holds `garbage` bytes of garbage
+/// with `free` bytes free. Under steady load garbage grows to the limit, and from there the cleaner keeps it
 /// there; when the load pauses it cleans everything eligible.
-fn cleaner_waits(since_io: Duration, full: bool, garbage: impl FnOnce() -> u64, free: u64) -> bool {
+fn cleaner_waits(since_io: Duration, full: bool, garbage: u64, free: u64) -> bool {
     since_io < IO_QUIET
         && !full
-        && (garbage() as u128 * 100) < free as u128 * GARBAGE_OF_FREE_PCT_MAX as u128
+        && (garbage as u128 * 100) < free as u128 * GARBAGE_OF_FREE_PCT_MAX as u128
 }
 
 /// The background thread: commit, grow the dedup filter when outgrown, clean a few segments.
@@ -84,7 +83,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         if cleaner_waits(
             inner.since_last_io(),
             inner.soft_warned.load(Ordering::Relaxed),
-            || inner.garbage_bytes(),
+            inner.garbage_bytes(),
             inner.free_bytes(),
         ) {
             continue;
@@ -274,17 +273,17 @@ mod tests {
     fn cleaner_yields_to_io_only_while_garbage_is_small() {
         let ms = Duration::from_millis;
         let gib = 1u64 << 30;
-        assert!(cleaner_waits(ms(10), false, || 0, gib));
-        assert!(cleaner_waits(ms(99), false, || gib / 4 - 1, gib));
+        assert!(cleaner_waits(ms(10), false, 0, gib));
+        assert!(cleaner_waits(ms(99), false, gib / 4 - 1, gib));
         // No I/O lately.
-        assert!(!cleaner_waits(IO_QUIET, false, || 0, gib));
+        assert!(!cleaner_waits(IO_QUIET, false, 0, gib));
         // Past the soft threshold.
-        assert!(!cleaner_waits(ms(10), true, || 0, gib));
+        assert!(!cleaner_waits(ms(10), true, 0, gib));
         // Too much garbage (a quarter of the free space), or no free space at all.
-        assert!(!cleaner_waits(ms(10), false, || gib / 4, gib));
-        assert!(!cleaner_waits(ms(10), false, || 0, 0));
+        assert!(!cleaner_waits(ms(10), false, gib / 4, gib));
+        assert!(!cleaner_waits(ms(10), false, 0, 0));
         // An unbounded free space does not overflow.
-        assert!(cleaner_waits(ms(10), false, || u64::MAX / 5, u64::MAX));
-        assert!(!cleaner_waits(ms(10), false, || u64::MAX / 3, u64::MAX));
+        assert!(cleaner_waits(ms(10), false, u64::MAX / 5, u64::MAX));
+        assert!(!cleaner_waits(ms(10), false, u64::MAX / 3, u64::MAX));
     }
 }

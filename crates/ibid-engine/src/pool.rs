@@ -1128,13 +1128,10 @@ impl Inner {
         used.max(0) as u64
     }
 
-    /// Bytes of all segment files.
+    /// Bytes of all segment files ([`Segments::total_bytes`]: a counter, so the background
+    /// thread may ask on every wake-up however many segments the pool has).
     pub(crate) fn segment_file_bytes(&self) -> u64 {
-        self.segments
-            .ids()
-            .iter()
-            .map(|&id| self.segments.file_bytes(id))
-            .sum()
+        self.segments.total_bytes()
     }
 
     /// Logs the soft threshold crossing once, and its clearing; cheap (atomics only), run

@@ -139,6 +139,9 @@ pub struct Placement {
 
 struct SegmentFile {
     file: File,
+    /// The file's size: as found at open, then as this process's writes and truncation
+    /// left it (updated when a write has landed).
+    size: AtomicU64,
 }
 
 /// Whole pages of a buffer on their way to a segment file: written by the I/O thread, read
@@ -232,6 +235,8 @@ pub struct Segments {
     files: RwLock<HashMap<u64, Arc<SegmentFile>>>,
     writers: Vec<Writer>,
     next_id: AtomicU64,
+    /// The sum of every file's [`SegmentFile::size`].
+    total_bytes: AtomicU64,
     segment_bytes_max: u64,
     /// Files written since the last sync.
     unsynced: Mutex<HashMap<u64, Arc<SegmentFile>>>,
@@ -330,6 +335,7 @@ impl Segments {
     ) -> Result<(Self, Vec<u64>)> {
         fs::create_dir_all(dir).map_err(|e| Error::io("create segment directory", e))?;
         let mut files = HashMap::new();
+        let mut total_bytes = 0;
         let mut max_id = next_id;
         for entry in fs::read_dir(dir).map_err(|e| Error::io("list segment directory", e))? {
             let entry = entry.map_err(|e| Error::io("list segment directory", e))?;
@@ -346,7 +352,18 @@ impl Segments {
                 .write(true)
                 .open(entry.path())
                 .map_err(|e| Error::io(format!("open segment {id:016x}"), e))?;
-            files.insert(id, Arc::new(SegmentFile { file }));
+            let len = file
+                .metadata()
+                .map_err(|e| Error::io(format!("stat segment {id:016x}"), e))?
+                .len();
+            total_bytes += len;
+            files.insert(
+                id,
+                Arc::new(SegmentFile {
+                    file,
+                    size: AtomicU64::new(len),
+                }),
+            );
             max_id = max_id.max(id + 1);
         }
         let ids = files.keys().copied().collect();
@@ -383,6 +400,7 @@ impl Segments {
             files: RwLock::new(files),
             writers,
             next_id: AtomicU64::new(max_id),
+            total_bytes: AtomicU64::new(total_bytes),
             segment_bytes_max,
             unsynced: Mutex::new(HashMap::new()),
             dir_dirty: Mutex::new(false),
@@ -405,6 +423,12 @@ impl Segments {
             .get(&id)
             .and_then(|f| f.file.metadata().ok())
             .map_or(0, |m| m.len())
+    }
+
+    /// Bytes of all segment files (their sizes, kept as a running count: no `stat`). A
+    /// write still in flight is counted once it has landed.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes.load(Ordering::Relaxed)
     }
 
     /// Ids of all segment files.
@@ -502,6 +526,20 @@ impl Segments {
         Ok(())
     }
 
+    /// Records that `file` now ends at `end`: written up to it (`truncated`: cut to it).
+    fn resized(&self, file: &SegmentFile, end: u64, truncated: bool) {
+        let old = if truncated {
+            file.size.swap(end, Ordering::Relaxed)
+        } else {
+            file.size.fetch_max(end, Ordering::Relaxed)
+        };
+        if end > old {
+            self.total_bytes.fetch_add(end - old, Ordering::Relaxed);
+        } else {
+            self.total_bytes.fetch_sub(old - end, Ordering::Relaxed);
+        }
+    }
+
     /// Waits for the writer's flight, if any; once it is written, its pages are the file's.
     /// A failed write stays in place (its records remain readable) and fails the segments.
     fn land(&self, writer: &Writer, o: &mut OpenSegment) -> Result<()> {
@@ -518,6 +556,7 @@ impl Segments {
             return Err(Error::io(context, e));
         }
         o.file_len = flight.end();
+        self.resized(&o.file, o.file_len, false);
         writer.file_len.store(o.file_len, Ordering::Release);
         if let Ok(landed) = Arc::try_unwrap(flight) {
             o.spare = Some(landed.buf);
@@ -550,7 +589,10 @@ impl Segments {
                 .try_clone()
                 .map_err(|e| Error::io(format!("open segment {id:016x}"), e))?,
         };
-        let file = Arc::new(SegmentFile { file });
+        let file = Arc::new(SegmentFile {
+            file,
+            size: AtomicU64::new(0),
+        });
         self.files.write().insert(id, file.clone());
         self.unsynced.lock().insert(id, file.clone());
         *self.dir_dirty.lock() = true;
@@ -583,6 +625,7 @@ impl Segments {
         o.target
             .write_all_at(bytes, o.file_len)
             .map_err(|e| Error::io(format!("write segment {:016x}", o.id), e))?;
+        self.resized(&o.file, o.file_len + bytes.len() as u64, false);
         o.buf.consume(whole);
         o.file_len += whole as u64;
         writer.file_len.store(o.file_len, Ordering::Release);
@@ -601,6 +644,7 @@ impl Segments {
                 .file
                 .set_len(end)
                 .map_err(|e| Error::io(format!("truncate segment {:016x}", o.id), e))?;
+            self.resized(&o.file, end, true);
         }
         writer.segment.store(NO_SEGMENT, Ordering::Release);
         self.sealed.lock().insert(o.id, commit_no);
@@ -753,7 +797,11 @@ impl Segments {
     /// Deletes a segment file. Readers that already hold it keep reading it (the file is only
     /// unlinked); later readers see it gone and retry with fresh metadata.
     pub fn remove(&self, segment: u64) -> Result<()> {
-        self.files.write().remove(&segment);
+        if let Some(f) = self.files.write().remove(&segment) {
+            // Sealed: nothing appends to it any more.
+            self.total_bytes
+                .fetch_sub(f.size.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
         self.unsynced.lock().remove(&segment);
         self.sealed.lock().remove(&segment);
         match fs::remove_file(segment_path(&self.dir, segment)) {
@@ -815,6 +863,67 @@ mod tests {
             assert_eq!(&rec[RECORD_HEADER_BYTES..], &p[..]);
         }
         Ok(())
+    }
+
+    fn sizes_on_disk(dir: &Path) -> u64 {
+        fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum()
+    }
+
+    /// The running count of segment bytes matches the files' sizes: while appending it lags
+    /// them by at most each writer's flight and buffer; after a sync (padded last pages
+    /// included) and after sealing (padding cut off) it equals them, and so after a removal
+    /// and at reopen.
+    #[test]
+    fn total_bytes_counts_what_the_files_hold() {
+        for direct in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let (segs, _) = Segments::open(dir.path(), 3, 3 << 20, 1, direct).unwrap();
+            assert_eq!(segs.total_bytes(), 0);
+            let mut appended = 0;
+            let mut segments = std::collections::BTreeSet::new();
+            let in_writers = 2 * (2 * WRITE_BUFFER_BYTES as u64 + 2 * format::BLOCK_BYTES as u64);
+            for i in 0u64..4000 {
+                let p = payload(i, 100 + (i as usize * 37) % 4000);
+                let at = segs.append((i % 2) as usize, i, 0, &p, 1).unwrap();
+                if segments.insert(at.segment) {
+                    appended += format::SEGMENT_HEADER_BYTES;
+                }
+                appended += (RECORD_HEADER_BYTES + p.len()) as u64;
+                let counted = segs.total_bytes();
+                assert!(counted <= sizes_on_disk(dir.path()), "record {i}");
+                assert!(
+                    counted + in_writers >= appended,
+                    "record {i}: {counted} of {appended}"
+                );
+                if i == 2500 {
+                    segs.sync().unwrap();
+                    assert_eq!(segs.total_bytes(), sizes_on_disk(dir.path()), "record {i}");
+                }
+            }
+            assert!(segments.len() > 2, "the records filled several segments");
+            segs.sync().unwrap();
+            assert!(
+                segs.total_bytes() > appended,
+                "the open segments' last pages are padded"
+            );
+            assert_eq!(segs.total_bytes(), sizes_on_disk(dir.path()));
+            segs.seal_writers(2, 1).unwrap();
+            assert_eq!(segs.total_bytes(), appended);
+            assert_eq!(sizes_on_disk(dir.path()), appended);
+            let first = *segments.first().unwrap();
+            let removed = segs.file_bytes(first);
+            assert!(removed > 0);
+            segs.remove(first).unwrap();
+            segs.remove(first).unwrap();
+            assert_eq!(segs.total_bytes(), appended - removed);
+            assert_eq!(sizes_on_disk(dir.path()), appended - removed);
+            drop(segs);
+            let (segs, _) = Segments::open(dir.path(), 3, 3 << 20, 1, direct).unwrap();
+            assert_eq!(segs.total_bytes(), appended - removed);
+        }
     }
 
     /// A full buffer is written by the I/O thread, not by the appender: while that thread is

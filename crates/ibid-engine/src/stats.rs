@@ -35,7 +35,8 @@ pub struct PoolStats {
     pub reserved_bytes: u64,
     /// `capacity - used - reserved`: what thin volumes may still take.
     pub free_bytes: u64,
-    /// Bytes of all segment files.
+    /// Bytes of all segment files: headers and records, those not yet written out included
+    /// (kept as a running count, not read from the files).
     pub segment_file_bytes: u64,
     /// Dead bytes in segment files, awaiting the cleaner.
     pub garbage_bytes: u64,
