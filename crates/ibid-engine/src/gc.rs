@@ -16,7 +16,7 @@ use crate::format::{self, ChunkRecord, SegmentUsage, RECORD_HEADER_BYTES, SEGMEN
 use crate::meta;
 use crate::pool::{Inner, DATA_WRITERS};
 use crate::store::Reader;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -136,29 +136,35 @@ impl Inner {
     ) -> Result<Option<u64>> {
         let _gc = self.gc_lock.lock();
         let committed = self.committed.load(Ordering::Acquire);
-        let candidates = self
+        // Each candidate's live bytes (none without a usage row): one pass over the usage
+        // table, not a lookup per segment (a large pool has hundreds of thousands).
+        let mut candidates: HashMap<u64, u64> = self
             .segments
             .cleanable(committed)
             .into_iter()
-            .filter(|s| only.is_none_or(|o| o.contains(s)));
-        let mut best: Option<(u64, u64, u64)> = None; // (segment, live, file bytes)
+            .filter(|s| only.is_none_or(|o| o.contains(s)))
+            .map(|s| (s, 0))
+            .collect();
         {
             let txn = self.db.read()?;
-            for seg in candidates {
-                let file_bytes = self.segments.file_bytes(seg);
-                let live = match txn.get(meta::SEGMENTS, &seg)? {
-                    Some(v) => SegmentUsage::decode(&v)?.live_bytes,
-                    None => 0,
-                };
-                let dead = file_bytes.saturating_sub(live + SEGMENT_HEADER_BYTES);
-                let qualifies = if thorough {
-                    dead > 0 || live == 0
-                } else {
-                    live * 100 < file_bytes * self.config.gc_live_pct_max as u64
-                };
-                if qualifies && best.is_none_or(|(_, l, f)| live * f < l * file_bytes) {
-                    best = Some((seg, live, file_bytes));
+            for row in txn.iter(meta::SEGMENTS)? {
+                let (seg, usage) = row?;
+                if let Some(live) = candidates.get_mut(&seg) {
+                    *live = SegmentUsage::decode(&usage)?.live_bytes;
                 }
+            }
+        }
+        let mut best: Option<(u64, u64, u64)> = None; // (segment, live, file bytes)
+        for (seg, live) in candidates {
+            let file_bytes = self.segments.file_bytes(seg);
+            let dead = file_bytes.saturating_sub(live + SEGMENT_HEADER_BYTES);
+            let qualifies = if thorough {
+                dead > 0 || live == 0
+            } else {
+                live * 100 < file_bytes * self.config.gc_live_pct_max as u64
+            };
+            if qualifies && best.is_none_or(|(_, l, f)| live * f < l * file_bytes) {
+                best = Some((seg, live, file_bytes));
             }
         }
         let Some((seg, live, _)) = best else {

@@ -416,13 +416,13 @@ impl Segments {
         self.next_id.load(Ordering::Relaxed)
     }
 
-    /// Size of a segment file on disk, or 0 if it does not exist.
+    /// Size of a segment file (as [`Segments::total_bytes`] counts it: no `stat`), or 0 if it
+    /// does not exist.
     pub fn file_bytes(&self, id: u64) -> u64 {
         self.files
             .read()
             .get(&id)
-            .and_then(|f| f.file.metadata().ok())
-            .map_or(0, |m| m.len())
+            .map_or(0, |f| f.size.load(Ordering::Relaxed))
     }
 
     /// Bytes of all segment files (their sizes, kept as a running count: no `stat`). A
