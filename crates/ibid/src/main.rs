@@ -81,6 +81,10 @@ struct ServeArgs {
     /// Threads that run NBD requests, shared by all NBD connections.
     #[arg(long, default_value_t = ibid_nbd::WORKERS_DEFAULT as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     nbd_workers: u16,
+    /// Threads of the async runtime that read and write every connection's socket (NBD,
+    /// iSCSI, HTTP); backend calls run elsewhere. Default: a quarter of the cores, at least one.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    io_threads: Option<u16>,
     /// Hand every NBD write to the worker threads, small ones included (by default a write of
     /// up to 64 KiB runs on its connection's task when it will not wait: fewer thread
     /// hand-offs; this switch is for comparing the two).
@@ -146,6 +150,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_tls_psk,
         nbd_tls_required,
         nbd_workers,
+        io_threads,
         nbd_no_inline_writes,
     } = args;
     let credentials = match (nbd_tls_cert, nbd_tls_key, nbd_tls_psk) {
@@ -179,5 +184,6 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_tls,
         nbd_workers: usize::from(nbd_workers),
         nbd_inline_writes: !nbd_no_inline_writes,
+        io_threads: io_threads.map_or_else(serve::io_threads_default, usize::from),
     })
 }

@@ -36,6 +36,20 @@ pub struct ServeOptions {
     pub nbd_workers: usize,
     /// Run small NBD writes that will not wait on their connection's task.
     pub nbd_inline_writes: bool,
+    /// Threads of the async runtime (sockets of every protocol; see [`io_threads_default`]).
+    pub io_threads: usize,
+}
+
+/// The async runtime's default size: a quarter of the cores, at least one. Its threads only
+/// move bytes between sockets and buffers and hand requests on (the blocking backend calls
+/// run on the NBD workers and, for iSCSI and the API, on tokio's blocking pool), so a few
+/// keep up with many connections; each extra one costs wake-ups, as the scheduler wakes idle
+/// threads to steal every task it queues. On 2 cores one thread instead of two: NBD 4 KiB
+/// random reads at QD32 +7–18 % (4 alternating pairs) with less CPU per read, QD1 write
+/// latency p50 50 → 25 µs, random and 1 MiB sequential writes unchanged
+/// (docs/benchmarks/nbd-fio.md, session 15).
+pub fn io_threads_default() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).max(1))
 }
 
 /// Name and size of the volume a fresh pool gets so that the first run is usable at once.
@@ -61,6 +75,7 @@ pub fn run(opts: ServeOptions) -> anyhow::Result<()> {
         }
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(opts.io_threads.max(1))
         .enable_all()
         .thread_name("ibid-io")
         .build()?;

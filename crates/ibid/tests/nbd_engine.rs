@@ -184,6 +184,11 @@ fn nbd_workers_flag_sets_the_pool_size() {
         .filter(|c| c.starts_with("ibid-nbd-"))
         .collect();
     assert_eq!(names, vec!["ibid-nbd-0".to_string()]);
+    refuses_zero("--nbd-workers");
+}
+
+/// `ibid serve FLAG 0` fails, naming the flag, before it creates the pool.
+fn refuses_zero(flag: &str) {
     let dir = tempfile::tempdir().expect("tempdir");
     let refused = output(
         env!("CARGO_BIN_EXE_ibid"),
@@ -191,14 +196,42 @@ fn nbd_workers_flag_sets_the_pool_size() {
             "serve",
             "--data",
             &dir.path().join("pool").display().to_string(),
-            "--nbd-workers",
+            flag,
             "0",
         ],
     );
     assert!(!refused.status.success());
     let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(err.contains("--nbd-workers"), "{err}");
+    assert!(err.contains(flag), "{err}");
     assert!(!dir.path().join("pool").exists());
+}
+
+/// Threads of the server named `name`.
+fn threads_named(srv: &Server, name: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{}/task", srv.pid()))
+        .expect("tasks")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| c.trim() == name)
+        .count()
+}
+
+/// `--io-threads N`: the async runtime has N threads (named `ibid-io`; with only NBD traffic
+/// nothing else on the runtime spawns threads), requests are served; without the flag, a
+/// quarter of the cores, at least one. Zero is refused before anything starts.
+#[test]
+fn io_threads_flag_sets_the_runtime_size() {
+    require("fio");
+    let args = ["--volume", "f=64M", "--no-default-volume"];
+    let srv = Server::start(&[&args[..], &["--io-threads", "3"]].concat());
+    fio_verify(&srv);
+    assert_eq!(threads_named(&srv, "ibid-io"), 3);
+    drop(srv);
+    let srv = Server::start(&args);
+    fio_verify(&srv);
+    let cores = std::thread::available_parallelism().expect("cores").get();
+    assert_eq!(threads_named(&srv, "ibid-io"), (cores / 4).max(1));
+    drop(srv);
+    refuses_zero("--io-threads");
 }
 
 /// Random 4 KiB writes at queue depth 16 over the export `f` (32 MiB of it) with fio's crc32c
