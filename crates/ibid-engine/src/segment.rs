@@ -526,17 +526,19 @@ impl Segments {
         Ok(())
     }
 
-    /// Records that `file` now ends at `end`: written up to it (`truncated`: cut to it).
+    /// Records that `file` now ends at `end`: written up to it, so at least that long
+    /// (`truncated`: cut to exactly that).
     fn resized(&self, file: &SegmentFile, end: u64, truncated: bool) {
         let old = if truncated {
             file.size.swap(end, Ordering::Relaxed)
         } else {
             file.size.fetch_max(end, Ordering::Relaxed)
         };
-        if end > old {
-            self.total_bytes.fetch_add(end - old, Ordering::Relaxed);
+        let new = if truncated { end } else { end.max(old) };
+        if new > old {
+            self.total_bytes.fetch_add(new - old, Ordering::Relaxed);
         } else {
-            self.total_bytes.fetch_sub(old - end, Ordering::Relaxed);
+            self.total_bytes.fetch_sub(old - new, Ordering::Relaxed);
         }
     }
 
@@ -924,6 +926,25 @@ mod tests {
             let (segs, _) = Segments::open(dir.path(), 3, 3 << 20, 1, direct).unwrap();
             assert_eq!(segs.total_bytes(), appended - removed);
         }
+    }
+
+    /// A write that ends inside the file (a page written again) changes neither the file's
+    /// size nor the count; only a truncation shrinks them.
+    #[test]
+    fn a_write_inside_a_file_does_not_shrink_the_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let (segs, _) = Segments::open(dir.path(), 2, 1 << 20, 1, true).unwrap();
+        let at = segs.append(0, 1, 0, &payload(1, 3000), 1).unwrap();
+        segs.sync().unwrap();
+        let total = segs.total_bytes();
+        assert_eq!(total, sizes_on_disk(dir.path()));
+        let file = segs.files.read().get(&at.segment).unwrap().clone();
+        segs.resized(&file, 100, false);
+        assert_eq!(segs.total_bytes(), total);
+        assert_eq!(segs.file_bytes(at.segment), total);
+        segs.resized(&file, 100, true);
+        assert_eq!(segs.total_bytes(), 100);
+        assert_eq!(segs.file_bytes(at.segment), 100);
     }
 
     /// A full buffer is written by the I/O thread, not by the appender: while that thread is
