@@ -82,7 +82,8 @@ struct ServeArgs {
     #[arg(long, default_value_t = ibid_nbd::WORKERS_DEFAULT as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     nbd_workers: u16,
     /// Threads of the async runtime that read and write every connection's socket (NBD,
-    /// iSCSI, HTTP); backend calls run elsewhere. Default: a quarter of the cores, at least one.
+    /// iSCSI, HTTP); blocking backend calls run elsewhere. Default: a quarter of the cores, at
+    /// least one.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     io_threads: Option<u16>,
     /// Hand every NBD write to the worker threads, small ones included (by default a write of
