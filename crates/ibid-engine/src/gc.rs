@@ -41,9 +41,9 @@ const IO_QUIET: Duration = Duration::from_millis(100);
 const GARBAGE_OF_FREE_PCT_MAX: u64 = 25;
 
 /// Whether the cleaner should skip this wake-up: foreground I/O ran `since_io` ago, the pool
-/// is (`full`) or is not past its soft threshold, and holds `garbage` bytes of garbage
-/// with `free` bytes free. Under steady load garbage grows to the limit, and from there the cleaner keeps it
-/// there; when the load pauses it cleans everything eligible.
+/// is (`full`) or is not past its soft threshold, and holds `garbage` bytes of garbage with
+/// `free` bytes free. Under steady load garbage grows to the limit, and from there the cleaner
+/// keeps it there; when the load pauses it cleans everything eligible.
 fn cleaner_waits(since_io: Duration, full: bool, garbage: u64, free: u64) -> bool {
     since_io < IO_QUIET
         && !full
@@ -145,6 +145,9 @@ impl Inner {
             .filter(|s| only.is_none_or(|o| o.contains(s)))
             .map(|s| (s, 0))
             .collect();
+        if candidates.is_empty() {
+            return Ok(None);
+        }
         {
             let txn = self.db.read()?;
             for row in txn.iter(meta::SEGMENTS)? {

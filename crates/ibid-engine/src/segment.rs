@@ -526,19 +526,21 @@ impl Segments {
         Ok(())
     }
 
-    /// Records that `file` now ends at `end`: written up to it, so at least that long
-    /// (`truncated`: cut to exactly that).
-    fn resized(&self, file: &SegmentFile, end: u64, truncated: bool) {
-        let old = if truncated {
-            file.size.swap(end, Ordering::Relaxed)
+    /// Records that `file` was written up to `end` (so it is at least that long).
+    fn grew_to(&self, file: &SegmentFile, end: u64) {
+        let old = file.size.fetch_max(end, Ordering::Relaxed);
+        if end > old {
+            self.total_bytes.fetch_add(end - old, Ordering::Relaxed);
+        }
+    }
+
+    /// Records that `file` was cut to `end` bytes.
+    fn truncated_to(&self, file: &SegmentFile, end: u64) {
+        let old = file.size.swap(end, Ordering::Relaxed);
+        if end > old {
+            self.total_bytes.fetch_add(end - old, Ordering::Relaxed);
         } else {
-            file.size.fetch_max(end, Ordering::Relaxed)
-        };
-        let new = if truncated { end } else { end.max(old) };
-        if new > old {
-            self.total_bytes.fetch_add(new - old, Ordering::Relaxed);
-        } else {
-            self.total_bytes.fetch_sub(old - new, Ordering::Relaxed);
+            self.total_bytes.fetch_sub(old - end, Ordering::Relaxed);
         }
     }
 
@@ -558,7 +560,7 @@ impl Segments {
             return Err(Error::io(context, e));
         }
         o.file_len = flight.end();
-        self.resized(&o.file, o.file_len, false);
+        self.grew_to(&o.file, o.file_len);
         writer.file_len.store(o.file_len, Ordering::Release);
         if let Ok(landed) = Arc::try_unwrap(flight) {
             o.spare = Some(landed.buf);
@@ -627,7 +629,7 @@ impl Segments {
         o.target
             .write_all_at(bytes, o.file_len)
             .map_err(|e| Error::io(format!("write segment {:016x}", o.id), e))?;
-        self.resized(&o.file, o.file_len + bytes.len() as u64, false);
+        self.grew_to(&o.file, o.file_len + bytes.len() as u64);
         o.buf.consume(whole);
         o.file_len += whole as u64;
         writer.file_len.store(o.file_len, Ordering::Release);
@@ -646,7 +648,7 @@ impl Segments {
                 .file
                 .set_len(end)
                 .map_err(|e| Error::io(format!("truncate segment {:016x}", o.id), e))?;
-            self.resized(&o.file, end, true);
+            self.truncated_to(&o.file, end);
         }
         writer.segment.store(NO_SEGMENT, Ordering::Release);
         self.sealed.lock().insert(o.id, commit_no);
@@ -939,10 +941,10 @@ mod tests {
         let total = segs.total_bytes();
         assert_eq!(total, sizes_on_disk(dir.path()));
         let file = segs.files.read().get(&at.segment).unwrap().clone();
-        segs.resized(&file, 100, false);
+        segs.grew_to(&file, 100);
         assert_eq!(segs.total_bytes(), total);
         assert_eq!(segs.file_bytes(at.segment), total);
-        segs.resized(&file, 100, true);
+        segs.truncated_to(&file, 100);
         assert_eq!(segs.total_bytes(), 100);
         assert_eq!(segs.file_bytes(at.segment), 100);
     }
