@@ -56,6 +56,8 @@ struct Applied {
     dead_segments: Vec<u64>,
     /// The dedup index's runs after the transaction, if it changed them.
     runs: Option<Runs>,
+    /// Volumes whose zeroed ranges unmapped blocks, and how many (see `overlay.rs`).
+    unmapped: Vec<(Arc<VolumeState>, u64)>,
 }
 
 impl Inner {
@@ -203,6 +205,14 @@ impl Inner {
             map.committing = Arc::new(Overlay::new());
             map.generation += 1;
         }
+        for (v, unmapped) in &applied.unmapped {
+            // The in-memory count kept every change since the cut exact; only the ranges'
+            // committed blocks were left to subtract.
+            // Under the map lock, as every change of a mapped count and its reservation.
+            let mut map = v.map.lock();
+            map.mapped_blocks -= unmapped;
+            self.note_mapped_change(v, -(*unmapped as i64));
+        }
         for s in &self.shards {
             s.lock().committing = Arc::new(ShardBatch::default());
         }
@@ -280,16 +290,31 @@ impl Inner {
                 }
             }
         }
+        let mut applied = Applied::default();
         for (v, overlay, vrec) in &batch.volumes {
-            write_overlay(txn, &self.layer_filters, &vrec.layers, overlay);
+            let unmapped = self.write_overlay(txn, &vrec.layers, overlay, &mut deltas)?;
+            // The record was cut with the mapped count its zeroed ranges had not settled yet.
+            let mapped_blocks = vrec.mapped_blocks.checked_sub(unmapped).ok_or_else(|| {
+                Error::Corrupt(format!(
+                    "{}: zeroing would unmap {unmapped} of {} mapped blocks",
+                    v.name, vrec.mapped_blocks
+                ))
+            })?;
+            let vrec = VolumeRecord {
+                mapped_blocks,
+                ..vrec.clone()
+            };
             txn.insert(meta::VOLUMES, v.name.as_str(), vrec.encode().as_slice());
+            if unmapped > 0 {
+                applied.unmapped.push((v.clone(), unmapped));
+            }
         }
         for v in &batch.deleted {
             let (stack, committing) = {
                 let m = v.map.lock();
                 (m.stack.clone(), m.committing.clone())
             };
-            write_overlay(txn, &self.layer_filters, &stack, &committing);
+            self.write_overlay(txn, &stack, &committing, &mut deltas)?;
             drop_layer_refs(
                 txn,
                 &self.layer_filters,
@@ -302,7 +327,6 @@ impl Inner {
                 txn.remove(meta::VOLUMES, v.name.as_str());
             }
         }
-        let mut applied = Applied::default();
         for (&id, &d) in &deltas {
             if d == 0 {
                 continue;
@@ -443,26 +467,86 @@ fn add_refs(txn: &WriteTxn, id: u64, delta: i64) -> Result<ChunkRecord> {
     Ok(rec)
 }
 
-/// Writes a volume's changes into its top layer. A zeroed block is removed when nothing lies
-/// below the top layer, and becomes a tombstone hiding the lower layers otherwise. The
-/// layer's filter learns the new entries first (they become visible when `txn` commits).
-fn write_overlay(txn: &mut WriteTxn, filters: &LayerFilters, stack: &[Frame], overlay: &Overlay) {
-    let top = stack.last().expect("a stack has a layer").layer;
-    let tombstones = stack.len() > 1;
-    filters.grow(
-        top,
-        overlay
-            .iter()
-            .filter(|(_, e)| tombstones || **e != Entry::Zero)
-            .map(|(&b, _)| b),
-    );
-    for (&block, entry) in overlay {
-        let key = format::map_key(top, block);
-        match entry {
-            Entry::Data(id) => txn.insert(meta::MAP, &key, id),
-            Entry::Zero if tombstones => txn.insert(meta::MAP, &key, &format::ZERO_TOMBSTONE),
-            Entry::Zero => txn.remove(meta::MAP, &key),
+impl Inner {
+    /// Writes a volume's changes into its top layer and returns how many blocks its zeroed
+    /// ranges unmapped beyond what the overlay already counted (see `overlay.rs`).
+    ///
+    /// A zeroed range first removes the top layer's committed entries inside it (a data
+    /// entry's reference goes to `deltas`, unless settled) and puts tombstones where the lower
+    /// frames show data; then the entries are written: a zeroed block is removed when nothing
+    /// lies below the top layer, and becomes a tombstone hiding the lower layers otherwise. The
+    /// layer's filter learns the new entries first (they become visible when `txn` commits).
+    fn write_overlay(
+        &self,
+        txn: &mut WriteTxn,
+        stack: &[Frame],
+        overlay: &Overlay,
+        deltas: &mut BTreeMap<u64, i64>,
+    ) -> Result<u64> {
+        let (top, lower) = stack.split_last().expect("a stack has a layer");
+        let top = top.layer;
+        let tombstones = !lower.is_empty();
+        let mut unmapped = 0u64;
+        let mut hide = Vec::new();
+        // This transaction holds the store's writer lock and has not touched this layer's
+        // entries: a read snapshot shows them as it does, and streams them (the top layer's
+        // entries in a range are read without copying the range into memory first; frozen
+        // lower layers change in no transaction while this volume's stack shows them).
+        let read = if overlay.has_zeroed() {
+            Some(self.db.read()?)
+        } else {
+            None
+        };
+        for (b0, b1) in overlay.zeroed() {
+            let read = read.as_ref().expect("opened when there are ranges");
+            let mut removed: Vec<(u64, u64)> = Vec::new();
+            crate::volume::scan_layer(read, &self.layer_filters, top, b0, b1, &mut |b, v| {
+                removed.push((b, v))
+            })?;
+            let mut top_had = HashSet::with_capacity(removed.len());
+            for (b, chunk) in removed {
+                txn.remove(meta::MAP, &format::map_key(top, b));
+                top_had.insert(b);
+                if chunk != format::ZERO_TOMBSTONE && !overlay.settled(b) {
+                    *deltas.entry(chunk).or_default() -= 1;
+                    unmapped += 1;
+                }
+            }
+            if tombstones {
+                let below =
+                    crate::volume::resolve_stored(read, &self.layer_filters, lower, b0, b1, false)?;
+                for (b, id) in below.entries {
+                    if id == format::ZERO_TOMBSTONE {
+                        continue;
+                    }
+                    hide.push(b);
+                    if !top_had.contains(&b) && !overlay.settled(b) {
+                        unmapped += 1;
+                    }
+                }
+            }
         }
+        self.layer_filters.grow(
+            top,
+            hide.iter().copied().chain(
+                overlay
+                    .all_entries()
+                    .filter(|(_, e)| tombstones || *e != Entry::Zero)
+                    .map(|(b, _)| b),
+            ),
+        );
+        for b in hide {
+            txn.insert(meta::MAP, &format::map_key(top, b), &format::ZERO_TOMBSTONE);
+        }
+        for (block, entry) in overlay.all_entries() {
+            let key = format::map_key(top, block);
+            match entry {
+                Entry::Data(id) => txn.insert(meta::MAP, &key, &id),
+                Entry::Zero if tombstones => txn.insert(meta::MAP, &key, &format::ZERO_TOMBSTONE),
+                Entry::Zero => txn.remove(meta::MAP, &key),
+            }
+        }
+        Ok(unmapped)
     }
 }
 

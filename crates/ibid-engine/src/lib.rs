@@ -33,6 +33,7 @@ mod journal;
 mod layer_filter;
 pub mod meta;
 mod neighbours;
+mod overlay;
 mod pool;
 mod provision;
 mod segment;

@@ -36,15 +36,7 @@ pub const DATA_WRITERS: usize = 4;
 /// Longest volume name.
 pub const VOLUME_NAME_BYTES_MAX: usize = 128;
 
-/// A map entry in memory: a block either references a chunk or reads as zeros.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Entry {
-    Data(u64),
-    Zero,
-}
-
-/// A volume's map changes not yet committed.
-pub(crate) type Overlay = BTreeMap<u64, Entry>;
+pub(crate) use crate::overlay::{Entry, Overlay};
 
 /// In-memory state of one volume.
 pub(crate) struct VolumeState {
@@ -669,8 +661,11 @@ impl Pool {
         Ok(Volume::new(self.inner.clone(), state))
     }
 
-    /// Lists the volumes, by name.
+    /// Lists the volumes, by name, with exact mapped counts (zeroed ranges not yet committed
+    /// are committed first, see [`crate::Volume::mapped_blocks`]).
     pub fn list_volumes(&self) -> Vec<VolumeInfo> {
+        let volumes: Vec<Arc<VolumeState>> = self.inner.volumes.read().values().cloned().collect();
+        self.inner.settle_zeroed(&volumes);
         self.inner
             .volumes
             .read()
@@ -932,6 +927,21 @@ pub(crate) fn volume_info(v: &VolumeState) -> VolumeInfo {
 }
 
 impl Inner {
+    /// Commits if any of `volumes` has a zeroed range whose unmapped blocks are not counted
+    /// yet (see `overlay.rs`), so their mapped counts, tbz and reservations are exact. A
+    /// failed commit fails the pool; the counts are then the last known ones.
+    pub(crate) fn settle_zeroed(&self, volumes: &[Arc<VolumeState>]) {
+        let pending = volumes.iter().any(|v| {
+            let map = v.map.lock();
+            map.dirty.has_zeroed() || map.committing.has_zeroed()
+        });
+        if pending {
+            if let Err(e) = self.commit() {
+                tracing::warn!("commit to count zeroed blocks failed: {e}");
+            }
+        }
+    }
+
     pub(crate) fn check_failed(&self) -> Result<()> {
         match &*self.failed.lock() {
             Some(why) => Err(Error::Failed(why.clone())),

@@ -186,8 +186,10 @@ impl Volume {
         self.state.map.lock().stack.len()
     }
 
-    /// Blocks mapped to data, including uncommitted writes.
+    /// Blocks mapped to data, including uncommitted writes. Zeroing counts the blocks it
+    /// unmaps when it commits, so this commits first if a zeroed range is still pending.
     pub fn mapped_blocks(&self) -> u64 {
+        self.inner.settle_zeroed(std::slice::from_ref(&self.state));
         self.state.map.lock().mapped_blocks
     }
 
@@ -820,36 +822,36 @@ impl Inner {
     ) -> Result<BTreeMap<u64, u64>> {
         // The stack can change under a reader (a range copy's frames made permanent drop
         // layers); the map's generation moves when it does, and the walk is done again.
-        let (mut out, overlay) = loop {
-            let (generation, stack, overlay): (u64, Vec<Frame>, Vec<(u64, Entry)>) = {
+        let out = loop {
+            let (generation, stack, committing, dirty) = {
                 let map = v.map.lock();
                 if map.deleted {
                     return Err(Error::NotFound(v.name.clone()));
                 }
-                let mut o: BTreeMap<u64, Entry> = map
-                    .committing
-                    .range(b0..b1)
-                    .map(|(&b, &e)| (b, e))
-                    .collect();
-                o.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
-                (map.generation, map.stack.clone(), o.into_iter().collect())
+                // Cheap to hold: the committing overlay is shared, the dirty one is copied
+                // only over the range (and only when it changed anything there).
+                let dirty = map.dirty.window(b0, b1);
+                (
+                    map.generation,
+                    map.stack.clone(),
+                    map.committing.clone(),
+                    dirty,
+                )
             };
-            let out = self.stored_stack(&stack, b0, b1)?;
+            // A zeroed range hiding the whole window: nothing below it to read.
+            let hidden = dirty.covers_all(b0, b1) || committing.covers_all(b0, b1);
+            let mut out = if hidden {
+                BTreeMap::new()
+            } else {
+                self.stored_stack(&stack, b0, b1)?
+            };
             if v.map.lock().generation == generation {
-                break (out, overlay);
+                out.retain(|_, id| *id != format::ZERO_TOMBSTONE);
+                committing.apply_to(b0, b1, &mut out);
+                dirty.apply_to(b0, b1, &mut out);
+                break out;
             }
         };
-        out.retain(|_, id| *id != format::ZERO_TOMBSTONE);
-        for (b, e) in overlay {
-            match e {
-                Entry::Data(id) => {
-                    out.insert(b, id);
-                }
-                Entry::Zero => {
-                    out.remove(&b);
-                }
-            }
-        }
         Ok(out)
     }
 
@@ -1292,12 +1294,14 @@ impl Inner {
         for p in &prepared {
             // What the top layer holds (its references are ours to drop), and what the volume
             // shows (for the mapped count, and whether a zero must hide a lower layer).
+            // A zeroed range in either overlay reads as `Zero` here: it hides the committed
+            // entry, whose reference the range's commit drops.
             let top_old = match map
                 .dirty
-                .get(&p.block)
-                .or_else(|| map.committing.get(&p.block))
+                .get(p.block)
+                .or_else(|| map.committing.get(p.block))
             {
-                Some(&e) => Some(e),
+                Some(e) => Some(e),
                 None => stored_top.get(&p.block).map(|&id| entry_of(id)),
             };
             let visible_old = top_old.unwrap_or_else(|| {
@@ -1399,7 +1403,9 @@ impl Inner {
         }
     }
 
-    /// Zeroes whole blocks `[b0, b1)`: every mapped block becomes a zero entry.
+    /// Zeroes whole blocks `[b0, b1)`: records the range in the volume's dirty overlay (see
+    /// `overlay.rs`). Costs the uncommitted entries inside the range, not its length or its
+    /// committed data: the commit drops the committed entries and their references.
     pub(crate) fn zero_blocks(&self, v: &VolumeState, b0: u64, b1: u64) -> Result<()> {
         let _gate = self.gate.read();
         self.zero_blocks_gated(v, b0, b1)
@@ -1407,50 +1413,44 @@ impl Inner {
 
     /// [`Inner::zero_blocks`] for a caller that already holds the gate.
     fn zero_blocks_gated(&self, v: &VolumeState, b0: u64, b1: u64) -> Result<()> {
+        if b0 >= b1 {
+            return Ok(());
+        }
+        // Every stripe: no read-modify-write of a partial block in the range is half done.
         let _guards: Vec<MutexGuard<()>> = v.stripes.iter().map(|s| s.lock()).collect();
-        let (mut map, stored_top, stored_lower) = self.lock_map_with_committed(v, b0, b1)?;
-        // The top layer's entries (ours to release) and what the volume shows.
-        let mut top_now: BTreeMap<u64, Entry> = stored_top
-            .iter()
-            .map(|(&b, &id)| (b, entry_of(id)))
-            .collect();
-        top_now.extend(map.committing.range(b0..b1).map(|(&b, &e)| (b, e)));
-        top_now.extend(map.dirty.range(b0..b1).map(|(&b, &e)| (b, e)));
-        let mut visible: BTreeMap<u64, Entry> = stored_lower
-            .iter()
-            .map(|(&b, &id)| (b, entry_of(id)))
-            .collect();
-        visible.extend(top_now.iter().map(|(&b, &e)| (b, e)));
-        let mut unmapped = 0;
-        for (b, e) in visible {
-            if let Entry::Data(_) = e {
-                map.dirty.insert(b, Entry::Zero);
-                unmapped += 1;
+        let mut map = v.map.lock();
+        if map.deleted {
+            return Err(Error::NotFound(v.name.clone()));
+        }
+        // The dirty entries the range replaces: their references are ours to drop and what
+        // they showed is known now; the rest of the range is settled by the commit.
+        let removed = map.dirty.zero(b0, b1);
+        let mut released = Vec::new();
+        for (_, e) in removed {
+            if let Entry::Data(id) = e {
+                released.push(id);
             }
         }
+        let unmapped = released.len() as u64;
         map.mapped_blocks -= unmapped;
         self.note_mapped_change(v, -(unmapped as i64));
-        if unmapped > 0 {
-            let stamp = self.cut.load(Ordering::Acquire) + 1;
-            self.journal.append(
-                stamp,
-                Change::Zero {
-                    volume: v.id,
-                    b0,
-                    b1,
-                },
-            );
-        }
+        // The caller holds the gate, so no cut moves the stamp meanwhile.
+        let stamp = self.cut.load(Ordering::Acquire) + 1;
+        self.journal.append(
+            stamp,
+            Change::Zero {
+                volume: v.id,
+                b0,
+                b1,
+            },
+        );
         drop(map);
-        self.dirty_blocks.fetch_add(unmapped, Ordering::Relaxed);
-        let released: Vec<u64> = top_now
-            .values()
-            .filter_map(|e| match e {
-                Entry::Data(id) => Some(*id),
-                Entry::Zero => None,
-            })
-            .collect();
+        self.dirty_blocks.fetch_add(1, Ordering::Relaxed);
         self.release(&released);
+        if v.format().is_thick() {
+            // Its reservation grows back only when the range's blocks are counted: soon.
+            self.wake_background();
+        }
         Ok(())
     }
 
@@ -1518,7 +1518,7 @@ pub(crate) fn resolve_stored(
 
 /// Calls `found(block, value)` for `layer`'s committed entries in `[b0, b1)`; reads nothing
 /// when the layer's filter rules the range out.
-fn scan_layer(
+pub(crate) fn scan_layer(
     txn: &ReadTxn,
     filters: &LayerFilters,
     layer: u64,
@@ -1937,5 +1937,45 @@ mod tests {
         );
         pool.sync().expect("commit");
         assert!(vol.write_is_quick(0, max * 4096));
+    }
+
+    /// Zeroing committed data records one range: no map entry and no reference change per
+    /// block until the commit, which then unmaps every block and frees every chunk.
+    #[test]
+    fn zeroing_committed_data_records_one_range() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, vol) = stepped_pool_with_a_volume(dir.path());
+        let data: Vec<u8> = (0..256u32)
+            .flat_map(|b| {
+                let mut block = [0u8; 4096];
+                block[..4].copy_from_slice(&b.to_le_bytes());
+                block[4] = 1;
+                block
+            })
+            .collect();
+        vol.write(0, &data, false).expect("write");
+        pool.sync().expect("commit");
+        vol.write_zeroes(0, 1 << 20, false).expect("zero");
+        {
+            let map = vol.state().map.lock();
+            assert_eq!(map.dirty.all_entries().count(), 0, "entries per block");
+            assert_eq!(map.dirty.zeroed().collect::<Vec<_>>(), vec![(0, 256)]);
+        }
+        let deltas: usize = vol
+            .inner
+            .shards
+            .iter()
+            .map(|s| s.lock().dirty.deltas.len())
+            .sum();
+        assert_eq!(deltas, 0, "reference changes before the commit");
+        assert_eq!(
+            vol.inner
+                .dirty_blocks
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        assert_eq!(vol.mapped_blocks(), 0);
+        pool.sync().expect("commit");
+        assert_eq!(pool.stats().unique_chunks, 0);
     }
 }
