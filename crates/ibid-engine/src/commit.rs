@@ -24,9 +24,13 @@ use crate::pool::{
     CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
 };
 use crate::store::{Reader, WriteTxn};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+/// Blocks of a zeroed range read and settled at a time (at most this many committed entries of
+/// the top layer, and as many of the lower frames, are in memory at once).
+const SETTLE_WINDOW_BLOCKS: u64 = 256 << 10;
 
 /// One batch cut from the dirty state.
 struct Batch {
@@ -58,6 +62,18 @@ struct Applied {
     runs: Option<Runs>,
     /// Volumes whose zeroed ranges unmapped blocks, and how many (see `overlay.rs`).
     unmapped: Vec<(Arc<VolumeState>, u64)>,
+    /// Zeroed ranges left for another transaction, per volume with the record written.
+    rest: Vec<(Arc<VolumeState>, Arc<Overlay>, VolumeRecord)>,
+}
+
+impl Applied {
+    /// Adds what a later transaction of the same commit did (its runs already installed).
+    fn absorb(&mut self, later: Applied) {
+        self.died.extend(later.died);
+        self.dead_segments.extend(later.dead_segments);
+        self.unmapped.extend(later.unmapped);
+        self.rest = later.rest;
+    }
 }
 
 impl Inner {
@@ -107,14 +123,38 @@ impl Inner {
             }
         };
         cs.record = record;
-        if let Some(runs) = applied.runs.take() {
-            // Before publishing: see `dedup_index.rs`.
-            *self.dedup_runs.write() = Arc::new(runs);
+        self.after_apply(cs, &mut applied);
+        // Zeroed ranges larger than one transaction settles: more transactions, each durable
+        // with what is left recorded in the `zeroing` table, before anything is published.
+        let mut more_txns = 0u32;
+        while !applied.rest.is_empty() {
+            if self.config.zero_settle_fail_after == Some(more_txns) {
+                let e = Error::Failed("test: stopped between transactions of a commit".into());
+                self.fail(&e);
+                return Err(e);
+            }
+            more_txns += 1;
+            let rest = Batch {
+                no: batch.no,
+                volumes: std::mem::take(&mut applied.rest),
+                deleted: Vec::new(),
+                shards: (0..SHARDS)
+                    .map(|_| Arc::new(ShardBatch::default()))
+                    .collect(),
+                new_bytes: 0,
+            };
+            let mut record = cs.record.clone();
+            let mut more = match self.apply(&rest, &mut record) {
+                Ok(a) => a,
+                Err(e) => {
+                    self.fail(&e);
+                    return Err(e);
+                }
+            };
+            cs.record = record;
+            self.after_apply(cs, &mut more);
+            applied.absorb(more);
         }
-        self.live_bytes
-            .store(cs.record.live_bytes, Ordering::Relaxed);
-        self.live_chunks
-            .store(cs.record.live_chunks, Ordering::Relaxed);
         self.pending_bytes
             .fetch_sub(batch.new_bytes, Ordering::Relaxed);
         self.meta_bytes.store(
@@ -140,6 +180,19 @@ impl Inner {
             self.segments.remove(seg)?;
         }
         Ok(())
+    }
+
+    /// What every applied transaction changes in memory before the next one (or the publish).
+    fn after_apply(&self, cs: &CommitState, applied: &mut Applied) {
+        if let Some(runs) = applied.runs.take() {
+            // Before publishing, and before another transaction reads them: see
+            // `dedup_index.rs`.
+            *self.dedup_runs.write() = Arc::new(runs);
+        }
+        self.live_bytes
+            .store(cs.record.live_bytes, Ordering::Relaxed);
+        self.live_chunks
+            .store(cs.record.live_chunks, Ordering::Relaxed);
     }
 
     fn cut(&self) -> Batch {
@@ -291,8 +344,10 @@ impl Inner {
             }
         }
         let mut applied = Applied::default();
+        let mut budget = self.config.zero_settle_entries_max.max(1);
         for (v, overlay, vrec) in &batch.volumes {
-            let unmapped = self.write_overlay(txn, &vrec.layers, overlay, &mut deltas)?;
+            let (unmapped, rest) =
+                self.write_overlay(txn, &vrec.layers, overlay, &mut deltas, &mut budget)?;
             // The record was cut with the mapped count its zeroed ranges had not settled yet.
             let mapped_blocks = vrec.mapped_blocks.checked_sub(unmapped).ok_or_else(|| {
                 Error::Corrupt(format!(
@@ -308,13 +363,24 @@ impl Inner {
             if unmapped > 0 {
                 applied.unmapped.push((v.clone(), unmapped));
             }
+            if !rest.is_empty() {
+                txn.insert(meta::ZEROING, &v.id, meta::encode_ranges(&rest).as_slice());
+                applied
+                    .rest
+                    .push((v.clone(), Arc::new(Overlay::of_ranges(&rest)), vrec));
+            } else if overlay.has_zeroed() {
+                txn.remove(meta::ZEROING, &v.id);
+            }
         }
         for v in &batch.deleted {
             let (stack, committing) = {
                 let m = v.map.lock();
                 (m.stack.clone(), m.committing.clone())
             };
-            self.write_overlay(txn, &stack, &committing, &mut deltas)?;
+            // Its layers' entries all go below: nothing is left to settle.
+            let mut unbounded = u64::MAX;
+            self.write_overlay(txn, &stack, &committing, &mut deltas, &mut unbounded)?;
+            txn.remove(meta::ZEROING, &v.id);
             drop_layer_refs(
                 txn,
                 &self.layer_filters,
@@ -468,63 +534,82 @@ fn add_refs(txn: &WriteTxn, id: u64, delta: i64) -> Result<ChunkRecord> {
 }
 
 impl Inner {
-    /// Writes a volume's changes into its top layer and returns how many blocks its zeroed
-    /// ranges unmapped beyond what the overlay already counted (see `overlay.rs`).
+    /// Writes a volume's changes into its top layer. Returns how many blocks its zeroed
+    /// ranges unmapped beyond what the overlay already counted (see `overlay.rs`), and the
+    /// ranges left for another transaction once `budget` is spent (one unit per window and per
+    /// committed entry read; the ranges left exclude the blocks this overlay has entries for:
+    /// those entries are newer and stay).
     ///
-    /// A zeroed range first removes the top layer's committed entries inside it (a data
-    /// entry's reference goes to `deltas`, unless settled) and puts tombstones where the lower
-    /// frames show data; then the entries are written: a zeroed block is removed when nothing
-    /// lies below the top layer, and becomes a tombstone hiding the lower layers otherwise. The
-    /// layer's filter learns the new entries first (they become visible when `txn` commits).
+    /// A zeroed range, a window at a time, removes the top layer's committed entries inside
+    /// it (a data entry's reference goes to `deltas`, unless settled) and puts tombstones where
+    /// the lower frames show data; then the entries are written: a zeroed block is removed
+    /// when nothing lies below the top layer, and becomes a tombstone hiding the lower layers
+    /// otherwise. The layer's filter learns the new entries first (they become visible when
+    /// `txn` commits).
     fn write_overlay(
         &self,
         txn: &mut WriteTxn,
         stack: &[Frame],
         overlay: &Overlay,
         deltas: &mut BTreeMap<u64, i64>,
-    ) -> Result<u64> {
+        budget: &mut u64,
+    ) -> Result<(u64, Vec<(u64, u64)>)> {
         let (top, lower) = stack.split_last().expect("a stack has a layer");
         let top = top.layer;
         let tombstones = !lower.is_empty();
         let mut unmapped = 0u64;
         let mut hide = Vec::new();
+        let mut rest: Vec<(u64, u64)> = Vec::new();
+        let window = SETTLE_WINDOW_BLOCKS.min(self.config.zero_settle_entries_max.max(1));
         // This transaction holds the store's writer lock and has not touched this layer's
-        // entries: a read snapshot shows them as it does, and streams them (the top layer's
-        // entries in a range are read without copying the range into memory first; frozen
-        // lower layers change in no transaction while this volume's stack shows them).
+        // entries: a read snapshot shows them as it does (frozen lower layers change in no
+        // transaction while this volume's stack shows them).
         let read = if overlay.has_zeroed() {
             Some(self.db.read()?)
         } else {
             None
         };
+        let mut span = Span {
+            top,
+            lower,
+            overlay,
+            deltas,
+            hide: &mut hide,
+            unmapped: &mut unmapped,
+        };
         for (b0, b1) in overlay.zeroed() {
             let read = read.as_ref().expect("opened when there are ranges");
-            let mut removed: Vec<(u64, u64)> = Vec::new();
-            crate::volume::scan_layer(read, &self.layer_filters, top, b0, b1, &mut |b, v| {
-                removed.push((b, v))
-            })?;
-            let mut top_had = HashSet::with_capacity(removed.len());
-            for (b, chunk) in removed {
-                txn.remove(meta::MAP, &format::map_key(top, b));
-                top_had.insert(b);
-                if chunk != format::ZERO_TOMBSTONE && !overlay.settled(b) {
-                    *deltas.entry(chunk).or_default() -= 1;
-                    unmapped += 1;
+            let mut w0 = b0;
+            while w0 < b1 {
+                if *budget == 0 {
+                    rest.push((w0, b1));
+                    break;
                 }
+                let w1 = b1.min(w0.saturating_add(window));
+                // A window costs one unit even when it finds nothing, so a range over an
+                // empty petabyte also ends in a few transactions.
+                let found = span.settle(self, txn, read, w0, w1)?;
+                *budget = budget.saturating_sub(1 + found);
+                w0 = w1;
             }
-            if tombstones {
-                let below =
-                    crate::volume::resolve_stored(read, &self.layer_filters, lower, b0, b1, false)?;
-                for (b, id) in below.entries {
-                    if id == format::ZERO_TOMBSTONE {
-                        continue;
-                    }
-                    hide.push(b);
-                    if !top_had.contains(&b) && !overlay.settled(b) {
-                        unmapped += 1;
-                    }
-                }
+        }
+        if !rest.is_empty() {
+            // The blocks of what is left that this overlay has entries for, or settled: done
+            // here, since the transactions that settle the rest will not know them (an entry
+            // is newer than the range and is written below; a settled block's reference was
+            // dropped and its block counted when an entry replaced it).
+            let read = read.as_ref().expect("opened when there are ranges");
+            let now: BTreeSet<u64> = overlay
+                .settled_in(&rest)
+                .chain(
+                    rest.iter()
+                        .flat_map(|&(s, e)| overlay.entries(s, e).map(|(b, _)| b)),
+                )
+                .collect();
+            for &b in &now {
+                span.settle(self, txn, read, b, b + 1)?;
             }
+            rest = without_blocks(&rest, &now);
         }
         self.layer_filters.grow(
             top,
@@ -546,8 +631,90 @@ impl Inner {
                 Entry::Zero => txn.remove(meta::MAP, &key),
             }
         }
-        Ok(unmapped)
+        Ok((unmapped, rest))
     }
+}
+
+/// Settles zeroed blocks of one volume's top layer inside a commit transaction.
+struct Span<'a> {
+    top: u64,
+    lower: &'a [Frame],
+    overlay: &'a Overlay,
+    deltas: &'a mut BTreeMap<u64, i64>,
+    /// Blocks that need a tombstone (the lower frames show data there).
+    hide: &'a mut Vec<u64>,
+    /// Blocks that stopped showing data and were not counted yet.
+    unmapped: &'a mut u64,
+}
+
+impl Span<'_> {
+    /// Settles `[w0, w1)`: removes the top layer's committed entries (dropping the references
+    /// of data entries and counting their blocks, unless settled), marks for a tombstone each
+    /// block the lower frames show data in (counted where the top had nothing and the block is
+    /// not settled). `read` shows the committed state this transaction started from. Returns
+    /// the committed entries read.
+    fn settle(
+        &mut self,
+        inner: &Inner,
+        txn: &mut WriteTxn,
+        read: &crate::store::ReadTxn,
+        w0: u64,
+        w1: u64,
+    ) -> Result<u64> {
+        let mut removed: Vec<(u64, u64)> = Vec::new();
+        crate::volume::scan_layer(read, &inner.layer_filters, self.top, w0, w1, &mut |b, v| {
+            removed.push((b, v))
+        })?;
+        let mut found = removed.len() as u64;
+        let mut top_had = HashSet::with_capacity(removed.len());
+        for (b, chunk) in removed {
+            txn.remove(meta::MAP, &format::map_key(self.top, b));
+            top_had.insert(b);
+            if chunk != format::ZERO_TOMBSTONE && !self.overlay.settled(b) {
+                *self.deltas.entry(chunk).or_default() -= 1;
+                *self.unmapped += 1;
+            }
+        }
+        if !self.lower.is_empty() {
+            let below = crate::volume::resolve_stored(
+                read,
+                &inner.layer_filters,
+                self.lower,
+                w0,
+                w1,
+                false,
+            )?;
+            found += below.entries.len() as u64;
+            for (b, id) in below.entries {
+                if id == format::ZERO_TOMBSTONE {
+                    continue;
+                }
+                self.hide.push(b);
+                if !top_had.contains(&b) && !self.overlay.settled(b) {
+                    *self.unmapped += 1;
+                }
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// `ranges` (disjoint, in order) without the blocks in `holes`.
+fn without_blocks(ranges: &[(u64, u64)], holes: &BTreeSet<u64>) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(s, e) in ranges {
+        let mut from = s;
+        for &b in holes.range(s..e) {
+            if from < b {
+                out.push((from, b));
+            }
+            from = b + 1;
+        }
+        if from < e {
+            out.push((from, e));
+        }
+    }
+    out
 }
 
 pub(crate) fn load_chunk(store: &impl Reader, id: u64) -> Result<ChunkRecord> {

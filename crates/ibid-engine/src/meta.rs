@@ -13,6 +13,7 @@
 //! | `orphans`  | chunk id                             | () — chunks at zero refs kept alive    |
 //! | `snapshots`| `VOLUME@SNAPSHOT`                    | [`crate::format::VolumeRecord`]        |
 //! | `layers`   | layer id                             | stacks including it (refcount)         |
+//! | `zeroing`  | volume id                            | zeroed ranges still to settle: (start, end) block pairs, u64 BE each (see `commit.rs`) |
 //!
 //! A map value of [`crate::format::ZERO_TOMBSTONE`] (0) in an upper layer hides lower layers.
 //!
@@ -54,6 +55,35 @@ pub const SNAPSHOTS: Def<str, [u8]> = Def::new(Table::Snapshots);
 pub const LAYERS: Def<u64, u64> = Def::new(Table::Layers);
 /// Chunks whose refcount reached zero while a newer reference was still uncommitted.
 pub const ORPHANS: Def<u64, ()> = Def::new(Table::Orphans);
+/// Zeroed ranges a commit left to settle: volume id → (start, end) block pairs.
+pub const ZEROING: Def<u64, [u8]> = Def::new(Table::Zeroing);
+
+/// Encodes zeroed ranges for [`ZEROING`].
+pub fn encode_ranges(ranges: &[(u64, u64)]) -> Vec<u8> {
+    ranges
+        .iter()
+        .flat_map(|&(s, e)| s.to_be_bytes().into_iter().chain(e.to_be_bytes()))
+        .collect()
+}
+
+/// Decodes a [`ZEROING`] value.
+pub fn decode_ranges(b: &[u8]) -> Result<Vec<(u64, u64)>> {
+    if !b.len().is_multiple_of(16) {
+        return Err(Error::Corrupt(format!(
+            "zeroing ranges of {} bytes",
+            b.len()
+        )));
+    }
+    let word = |c: &[u8]| u64::from_be_bytes(c.try_into().expect("8 bytes"));
+    let ranges: Vec<(u64, u64)> = b
+        .chunks_exact(16)
+        .map(|c| (word(&c[..8]), word(&c[8..])))
+        .collect();
+    if ranges.iter().any(|&(s, e)| s >= e) {
+        return Err(Error::Corrupt("an empty zeroing range".into()));
+    }
+    Ok(ranges)
+}
 
 /// The first 8 bytes of a fingerprint, as the dedup index and filter key it.
 pub fn fp_prefix(fp: &[u8; 32]) -> u64 {
@@ -95,7 +125,8 @@ pub const POOL_KEY: &str = "pool";
 /// the new keys); older pools have their index rewritten when opened. 4 — the dedup index
 /// also keeps recent keys in sorted runs (`fps.runs`, `fps.dead`); a version 3 pool has no
 /// runs and needs only the empty tables, but a build that knows only version 3 would not see
-/// the keys in runs.
+/// the keys in runs. 5 — zeroed ranges a commit left to settle (`zeroing`); a version 4
+/// pool has none, but a build that knows only version 4 would show the data they hide.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -126,7 +157,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 4;
+pub const POOL_FORMAT_VERSION: u64 = 5;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

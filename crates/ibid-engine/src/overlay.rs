@@ -128,18 +128,56 @@ impl Overlay {
     }
 
     /// Zeroes `[b0, b1)`: removes and returns the entries inside it, records the blocks they
-    /// settle, and adds the range (merged with ranges it overlaps or touches).
-    pub fn zero(&mut self, b0: u64, b1: u64) -> Vec<(u64, Entry)> {
+    /// settle, and adds the range (merged with ranges it overlaps or touches). `under` is the
+    /// overlay being committed beneath this one: an entry installed where a range of `under`
+    /// hid the committed entry replaced nothing committed, so it settles nothing either.
+    pub fn zero(&mut self, b0: u64, b1: u64, under: &Overlay) -> Vec<(u64, Entry)> {
         if b0 >= b1 {
             return Vec::new();
         }
         let removed: Vec<(u64, Entry)> = self.entries(b0, b1).collect();
         for &(b, _) in &removed {
             self.entries.remove(&b);
-            if !self.covers(b) {
+            if !self.covers(b) && !under.hides_by_range(b) {
                 self.settled.insert(b);
             }
         }
+        self.add_range(b0, b1);
+        removed
+    }
+
+    /// Adds `[b0, b1)` as a range older than every entry here: one a commit left to settle
+    /// (see `commit.rs`). The entries inside it stay and settle nothing (they were installed
+    /// while that range already hid the committed entries).
+    pub fn zero_under(&mut self, b0: u64, b1: u64) {
+        if b0 < b1 {
+            self.add_range(b0, b1);
+        }
+    }
+
+    /// Whether block `b` reads as zeros here because of a range (not an entry).
+    pub fn hides_by_range(&self, b: u64) -> bool {
+        !self.entries.contains_key(&b) && self.covers(b)
+    }
+
+    /// An overlay of just these ranges (disjoint, in order): what a commit left to settle.
+    pub fn of_ranges(ranges: &[(u64, u64)]) -> Overlay {
+        let mut o = Overlay::new();
+        for &(s, e) in ranges {
+            o.zero_under(s, e);
+        }
+        o
+    }
+
+    /// The settled blocks inside `ranges`, in order.
+    pub fn settled_in<'a>(&'a self, ranges: &'a [(u64, u64)]) -> impl Iterator<Item = u64> + 'a {
+        ranges
+            .iter()
+            .flat_map(move |&(s, e)| self.settled.range(s..e).copied())
+    }
+
+    /// Adds `[b0, b1)` to the ranges, merged with those it overlaps or touches.
+    fn add_range(&mut self, b0: u64, b1: u64) {
         let (mut s, mut e) = (b0, b1);
         if let Some((&ps, &pe)) = self.zeroed.range(..=b0).next_back() {
             if pe >= b0 {
@@ -157,7 +195,6 @@ impl Overlay {
             e = e.max(re);
         }
         self.zeroed.insert(s, e);
-        removed
     }
 
     /// Applies this overlay to `out` (committed data entries of `[b0, b1)`, block → chunk):
@@ -221,7 +258,7 @@ mod tests {
                         entries.insert(b, v);
                     }
                     Op::Zero(b0, b1) => {
-                        let mut removed = o.zero(b0, b1);
+                        let mut removed = o.zero(b0, b1, &Overlay::new());
                         removed.sort_unstable_by_key(|&(b, _)| b);
                         let mut want = Vec::new();
                         for b in b0..b1 {

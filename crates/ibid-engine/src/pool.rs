@@ -343,7 +343,7 @@ impl Pool {
 
     fn open_locked(dir: &Path, config: PoolConfig, lock: File) -> Result<Pool> {
         let db = Store::open(dir)?;
-        let (mut record, volumes, snapshots, segment_ids, dedup_runs) = {
+        let (mut record, volumes, zeroing, snapshots, segment_ids, dedup_runs) = {
             let txn = db.read()?;
             let raw = txn
                 .get(meta::POOL, meta::POOL_KEY)?
@@ -354,6 +354,11 @@ impl Pool {
                 let (k, v) = item?;
                 volumes.insert(k, VolumeRecord::decode(&v)?);
             }
+            let mut zeroing = BTreeMap::new();
+            for item in txn.iter(meta::ZEROING)? {
+                let (id, v) = item?;
+                zeroing.insert(id, meta::decode_ranges(&v)?);
+            }
             let mut snapshots = BTreeMap::new();
             for item in txn.iter(meta::SNAPSHOTS)? {
                 let (k, v) = item?;
@@ -363,7 +368,14 @@ impl Pool {
             for item in txn.iter(meta::SEGMENTS)? {
                 segment_ids.insert(item?.0);
             }
-            (record, volumes, snapshots, segment_ids, Runs::load(&txn)?)
+            (
+                record,
+                volumes,
+                zeroing,
+                snapshots,
+                segment_ids,
+                Runs::load(&txn)?,
+            )
         };
         if record.version < meta::POOL_FORMAT_VERSION {
             // The store moved the tables to this version's layout when it opened; the record
@@ -490,6 +502,19 @@ impl Pool {
             _lock_file: lock,
         });
         let pool = Pool { inner };
+        // Zeroed ranges the last commit did not finish settling, before the journal's newer
+        // changes (see `commit.rs`); the next commit settles them.
+        for (id, ranges) in zeroing {
+            let volumes = pool.inner.volumes.read();
+            let Some(v) = volumes.values().find(|v| v.id == id) else {
+                continue;
+            };
+            let mut map = v.map.lock();
+            for (b0, b1) in ranges {
+                map.dirty.zero_under(b0, b1);
+            }
+            pool.inner.dirty_blocks.fetch_add(1, Ordering::Relaxed);
+        }
         if !journaled.is_empty() {
             let replayed = journaled.len();
             if let Err(e) = pool

@@ -1424,7 +1424,8 @@ impl Inner {
         }
         // The dirty entries the range replaces: their references are ours to drop and what
         // they showed is known now; the rest of the range is settled by the commit.
-        let removed = map.dirty.zero(b0, b1);
+        let under = map.committing.clone();
+        let removed = map.dirty.zero(b0, b1, &under);
         let mut released = Vec::new();
         for (_, e) in removed {
             if let Entry::Data(id) = e {

@@ -232,6 +232,8 @@ impl Harness {
             // Dedup index keys in runs from the first new chunk, merged every third run.
             dedup_run_keys_min: 1,
             dedup_runs_max: 3,
+            // Zeroed ranges settle over several transactions of each commit.
+            zero_settle_entries_max: 4,
             ..PoolConfig::default()
         };
         let pool = Pool::create(dir.path().join("pool"), config.clone()).expect("create pool");

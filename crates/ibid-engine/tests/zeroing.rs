@@ -6,7 +6,7 @@
 mod common;
 
 use common::{quiet_config, random_block};
-use ibid_engine::{Pool, Volume};
+use ibid_engine::{Error, Pool, PoolConfig, Volume};
 use std::path::Path;
 
 const BLOCK: u64 = 4096;
@@ -57,8 +57,19 @@ impl Model {
     }
 }
 
-fn pool_at(dir: &Path) -> Pool {
-    Pool::create(dir.join("p"), quiet_config(1 << 30)).expect("create")
+/// Transaction budgets: the default (every range here settles in one transaction) and one so
+/// small that each commit settles its ranges over many transactions.
+const BUDGETS: [u64; 2] = [256 << 10, 3];
+
+fn config(budget: u64) -> PoolConfig {
+    PoolConfig {
+        zero_settle_entries_max: budget,
+        ..quiet_config(1 << 30)
+    }
+}
+
+fn pool_at(dir: &Path, budget: u64) -> Pool {
+    Pool::create(dir.join("p"), config(budget)).expect("create")
 }
 
 /// In one batch over committed data: overwrites then a zero over them (their old chunks were
@@ -67,32 +78,34 @@ fn pool_at(dir: &Path) -> Pool {
 /// referenced is exactly one the volume shows.
 #[test]
 fn writes_and_zeroes_in_one_batch_settle_exactly() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pool = pool_at(dir.path());
-    let v = pool.create_volume("v", 256 * BLOCK).expect("v");
-    let mut m = Model::new(256);
-    for b in 0..128 {
-        m.write(&v, b, b);
+    for budget in BUDGETS {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = pool_at(dir.path(), budget);
+        let v = pool.create_volume("v", 256 * BLOCK).expect("v");
+        let mut m = Model::new(256);
+        for b in 0..128 {
+            m.write(&v, b, b);
+        }
+        pool.sync().expect("sync");
+        for b in 0..16 {
+            m.write(&v, b, 1000 + b); // replaces committed entries
+        }
+        m.zero(&v, 8, 48); // removes 8 of those, hides 32 committed blocks
+        m.write(&v, 20, 2000); // inside the range
+        m.write(&v, 21, 2001);
+        m.zero(&v, 21, 22); // removes a write made inside a range
+        m.write(&v, 40, 2002);
+        m.zero(&v, 100, 200); // past the data
+        m.zero(&v, 4, 10); // touches the first range: merged
+        m.check(&v, "before the commit");
+        pool.sync().expect("sync");
+        m.check(&v, "after the commit");
+        let report = pool.verify().expect("verify");
+        let distinct = m.0.iter().flatten().count() as u64;
+        assert_eq!(report.chunks, distinct, "chunks kept = blocks shown");
+        pool.gc_now().expect("gc");
+        assert_eq!(pool.stats().unique_chunks, distinct);
     }
-    pool.sync().expect("sync");
-    for b in 0..16 {
-        m.write(&v, b, 1000 + b); // replaces committed entries
-    }
-    m.zero(&v, 8, 48); // removes 8 of those, hides 32 committed blocks
-    m.write(&v, 20, 2000); // inside the range
-    m.write(&v, 21, 2001);
-    m.zero(&v, 21, 22); // removes a write made inside a range
-    m.write(&v, 40, 2002);
-    m.zero(&v, 100, 200); // past the data
-    m.zero(&v, 4, 10); // touches the first range: merged
-    m.check(&v, "before the commit");
-    pool.sync().expect("sync");
-    m.check(&v, "after the commit");
-    let report = pool.verify().expect("verify");
-    let distinct = m.0.iter().flatten().count() as u64;
-    assert_eq!(report.chunks, distinct, "chunks kept = blocks shown");
-    pool.gc_now().expect("gc");
-    assert_eq!(pool.stats().unique_chunks, distinct);
 }
 
 /// Over a snapshot: the zeroed range hides the snapshot's blocks (tombstones in the volume's
@@ -100,56 +113,101 @@ fn writes_and_zeroes_in_one_batch_settle_exactly() {
 /// chunks nothing shows any more.
 #[test]
 fn zeroing_over_a_snapshot_hides_it_and_keeps_it() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pool = pool_at(dir.path());
-    let v = pool.create_volume("v", 128 * BLOCK).expect("v");
-    let mut m = Model::new(128);
-    for b in 0..64 {
-        m.write(&v, b, b);
+    for budget in BUDGETS {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = pool_at(dir.path(), budget);
+        let v = pool.create_volume("v", 128 * BLOCK).expect("v");
+        let mut m = Model::new(128);
+        for b in 0..64 {
+            m.write(&v, b, b);
+        }
+        pool.create_snapshot("v", "s").expect("snapshot");
+        let snap = Model(m.0.clone());
+        for b in 32..48 {
+            m.write(&v, b, 500 + b); // in the top layer, over the snapshot's
+        }
+        pool.sync().expect("sync");
+        m.write(&v, 10, 900);
+        m.zero(&v, 0, 40);
+        m.write(&v, 5, 901);
+        m.check(&v, "before the commit");
+        pool.sync().expect("sync");
+        m.check(&v, "after the commit");
+        snap.check(&pool.snapshot("v", "s").expect("open snapshot"), "snapshot");
+        pool.verify().expect("verify");
+        pool.delete_snapshot("v", "s").expect("delete snapshot");
+        pool.gc_now().expect("gc");
+        m.check(&v, "after deleting the snapshot");
+        let report = pool.verify().expect("verify");
+        assert_eq!(report.chunks, m.0.iter().flatten().count() as u64);
     }
-    pool.create_snapshot("v", "s").expect("snapshot");
-    let snap = Model(m.0.clone());
-    for b in 32..48 {
-        m.write(&v, b, 500 + b); // in the top layer, over the snapshot's
-    }
-    pool.sync().expect("sync");
-    m.write(&v, 10, 900);
-    m.zero(&v, 0, 40);
-    m.write(&v, 5, 901);
-    m.check(&v, "before the commit");
-    pool.sync().expect("sync");
-    m.check(&v, "after the commit");
-    snap.check(&pool.snapshot("v", "s").expect("open snapshot"), "snapshot");
-    pool.verify().expect("verify");
-    pool.delete_snapshot("v", "s").expect("delete snapshot");
-    pool.gc_now().expect("gc");
-    m.check(&v, "after deleting the snapshot");
-    let report = pool.verify().expect("verify");
-    assert_eq!(report.chunks, m.0.iter().flatten().count() as u64);
 }
 
 /// A flushed zero survives a crash: the journal holds the range, replay zeroes it again, and
 /// the recount finds no stray reference.
 #[test]
 fn a_flushed_zero_survives_a_crash() {
+    for budget in BUDGETS {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p");
+        let pool = Pool::create(&path, config(budget)).expect("create");
+        let v = pool.create_volume("v", 128 * BLOCK).expect("v");
+        let mut m = Model::new(128);
+        for b in 0..96 {
+            m.write(&v, b, b);
+        }
+        pool.sync().expect("sync");
+        m.write(&v, 3, 300);
+        m.zero(&v, 0, 64);
+        m.write(&v, 7, 700);
+        v.flush().expect("flush");
+        drop(v);
+        pool.simulate_crash();
+        let pool = Pool::open(&path, config(budget)).expect("reopen");
+        let v = pool.volume("v").expect("v");
+        m.check(&v, "after replay");
+        let report = pool.verify().expect("verify");
+        assert_eq!(report.chunks, m.0.iter().flatten().count() as u64);
+    }
+}
+
+/// A commit stopped between the transactions that settle a large zeroed range (as a crash
+/// there would): the ranges left are in the store, the reopened pool hides the data under them
+/// at once (before any commit) and settles them, keeping the writes made after the zero.
+#[test]
+fn a_commit_stopped_between_settling_transactions_resumes_at_open() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("p");
-    let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
-    let v = pool.create_volume("v", 128 * BLOCK).expect("v");
-    let mut m = Model::new(128);
-    for b in 0..96 {
+    let stopping = PoolConfig {
+        zero_settle_fail_after: Some(2),
+        ..config(5)
+    };
+    let pool = Pool::create(&path, stopping).expect("create");
+    let v = pool.create_volume("v", 256 * BLOCK).expect("v");
+    pool.create_snapshot("v", "s")
+        .expect("snapshot of the empty volume");
+    let mut m = Model::new(256);
+    for b in 0..160 {
         m.write(&v, b, b);
     }
     pool.sync().expect("sync");
-    m.write(&v, 3, 300);
-    m.zero(&v, 0, 64);
-    m.write(&v, 7, 700);
-    v.flush().expect("flush");
+    m.zero(&v, 0, 200);
+    m.write(&v, 50, 5000);
+    m.write(&v, 120, 5001);
+    let err = pool.sync().expect_err("stopped");
+    assert!(matches!(err, Error::Failed(_)), "got {err:?}");
     drop(v);
     pool.simulate_crash();
-    let pool = Pool::open(&path, quiet_config(1 << 30)).expect("reopen");
+    let pool = Pool::open(&path, config(5)).expect("reopen");
     let v = pool.volume("v").expect("v");
-    m.check(&v, "after replay");
+    // Read before anything commits: the ranges left must already hide the old data.
+    let mut buf = vec![1u8; 4096];
+    v.read(10 * BLOCK, &mut buf).expect("read");
+    assert!(
+        buf.iter().all(|&x| x == 0),
+        "zeroed data shows again after reopen"
+    );
+    m.check(&v, "after reopen");
     let report = pool.verify().expect("verify");
     assert_eq!(report.chunks, m.0.iter().flatten().count() as u64);
 }

@@ -53,10 +53,12 @@ pub enum Table {
     FpsRuns,
     /// Dedup index keys in runs whose chunks died.
     FpsDead,
+    /// Zeroed ranges a commit left to settle: volume id → ranges.
+    Zeroing,
 }
 
 /// Number of tables.
-pub const TABLES: usize = 11;
+pub const TABLES: usize = 12;
 
 impl Table {
     /// Every table, in index order.
@@ -72,6 +74,7 @@ impl Table {
         Table::Orphans,
         Table::FpsRuns,
         Table::FpsDead,
+        Table::Zeroing,
     ];
 
     /// Position in [`Table::ALL`].
@@ -93,6 +96,7 @@ impl Table {
             Table::Orphans => "orphans",
             Table::FpsRuns => "fps.runs",
             Table::FpsDead => "fps.dead",
+            Table::Zeroing => "zeroing",
         }
     }
 }

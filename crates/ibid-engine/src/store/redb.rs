@@ -52,6 +52,7 @@ const LAYERS: TableDefinition<u64, u64> = TableDefinition::new("layers");
 const ORPHANS: TableDefinition<u64, ()> = TableDefinition::new("orphans");
 const FPS_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.runs");
 const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
+const ZEROING: TableDefinition<u64, &[u8]> = TableDefinition::new("zeroing");
 
 /// Runs the generic function `$f` on the redb table of `$table`, with the other arguments.
 macro_rules! dispatch {
@@ -68,6 +69,7 @@ macro_rules! dispatch {
             Table::Orphans => $f(ORPHANS, $($arg),*),
             Table::FpsRuns => $f(FPS_RUNS, $($arg),*),
             Table::FpsDead => $f(FPS_DEAD, $($arg),*),
+            Table::Zeroing => $f(ZEROING, $($arg),*),
         }
     };
 }
