@@ -53,6 +53,9 @@ impl Batch {
     }
 }
 
+/// A volume's zeroed ranges a commit left for later ones.
+type LeftToSettle = (Arc<VolumeState>, Vec<(u64, u64)>);
+
 /// What the transaction changed in the committed counters.
 #[derive(Default)]
 struct Applied {
@@ -62,18 +65,8 @@ struct Applied {
     runs: Option<Runs>,
     /// Volumes whose zeroed ranges unmapped blocks, and how many (see `overlay.rs`).
     unmapped: Vec<(Arc<VolumeState>, u64)>,
-    /// Zeroed ranges left for another transaction, per volume with the record written.
-    rest: Vec<(Arc<VolumeState>, Arc<Overlay>, VolumeRecord)>,
-}
-
-impl Applied {
-    /// Adds what a later transaction of the same commit did (its runs already installed).
-    fn absorb(&mut self, later: Applied) {
-        self.died.extend(later.died);
-        self.dead_segments.extend(later.dead_segments);
-        self.unmapped.extend(later.unmapped);
-        self.rest = later.rest;
-    }
+    /// Zeroed ranges left for later commits, per volume (also in the `zeroing` table).
+    rest: Vec<LeftToSettle>,
 }
 
 impl Inner {
@@ -124,37 +117,6 @@ impl Inner {
         };
         cs.record = record;
         self.after_apply(cs, &mut applied);
-        // Zeroed ranges larger than one transaction settles: more transactions, each durable
-        // with what is left recorded in the `zeroing` table, before anything is published.
-        let mut more_txns = 0u32;
-        while !applied.rest.is_empty() {
-            if self.config.zero_settle_fail_after == Some(more_txns) {
-                let e = Error::Failed("test: stopped between transactions of a commit".into());
-                self.fail(&e);
-                return Err(e);
-            }
-            more_txns += 1;
-            let rest = Batch {
-                no: batch.no,
-                volumes: std::mem::take(&mut applied.rest),
-                deleted: Vec::new(),
-                shards: (0..SHARDS)
-                    .map(|_| Arc::new(ShardBatch::default()))
-                    .collect(),
-                new_bytes: 0,
-            };
-            let mut record = cs.record.clone();
-            let mut more = match self.apply(&rest, &mut record) {
-                Ok(a) => a,
-                Err(e) => {
-                    self.fail(&e);
-                    return Err(e);
-                }
-            };
-            cs.record = record;
-            self.after_apply(cs, &mut more);
-            applied.absorb(more);
-        }
         self.pending_bytes
             .fetch_sub(batch.new_bytes, Ordering::Relaxed);
         self.meta_bytes.store(
@@ -182,11 +144,10 @@ impl Inner {
         Ok(())
     }
 
-    /// What every applied transaction changes in memory before the next one (or the publish).
+    /// What an applied transaction changes in memory before the publish.
     fn after_apply(&self, cs: &CommitState, applied: &mut Applied) {
         if let Some(runs) = applied.runs.take() {
-            // Before publishing, and before another transaction reads them: see
-            // `dedup_index.rs`.
+            // Before publishing: see `dedup_index.rs`.
             *self.dedup_runs.write() = Arc::new(runs);
         }
         self.live_bytes
@@ -257,6 +218,17 @@ impl Inner {
             let mut map = v.map.lock();
             map.committing = Arc::new(Overlay::new());
             map.generation += 1;
+            // Under the same lock: no reader sees the ranges left neither committing nor dirty.
+            if let Some((_, rest)) = applied.rest.iter().find(|(r, _)| Arc::ptr_eq(r, v)) {
+                for &(b0, b1) in rest {
+                    map.dirty.zero_under(b0, b1);
+                }
+                self.dirty_blocks.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if !applied.rest.is_empty() {
+            // Settle the rest soon, a bounded commit at a time.
+            self.wake_background();
         }
         for (v, unmapped) in &applied.unmapped {
             // The in-memory count kept every change since the cut exact; only the ranges'
@@ -365,9 +337,7 @@ impl Inner {
             }
             if !rest.is_empty() {
                 txn.insert(meta::ZEROING, &v.id, meta::encode_ranges(&rest).as_slice());
-                applied
-                    .rest
-                    .push((v.clone(), Arc::new(Overlay::of_ranges(&rest)), vrec));
+                applied.rest.push((v.clone(), rest));
             } else if overlay.has_zeroed() {
                 txn.remove(meta::ZEROING, &v.id);
             }
@@ -536,7 +506,7 @@ fn add_refs(txn: &WriteTxn, id: u64, delta: i64) -> Result<ChunkRecord> {
 impl Inner {
     /// Writes a volume's changes into its top layer. Returns how many blocks its zeroed
     /// ranges unmapped beyond what the overlay already counted (see `overlay.rs`), and the
-    /// ranges left for another transaction once `budget` is spent (one unit per window and per
+    /// ranges left for later commits once `budget` is spent (one unit per window and per
     /// committed entry read; the ranges left exclude the blocks this overlay has entries for:
     /// those entries are newer and stay).
     ///

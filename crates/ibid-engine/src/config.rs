@@ -44,14 +44,10 @@ pub struct PoolConfig {
     /// Runs the dedup index keeps before a commit merges them into its B-tree (1: every run
     /// is merged at once, i.e. no runs).
     pub dedup_runs_max: usize,
-    /// Committed map entries (and windows) of zeroed ranges one metadata transaction settles
-    /// (see `commit.rs`): a commit settles a large zeroed range in several transactions, so
-    /// its memory stays bounded.
+    /// Committed map entries (and windows) of zeroed ranges one commit settles (see
+    /// `commit.rs`): a large zeroed range is settled over several commits, so each stays
+    /// short and its memory bounded.
     pub zero_settle_entries_max: u64,
-    /// For tests: a commit fails the pool after this many transactions of zeroed ranges left
-    /// over, as a crash between them would leave it.
-    #[doc(hidden)]
-    pub zero_settle_fail_after: Option<u32>,
 }
 
 impl Default for PoolConfig {
@@ -73,7 +69,6 @@ impl Default for PoolConfig {
             dedup_run_keys_min: 4096,
             dedup_runs_max: 8,
             zero_settle_entries_max: 256 << 10,
-            zero_settle_fail_after: None,
         }
     }
 }

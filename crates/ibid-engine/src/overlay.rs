@@ -160,15 +160,6 @@ impl Overlay {
         !self.entries.contains_key(&b) && self.covers(b)
     }
 
-    /// An overlay of just these ranges (disjoint, in order): what a commit left to settle.
-    pub fn of_ranges(ranges: &[(u64, u64)]) -> Overlay {
-        let mut o = Overlay::new();
-        for &(s, e) in ranges {
-            o.zero_under(s, e);
-        }
-        o
-    }
-
     /// The settled blocks inside `ranges`, in order.
     pub fn settled_in<'a>(&'a self, ranges: &'a [(u64, u64)]) -> impl Iterator<Item = u64> + 'a {
         ranges

@@ -38,6 +38,13 @@ pub const VOLUME_NAME_BYTES_MAX: usize = 128;
 
 pub(crate) use crate::overlay::{Entry, Overlay};
 
+impl VolumeMap {
+    /// A zeroed range is still to settle (uncommitted, being committed, or left by a commit).
+    pub fn has_zeroed(&self) -> bool {
+        self.dirty.has_zeroed() || self.committing.has_zeroed()
+    }
+}
+
 /// In-memory state of one volume.
 pub(crate) struct VolumeState {
     /// Volume name, or `VOLUME@SNAPSHOT` for a snapshot.
@@ -53,6 +60,10 @@ pub(crate) struct VolumeState {
     /// When the last range copy by frames into this volume happened (see `copy.rs`).
     pub frames_copied_at: Mutex<Option<std::time::Instant>>,
 }
+
+/// Most commits [`Inner::settle_zeroed`] runs (each settles at least
+/// `PoolConfig::zero_settle_entries_max` entries or windows).
+pub(crate) const SETTLE_COMMITS_MAX: usize = 1 << 16;
 
 pub(crate) struct VolumeMap {
     pub size: u64,
@@ -575,10 +586,17 @@ impl Pool {
         }
     }
 
-    /// Makes everything written so far durable and commits it to the metadata store (a
-    /// [`Volume::flush`] is cheaper: it only journals).
-    pub fn sync(&self) -> Result<()> {
+    /// One commit, which may leave part of a large zeroed range to later ones (for tests;
+    /// [`Pool::sync`] settles everything).
+    #[doc(hidden)]
+    pub fn commit_once(&self) -> Result<()> {
         self.inner.commit()
+    }
+
+    /// Makes everything written so far durable and commits it to the metadata store, zeroed
+    /// ranges settled (a [`Volume::flush`] is cheaper: it only journals).
+    pub fn sync(&self) -> Result<()> {
+        self.inner.settle_zeroed(None)
     }
 
     /// Makes every write acknowledged so far (on any volume) durable: one journal write and
@@ -689,8 +707,9 @@ impl Pool {
     /// Lists the volumes, by name, with exact mapped counts (zeroed ranges not yet committed
     /// are committed first, see [`crate::Volume::mapped_blocks`]).
     pub fn list_volumes(&self) -> Vec<VolumeInfo> {
-        let volumes: Vec<Arc<VolumeState>> = self.inner.volumes.read().values().cloned().collect();
-        self.inner.settle_zeroed(&volumes);
+        if let Err(e) = self.inner.settle_zeroed(None) {
+            tracing::warn!("commit to count zeroed blocks failed: {e}");
+        }
         self.inner
             .volumes
             .read()
@@ -820,7 +839,7 @@ impl Pool {
                 .seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
         }
         self.inner.flatten_all(true)?;
-        self.inner.commit()?;
+        self.inner.settle_zeroed(None)?;
         // Only the segments there now. The segments the cleaner fills meanwhile and those
         // concurrent writers seal become eligible as soon as a commit runs, and overwrites keep
         // putting dead bytes in them: a loop over "whatever qualifies" has no end while
@@ -842,7 +861,7 @@ impl Pool {
 
     /// Checks every invariant of the pool's metadata and data (see [`crate::verify`]).
     pub fn verify(&self) -> Result<crate::verify::VerifyReport> {
-        self.inner.commit()?;
+        self.inner.settle_zeroed(None)?;
         crate::verify::verify(&self.inner)
     }
 
@@ -952,18 +971,30 @@ pub(crate) fn volume_info(v: &VolumeState) -> VolumeInfo {
 }
 
 impl Inner {
-    /// Commits if any of `volumes` has a zeroed range whose unmapped blocks are not counted
-    /// yet (see `overlay.rs`), so their mapped counts, tbz and reservations are exact. A
-    /// failed commit fails the pool; the counts are then the last known ones.
-    pub(crate) fn settle_zeroed(&self, volumes: &[Arc<VolumeState>]) {
-        let pending = volumes.iter().any(|v| {
-            let map = v.map.lock();
-            map.dirty.has_zeroed() || map.committing.has_zeroed()
-        });
-        if pending {
-            if let Err(e) = self.commit() {
-                tracing::warn!("commit to count zeroed blocks failed: {e}");
+    /// Commits until no zeroed range is left to settle (see `commit.rs`) in `only`, or in any
+    /// volume: then the committed map, mapped counts, tbz, reservations and space are exact.
+    /// Each commit settles a bounded part; zeroes arriving meanwhile are settled too, up to
+    /// [`SETTLE_COMMITS_MAX`] commits.
+    pub(crate) fn settle_zeroed(&self, only: Option<&VolumeState>) -> Result<()> {
+        let pending = || match only {
+            Some(v) => v.map.lock().has_zeroed(),
+            None => self
+                .volumes
+                .read()
+                .values()
+                .any(|v| v.map.lock().has_zeroed()),
+        };
+        let mut commits = 0;
+        loop {
+            if commits > 0 && !pending() {
+                return Ok(());
             }
+            if commits == SETTLE_COMMITS_MAX {
+                tracing::warn!("zeroed ranges still pending after {commits} commits");
+                return Ok(());
+            }
+            self.commit()?;
+            commits += 1;
         }
     }
 

@@ -12,9 +12,9 @@
 //!   thick writes may, so a thick volume can always fill every block it has, whatever thin
 //!   volumes did to the pool. The pool counts reservations with one atomic,
 //!   `Inner::thick_unwritten_blocks`, changed under the volume's map lock together with its
-//!   mapped count. Zeroing counts the blocks it unmaps when its range commits (see
-//!   `overlay.rs`), so their reservation returns then, not when the zero is acknowledged;
-//!   their old data is still counted as used until that same commit, and a zero on a thick
+//!   mapped count. Zeroing counts the blocks it unmaps when its range settles (see
+//!   `overlay.rs`, `commit.rs`), so their reservation returns then, not when the zero is
+//!   acknowledged; their old data is still counted as used until then, and a zero on a thick
 //!   volume wakes the committer at once.
 //! - **Admission.** A write to a thick volume that still has blocks without data is always
 //!   admitted: the space was promised when the reservation was taken. The metadata store's file

@@ -89,8 +89,18 @@ impl Inner {
         volumes: &[&VolumeState],
         f: impl FnOnce(&Inner, &mut CommitState, &mut [MutexGuard<'_, VolumeMap>]) -> Result<T>,
     ) -> Result<T> {
-        for _ in 0..QUIESCE_TRIES_MAX {
+        let mut tries = 0;
+        let mut settling = 0;
+        while tries < QUIESCE_TRIES_MAX {
             self.commit_with(cs)?;
+            // Zeroed ranges take several commits to settle: those do not count as tries.
+            if settling < crate::pool::SETTLE_COMMITS_MAX
+                && volumes.iter().any(|v| v.map.lock().has_zeroed())
+            {
+                settling += 1;
+                continue;
+            }
+            tries += 1;
             let _gate = self.gate.write();
             // Only holders of the commit lock take two maps at once, so the order is free.
             let mut maps = Vec::with_capacity(volumes.len());

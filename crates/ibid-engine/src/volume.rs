@@ -189,7 +189,9 @@ impl Volume {
     /// Blocks mapped to data, including uncommitted writes. Zeroing counts the blocks it
     /// unmaps when it commits, so this commits first if a zeroed range is still pending.
     pub fn mapped_blocks(&self) -> u64 {
-        self.inner.settle_zeroed(std::slice::from_ref(&self.state));
+        if let Err(e) = self.inner.settle_zeroed(Some(&self.state)) {
+            tracing::warn!("commit to count zeroed blocks failed: {e}");
+        }
         self.state.map.lock().mapped_blocks
     }
 
@@ -465,7 +467,7 @@ impl Volume {
     /// alone (not shared with a clone or snapshot) and its chunk has no other reference (no
     /// duplicate elsewhere, no hidden entry in a layer awaiting flattening).
     pub fn space(&self) -> Result<VolumeSpace> {
-        self.inner.commit()?;
+        self.inner.settle_zeroed(Some(&self.state))?;
         let size = self.size();
         let stack = {
             let map = self.state.map.lock();
