@@ -226,8 +226,9 @@ impl Inner {
                 self.dirty_blocks.fetch_add(1, Ordering::Relaxed);
             }
         }
-        if !applied.rest.is_empty() {
-            // Settle the rest soon, a bounded commit at a time.
+        if !applied.rest.is_empty() && self.since_last_io() >= crate::gc::IO_QUIET {
+            // Settle the rest now, a bounded commit at a time, while nothing else runs (under
+            // load the commits the writes cause settle it; see `gc.rs`).
             self.wake_background();
         }
         for (v, unmapped) in &applied.unmapped {

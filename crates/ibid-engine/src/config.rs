@@ -68,7 +68,7 @@ impl Default for PoolConfig {
             dedup_filter_min: 1 << 20,
             dedup_run_keys_min: 4096,
             dedup_runs_max: 8,
-            zero_settle_entries_max: 256 << 10,
+            zero_settle_entries_max: 64 << 10,
         }
     }
 }

@@ -33,7 +33,7 @@ const CLEAN_PER_WAKE_MAX: usize = 4;
 /// after a random-write test, 734 and 679 without (BENCHMARKS.md, session 11); 4 KiB random
 /// reads at QD32 over NBD right after a random-write test 53–54 k IOPS with the cleaner
 /// running, 65–71 k without (docs/benchmarks/nbd-fio.md, session 14).
-const IO_QUIET: Duration = Duration::from_millis(100);
+pub(crate) const IO_QUIET: Duration = Duration::from_millis(100);
 /// The cleaner stops yielding once garbage reaches this share of the pool's free space, in
 /// percent. Garbage is not counted as used space but occupies the filesystem below, so it
 /// must stay well inside the room the pool promises; past this share the cleaner runs
@@ -73,6 +73,17 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             tracing::error!("background commit: {e}");
             continue;
         }
+        if inner.since_last_io() >= IO_QUIET
+            && inner
+                .volumes
+                .read()
+                .values()
+                .any(|v| v.map.lock().has_zeroed())
+        {
+            // Zeroed ranges left to settle and no I/O: the next part at once (under load,
+            // each commit the writes cause settles a part).
+            continue;
+        }
         if let Err(e) = inner.flatten_all(false) {
             tracing::error!("flatten volume layers: {e}");
         }
@@ -106,7 +117,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
 
 impl Inner {
     /// How long ago the last foreground request ran (since the pool opened, if none has).
-    fn since_last_io(&self) -> Duration {
+    pub(crate) fn since_last_io(&self) -> Duration {
         let now = self.opened.elapsed();
         now.saturating_sub(Duration::from_millis(
             self.last_io_ms.load(Ordering::Relaxed),
