@@ -233,8 +233,8 @@ impl Inner {
         }
         for (v, unmapped) in &applied.unmapped {
             // The in-memory count kept every change since the cut exact; only the ranges'
-            // committed blocks were left to subtract.
-            // Under the map lock, as every change of a mapped count and its reservation.
+            // committed blocks were left to subtract (under the map lock, as every change of
+            // a mapped count and its reservation).
             let mut map = v.map.lock();
             map.mapped_blocks -= unmapped;
             self.note_mapped_change(v, -(*unmapped as i64));
@@ -558,7 +558,8 @@ impl Inner {
                 }
                 let w1 = b1.min(w0.saturating_add(window));
                 // A window costs one unit even when it finds nothing, so a range over an
-                // empty petabyte also ends in a few transactions.
+                // empty petabyte also settles in a bounded number of commits (64 at the
+                // defaults).
                 let found = span.settle(self, txn, read, w0, w1)?;
                 *budget = budget.saturating_sub(1 + found);
                 w0 = w1;

@@ -596,6 +596,7 @@ impl Pool {
     /// Makes everything written so far durable and commits it to the metadata store, zeroed
     /// ranges settled (a [`Volume::flush`] is cheaper: it only journals).
     pub fn sync(&self) -> Result<()> {
+        self.inner.commit()?;
         self.inner.settle_zeroed(None)
     }
 
@@ -839,7 +840,7 @@ impl Pool {
                 .seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
         }
         self.inner.flatten_all(true)?;
-        self.inner.settle_zeroed(None)?;
+        self.sync()?;
         // Only the segments there now. The segments the cleaner fills meanwhile and those
         // concurrent writers seal become eligible as soon as a commit runs, and overwrites keep
         // putting dead bytes in them: a loop over "whatever qualifies" has no end while
@@ -861,7 +862,7 @@ impl Pool {
 
     /// Checks every invariant of the pool's metadata and data (see [`crate::verify`]).
     pub fn verify(&self) -> Result<crate::verify::VerifyReport> {
-        self.inner.settle_zeroed(None)?;
+        self.sync()?;
         crate::verify::verify(&self.inner)
     }
 
@@ -972,7 +973,8 @@ pub(crate) fn volume_info(v: &VolumeState) -> VolumeInfo {
 
 impl Inner {
     /// Commits until no zeroed range is left to settle (see `commit.rs`) in `only`, or in any
-    /// volume: then the committed map, mapped counts, tbz, reservations and space are exact.
+    /// volume (no commit if none is): then the committed map, mapped counts, tbz, reservations
+    /// and space are exact.
     /// Each commit settles a bounded part; zeroes arriving meanwhile are settled too, up to
     /// [`SETTLE_COMMITS_MAX`] commits.
     pub(crate) fn settle_zeroed(&self, only: Option<&VolumeState>) -> Result<()> {
@@ -986,7 +988,7 @@ impl Inner {
         };
         let mut commits = 0;
         loop {
-            if commits > 0 && !pending() {
+            if !pending() {
                 return Ok(());
             }
             if commits == SETTLE_COMMITS_MAX {

@@ -187,7 +187,7 @@ impl Volume {
     }
 
     /// Blocks mapped to data, including uncommitted writes. Zeroing counts the blocks it
-    /// unmaps when it commits, so this commits first if a zeroed range is still pending.
+    /// unmaps as its range settles, so this commits first while a zeroed range is pending.
     pub fn mapped_blocks(&self) -> u64 {
         if let Err(e) = self.inner.settle_zeroed(Some(&self.state)) {
             tracing::warn!("commit to count zeroed blocks failed: {e}");
@@ -263,9 +263,10 @@ impl Volume {
         self.after_write(fua)
     }
 
-    /// Makes the range read as zeros and releases its space: a metadata operation whose cost
-    /// is proportional to the mapped blocks in the range, not its length. This is also unmap,
-    /// trim and discard.
+    /// Makes the range read as zeros and releases its space: a metadata operation. The call
+    /// costs the range's uncommitted entries, not its length nor its committed data; the
+    /// commits after it release the committed blocks' space. This is also unmap, trim and
+    /// discard.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, len)?;
@@ -467,6 +468,7 @@ impl Volume {
     /// alone (not shared with a clone or snapshot) and its chunk has no other reference (no
     /// duplicate elsewhere, no hidden entry in a layer awaiting flattening).
     pub fn space(&self) -> Result<VolumeSpace> {
+        self.inner.commit()?;
         self.inner.settle_zeroed(Some(&self.state))?;
         let size = self.size();
         let stack = {
