@@ -237,7 +237,11 @@ impl Inner {
             // a mapped count and its reservation).
             let mut map = v.map.lock();
             map.mapped_blocks -= unmapped;
-            self.note_mapped_change(v, -(*unmapped as i64));
+            // A volume deleted since the cut took its whole share out of the reservations,
+            // these blocks included.
+            if !map.deleted {
+                self.note_mapped_change(v, -(*unmapped as i64));
+            }
         }
         for s in &self.shards {
             s.lock().committing = Arc::new(ShardBatch::default());

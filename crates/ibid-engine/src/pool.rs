@@ -705,12 +705,23 @@ impl Pool {
         Ok(Volume::new(self.inner.clone(), state))
     }
 
-    /// Lists the volumes, by name, with exact mapped counts (zeroed ranges not yet committed
-    /// are committed first, see [`crate::Volume::mapped_blocks`]).
+    /// Lists the volumes, by name, with exact mapped counts (zeroed ranges not yet settled
+    /// are committed first, see [`crate::Volume::mapped_blocks`]: that can take many commits
+    /// after a large zero). Paths that need the names and sizes but must not wait use
+    /// [`Pool::list_volumes_now`].
     pub fn list_volumes(&self) -> Vec<VolumeInfo> {
         if let Err(e) = self.inner.settle_zeroed(None) {
             tracing::warn!("commit to count zeroed blocks failed: {e}");
         }
+        self.list_volumes_now()
+    }
+
+    /// Lists the volumes, by name, as they stand, without committing: while a zeroed range
+    /// settles, a volume's mapped count (and what follows from it: unwritten, tbz) still
+    /// includes the committed blocks the range hides, and can pass its size if blocks in
+    /// the range were written again. For protocol paths (export and LUN lists, EXTENDED
+    /// COPY's target lookup) and metrics scrapes.
+    pub fn list_volumes_now(&self) -> Vec<VolumeInfo> {
         self.inner
             .volumes
             .read()
@@ -762,10 +773,10 @@ impl Pool {
             let mut map = state.map.lock();
             map.deleted = true;
             if state.format().is_thick() {
-                let unwritten = crate::provision::unwritten_blocks(map.size, map.mapped_blocks);
+                let share = crate::provision::reservation_share(map.size, map.mapped_blocks);
                 self.inner
                     .thick_unwritten_blocks
-                    .fetch_sub(unwritten as i64, Ordering::Relaxed);
+                    .fetch_sub(share, Ordering::Relaxed);
             }
             drop(map);
             state
@@ -978,13 +989,15 @@ impl Inner {
     /// Each commit settles a bounded part; zeroes arriving meanwhile are settled too, up to
     /// [`SETTLE_COMMITS_MAX`] commits.
     pub(crate) fn settle_zeroed(&self, only: Option<&VolumeState>) -> Result<()> {
+        // A deleted volume's overlay is never emptied again (its handles may outlive it):
+        // nothing waits on its ranges.
+        let pending_in = |v: &VolumeState| {
+            let map = v.map.lock();
+            !map.deleted && map.has_zeroed()
+        };
         let pending = || match only {
-            Some(v) => v.map.lock().has_zeroed(),
-            None => self
-                .volumes
-                .read()
-                .values()
-                .any(|v| v.map.lock().has_zeroed()),
+            Some(v) => pending_in(v),
+            None => self.volumes.read().values().any(|v| pending_in(v)),
         };
         let mut commits = 0;
         loop {

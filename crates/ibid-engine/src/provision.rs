@@ -50,6 +50,17 @@ pub(crate) fn unwritten_blocks(size: u64, mapped: u64) -> u64 {
     size.div_ceil(BLOCK_BYTES as u64).saturating_sub(mapped)
 }
 
+/// What a thick volume of `size` bytes with `mapped` blocks adds to the pool's
+/// `thick_unwritten_blocks`: its unwritten blocks, or less than zero while a zeroed range
+/// settles. The in-memory mapped count counts a block written inside a pending zeroed range
+/// while the committed block the range hides is still counted (the range's settlement
+/// subtracts it), so it can pass the volume's size meanwhile; the pool's sum follows every
+/// change of it (`note_mapped_change`), and a volume leaving the sum must take out exactly
+/// that, not [`unwritten_blocks`]' zero.
+pub(crate) fn reservation_share(size: u64, mapped: u64) -> i64 {
+    size.div_ceil(BLOCK_BYTES as u64) as i64 - mapped as i64
+}
+
 impl VolumeState {
     /// The volume's provisioning format.
     pub(crate) fn format(&self) -> VolumeFormat {
@@ -158,18 +169,18 @@ impl Pool {
         if old == format {
             return Ok(old);
         }
-        let unwritten = unwritten_blocks(map.size, map.mapped_blocks) as i64;
+        let share = reservation_share(map.size, map.mapped_blocks);
         match (old.is_thick(), format.is_thick()) {
             (false, true) => {
-                self.inner.check_reservation(unwritten as u64)?;
+                self.inner.check_reservation(share.max(0) as u64)?;
                 self.inner
                     .thick_unwritten_blocks
-                    .fetch_add(unwritten, Ordering::Relaxed);
+                    .fetch_add(share, Ordering::Relaxed);
             }
             (true, false) => {
                 self.inner
                     .thick_unwritten_blocks
-                    .fetch_sub(unwritten, Ordering::Relaxed);
+                    .fetch_sub(share, Ordering::Relaxed);
             }
             _ => {}
         }

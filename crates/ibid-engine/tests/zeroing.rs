@@ -6,7 +6,7 @@
 mod common;
 
 use common::{quiet_config, random_block};
-use ibid_engine::{Pool, PoolConfig, Volume};
+use ibid_engine::{Pool, PoolConfig, Volume, VolumeFormat};
 use std::path::Path;
 
 const BLOCK: u64 = 4096;
@@ -214,4 +214,82 @@ fn zeroed_ranges_left_by_a_commit_stay_hidden_and_survive_a_crash() {
     m.check(&v, "after reopen");
     let report = pool.verify().expect("verify");
     assert_eq!(report.chunks, m.0.iter().flatten().count() as u64);
+}
+
+/// A thick volume whose blocks are all zeroed and written again before the zero settles
+/// counts more mapped blocks than it has (the hidden committed ones, until the settlement
+/// subtracts them). Deleting it, or making it thin, in that state must take out of the pool's
+/// reservations exactly what it put in: `verify` recounts them from the volumes.
+#[test]
+fn leaving_the_reservations_while_a_rewritten_zero_settles_takes_out_the_exact_share() {
+    for leave in ["delete", "thin"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = pool_at(dir.path(), 256 << 10);
+        let keep = pool
+            .create_volume_with_format("keep", 16 * BLOCK, VolumeFormat::EagerZeroedThick)
+            .expect("keep");
+        keep.write(0, &random_block(1), false).expect("write");
+        let v = pool
+            .create_volume_with_format("v", 64 * BLOCK, VolumeFormat::EagerZeroedThick)
+            .expect("v");
+        let mut m = Model::new(64);
+        for b in 0..64 {
+            m.write(&v, b, b);
+        }
+        pool.sync().expect("sync");
+        m.zero(&v, 0, 64);
+        for b in 0..64 {
+            m.write(&v, b, 100 + b);
+        }
+        match leave {
+            "delete" => pool.delete_volume("v").expect("delete"),
+            _ => {
+                pool.set_volume_format("v", VolumeFormat::Thin)
+                    .expect("to thin");
+            }
+        }
+        pool.verify()
+            .unwrap_or_else(|e| panic!("{leave}: verify: {e}"));
+        assert_eq!(
+            pool.stats().reserved_bytes,
+            15 * ibid_engine::RESERVED_BYTES_PER_BLOCK,
+            "{leave}: only keep's 15 unwritten blocks stay reserved"
+        );
+    }
+}
+
+/// A handle of a deleted volume whose zero never settled answers without committing:
+/// nothing waits on the ranges of a volume that is gone (they are never emptied, and
+/// waiting for them ran commits up to the settling loop's limit, 64 Ki, on every call). Timed
+/// against commits on the same pool: the call must cost less than 4 Ki of them.
+#[test]
+fn a_deleted_volume_with_a_pending_zero_does_not_keep_its_handles_committing() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_at(dir.path(), 256 << 10);
+    let v = pool.create_volume("v", 64 * BLOCK).expect("v");
+    for b in 0..64 {
+        v.write(b * BLOCK, &random_block(b), false).expect("write");
+    }
+    pool.sync().expect("sync");
+    v.write_zeroes(0, 64 * BLOCK, false).expect("zero");
+    pool.delete_volume("v").expect("delete");
+    let t = Instant::now();
+    for _ in 0..4096 {
+        pool.commit_once().expect("commit");
+    }
+    let commits = t.elapsed();
+    let call = (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let _ = v.mapped_blocks();
+            let _ = v.space();
+            t.elapsed()
+        })
+        .min()
+        .unwrap_or(Duration::MAX);
+    assert!(
+        call < commits,
+        "a gone volume's handle took {call:?}; 4096 commits took {commits:?}"
+    );
 }

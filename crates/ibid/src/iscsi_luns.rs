@@ -53,7 +53,7 @@ fn to_lun_error(e: Error) -> LunError {
 impl Luns for PoolLuns {
     fn list(&self) -> Vec<LunInfo> {
         self.pool
-            .list_volumes()
+            .list_volumes_now()
             .into_iter()
             .filter(|v| v.id - 1 <= LUN_MAX)
             .map(|v| LunInfo {

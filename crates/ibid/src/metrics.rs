@@ -8,7 +8,7 @@
 //!   it opens the volume and keeps the `Arc`, so recording a request takes no lock. (NBD opens
 //!   once per connection; the iSCSI target opens the LUN per command, so there the lookup, a
 //!   shared read lock, is per command, next to the engine's own volume lookup.)
-//! - **Space**, read from the engine at scrape time ([`Pool::stats`], [`Pool::list_volumes`]):
+//! - **Space**, read from the engine at scrape time ([`Pool::stats`], [`Pool::list_volumes_now`]):
 //!   figures exact as of the last commit (at most about a second old). A scrape never forces a
 //!   commit.
 //!
@@ -205,7 +205,7 @@ impl Metrics {
 
     /// The whole exposition page for `pool`.
     pub fn render(&self, pool: &Pool) -> String {
-        let volumes = pool.list_volumes();
+        let volumes = pool.list_volumes_now();
         let mut existing: HashSet<String> = volumes.iter().map(|v| v.name.clone()).collect();
         existing.extend(
             pool.list_snapshots(None)

@@ -34,7 +34,7 @@ impl Exports for PoolExports {
                 description: format!("ibid snapshot, read-only, {} bytes", s.size_bytes),
             });
         self.pool
-            .list_volumes()
+            .list_volumes_now()
             .into_iter()
             .map(|v| ExportInfo {
                 description: format!("ibid volume, {} bytes", v.size_bytes),

@@ -216,7 +216,7 @@ fn print_banner(
             opts.iqn, opts.iqn
         );
     }
-    let volumes = pool.list_volumes();
+    let volumes = pool.list_volumes_now();
     if volumes.is_empty() {
         println!("  no volumes yet: create one with  ibid volume create vm1 --size 50G");
     }
