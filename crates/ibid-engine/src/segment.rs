@@ -31,8 +31,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
-/// Bytes a writer buffers before it writes them to its segment file.
-pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
+/// Bytes a writer buffers before it writes them to its segment file. 4 MiB rather than 1: a
+/// slow disk takes larger writes faster (session 17's host: 400 against 353 MB/s at one write
+/// in flight; NBD unique writes +1–10 % in 3 pairs), at up to 12 MiB of memory per writer (the
+/// buffer, its spare and the write in flight).
+pub const WRITE_BUFFER_BYTES: usize = 4 << 20;
 /// Marker for a writer slot with no open segment.
 const NO_SEGMENT: u64 = u64::MAX;
 /// Unit of direct I/O: buffer addresses, file offsets and lengths are multiples of it.
