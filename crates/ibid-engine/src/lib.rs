@@ -20,6 +20,7 @@
 pub mod allocator;
 mod bloom;
 mod commit;
+mod compression;
 pub mod config;
 mod copy;
 mod dedup_index;

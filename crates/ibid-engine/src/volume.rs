@@ -4,6 +4,7 @@
 //! a write that covers part of a block reads the block, patches it and writes it whole, holding
 //! the block's stripe lock so concurrent partial writes to one block never lose each other.
 
+use crate::compression;
 use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::format::{self, Frame, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
@@ -113,13 +114,6 @@ impl Drop for Preparing<'_> {
     fn drop(&mut self) {
         self.counter.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-thread_local! {
-    /// Each writing thread's output buffer for LZ4 attempts (one block's worst case), so that
-    /// compressing a block allocates nothing.
-    static LZ4_SCRATCH: std::cell::RefCell<Vec<u8>> =
-        std::cell::RefCell::new(vec![0; lz4_flex::block::get_maximum_output_size(BLOCK_BYTES)]);
 }
 
 /// The fingerprints of whole blocks (at most [`fingerprint::LANES`]), `None` for an all-zero
@@ -1101,8 +1095,9 @@ impl Inner {
                 return Ok(Entry::Data(id));
             }
         }
-        LZ4_SCRATCH
-            .with_borrow_mut(|scratch| self.store_new_block(v, block, fp, shard, stamp, scratch))
+        compression::with_compressed(block, |compressed| {
+            self.store_new_block(v, block, compressed, fp, shard, stamp)
+        })
     }
 
     /// Locks shard `shard` once no writer is placing a new chunk with fingerprint `fp`.
@@ -1119,7 +1114,7 @@ impl Inner {
     }
 
     /// [`Self::prepare_block`] for a block no stored chunk matched (`shard`: its fingerprint's
-    /// shard): compresses it (into `scratch`), looks again in case another writer stored the
+    /// shard; `compressed`: its LZ4 form when that is smaller): looks again in case another writer stored the
     /// same block meanwhile, and appends it as a new chunk.
     ///
     /// The shard is locked only to decide: the fingerprint is marked `placing` while the record
@@ -1132,14 +1127,14 @@ impl Inner {
         &self,
         v: &VolumeState,
         block: &[u8],
+        compressed: Option<&[u8]>,
         fp: [u8; 32],
         shard: usize,
         stamp: u64,
-        scratch: &mut [u8],
     ) -> Result<Entry> {
-        let (flags, payload) = match lz4_flex::block::compress_into(block, scratch) {
-            Ok(n) if n < BLOCK_BYTES => (RECORD_FLAG_LZ4, &scratch[..n]),
-            _ => (0, block),
+        let (flags, payload) = match compressed {
+            Some(c) => (RECORD_FLAG_LZ4, c),
+            None => (0, block),
         };
         {
             let mut s = self.lock_settled(shard, &fp);
