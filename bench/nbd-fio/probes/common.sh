@@ -13,7 +13,7 @@ start_ibid() {
     "$bin" serve --data "$SCRATCH/pool" --nbd 127.0.0.1:$PORT --iscsi off --http off \
         --volume bench=16G --no-default-volume "$@" > "$SCRATCH/log" 2>&1 &
     PID=$!
-    trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$SCRATCH"' EXIT
+    trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; cp "$SCRATCH/log" /tmp/last-probe.log 2>/dev/null; rm -rf "$SCRATCH"' EXIT
     for _ in $(seq 100); do nbdinfo --size "$URI" >/dev/null 2>&1 && return; sleep 0.1; done
     echo "ibid did not start: $(tail -3 "$SCRATCH/log")" >&2; exit 1
 }
