@@ -559,7 +559,7 @@ impl Segments {
         Ok(placement)
     }
 
-    /// Fails if a background write has failed.
+    /// Fails if a background write or sync has failed.
     fn check_io(&self) -> Result<()> {
         if !self.shared.failed_any.load(Ordering::Acquire) {
             return Ok(());
