@@ -293,3 +293,37 @@ fn a_deleted_volume_with_a_pending_zero_does_not_keep_its_handles_committing() {
         "a gone volume's handle took {call:?}; 4096 commits took {commits:?}"
     );
 }
+
+/// While a zeroed range is left to settle, the listing protocol paths and metrics use
+/// (`list_volumes_now`) runs no commit and shows the lagging count; the API's exact
+/// `list_volumes` commits until the range has settled.
+#[test]
+fn protocol_listings_do_not_commit_while_a_range_settles() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool_at(dir.path(), 16);
+    let v = pool.create_volume("v", 256 * BLOCK).expect("v");
+    for b in 0..256 {
+        v.write(b * BLOCK, &random_block(b), false).expect("write");
+    }
+    pool.sync().expect("sync");
+    v.write_zeroes(0, 256 * BLOCK, false).expect("zero");
+    pool.commit_once().expect("commit");
+    let before = pool.stats().committed_batches;
+    let now = pool.list_volumes_now();
+    assert_eq!(
+        pool.stats().committed_batches,
+        before,
+        "list_volumes_now committed"
+    );
+    assert_eq!(now.len(), 1);
+    assert!(
+        now[0].mapped_blocks > 0,
+        "one commit of 16 entries settled all 256 blocks"
+    );
+    let exact = pool.list_volumes();
+    assert_eq!(exact[0].mapped_blocks, 0);
+    assert!(
+        pool.stats().committed_batches > before + 1,
+        "256 blocks settled 16 at a time in under two commits"
+    );
+}
