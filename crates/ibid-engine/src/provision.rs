@@ -47,7 +47,7 @@ pub const RESERVED_BYTES_PER_BLOCK: u64 =
 
 /// Blocks of a volume of `size` bytes with `mapped` blocks of data that hold no data.
 pub(crate) fn unwritten_blocks(size: u64, mapped: u64) -> u64 {
-    size.div_ceil(BLOCK_BYTES as u64).saturating_sub(mapped)
+    reservation_share(size, mapped).max(0) as u64
 }
 
 /// What a thick volume of `size` bytes with `mapped` blocks adds to the pool's
