@@ -5,7 +5,8 @@
 //! ends with one copy of its whole contents to the output, 18 bytes past the window's start
 //! (the token and the length bytes); when that destination sits just ahead of the source modulo
 //! 4 KiB, each load waits on the store before it (4K aliasing): on the AMD EPYC hosts this
-//! project measures on, a 4 KiB `memcpy` 1–31 bytes ahead takes ~3× as long (320 vs 100 ns),
+//! project measures on, a 4 KiB `memcpy` just ahead takes ~3× as long (242–345 vs ~100 ns,
+//! `bench/nbd-fio/probes/memcpy-alias.c`),
 //! and that copy was 14 % of the server's samples under unique 1 MiB writes.
 
 use std::cell::RefCell;
