@@ -278,12 +278,14 @@ impl Inner {
     ) -> Result<Applied> {
         let mut txn = self.db.write()?;
         let applied = self.apply_tables(&mut txn, batch, record)?;
-        durable()?;
         record.commits = batch.no;
+        // Past every chunk and segment of the batch: they were made before its cut.
         record.next_chunk_seq = self.chunk_seq.load(Ordering::Relaxed);
         record.next_segment_id = self.segments.next_id();
         txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
-        txn.commit()?;
+        // The store's own work (redb's B-tree inserts) goes on while the segments sync; the
+        // transaction commits once they have.
+        txn.commit_after(durable)?;
         Ok(applied)
     }
 

@@ -124,7 +124,7 @@ impl MetaStore for FjallStore {
         }))
     }
 
-    fn write(&self, batch: &Batch) -> Result<()> {
+    fn write(&self, batch: &Batch, ready: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         let mut b = self.db.batch().durability(Some(PersistMode::SyncData));
         for t in Table::ALL {
             let ks = self.keyspace(t);
@@ -135,6 +135,8 @@ impl MetaStore for FjallStore {
                 }
             }
         }
+        // Dropped uncommitted on an error: nothing is written.
+        ready()?;
         b.commit()?;
         Ok(())
     }

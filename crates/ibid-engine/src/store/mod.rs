@@ -191,9 +191,11 @@ impl Batch {
 pub trait MetaStore: Send + Sync {
     /// A consistent view of the last committed batch.
     fn snapshot(&self) -> Result<Box<dyn Snapshot + '_>>;
-    /// Applies `batch` atomically; durable (fsynced) when it returns `Ok`. Callers serialize
-    /// writes ([`Store`] does).
-    fn write(&self, batch: &Batch) -> Result<()>;
+    /// Applies `batch` atomically; durable (fsynced) when it returns `Ok`. Calls `ready` once
+    /// the batch is in a transaction not yet committed (for redb, after the B-tree work, most
+    /// of a write's time) and commits only if it returns `Ok` (else returns its error, having
+    /// changed nothing). Callers serialize writes ([`Store`] does).
+    fn write(&self, batch: &Batch, ready: &mut dyn FnMut() -> Result<()>) -> Result<()>;
     /// Bytes the store occupies on disk.
     fn disk_bytes(&self) -> u64;
 }
@@ -654,12 +656,21 @@ impl WriteTxn<'_> {
     }
 
     /// Applies every change atomically; durable when it returns `Ok`.
-    pub fn commit(mut self) -> Result<()> {
+    pub fn commit(self) -> Result<()> {
+        self.commit_after(|| Ok(()))
+    }
+
+    /// [`Self::commit`], calling `ready` once the changes are applied to the backend's
+    /// transaction and committing only if it returns `Ok`: what must be durable before the
+    /// changes are (the records they point at) can be made so while the backend works.
+    pub fn commit_after(mut self, ready: impl FnOnce() -> Result<()>) -> Result<()> {
         self.base = None;
+        let mut ready = Some(ready);
+        let mut ready = || ready.take().map_or(Ok(()), |f| f());
         if self.batch.is_empty() {
-            return Ok(());
+            return ready();
         }
-        self.store.backend.write(&self.batch)
+        self.store.backend.write(&self.batch, &mut ready)
     }
 }
 
@@ -724,6 +735,49 @@ mod tests {
             assert_eq!(all, vec![(256, 2560)]);
             assert_eq!(r.get(meta::VOLUMES, "vm1")?, Some(b"record".to_vec()));
             assert!(store.disk_bytes() > 0);
+        }
+        Ok(())
+    }
+
+    /// Both backends: `commit_after` calls `ready` once, before the changes are visible, and
+    /// commits only if it succeeds; a failed `ready` is returned and changes nothing, also
+    /// after a reopen. An empty transaction calls it too.
+    #[test]
+    fn commit_after_commits_only_once_ready() -> Result<()> {
+        for kind in [Backend::Redb, Backend::Fjall] {
+            let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+            {
+                let store = Store::create(dir.path(), kind)?;
+                let mut txn = store.write()?;
+                txn.insert(meta::LAYERS, &1u64, &10u64);
+                let mut calls = 0;
+                let failed = txn.commit_after(|| {
+                    calls += 1;
+                    Err(Error::Failed("not ready".into()))
+                });
+                assert!(matches!(failed, Err(Error::Failed(why)) if why == "not ready"));
+                assert_eq!(calls, 1);
+                assert_eq!(store.read()?.get(meta::LAYERS, &1)?, None, "{kind:?}");
+                let mut txn = store.write()?;
+                txn.insert(meta::LAYERS, &2u64, &20u64);
+                txn.commit_after(|| {
+                    calls += 1;
+                    // Not yet committed when `ready` runs.
+                    assert_eq!(store.read()?.get(meta::LAYERS, &2)?, None);
+                    Ok(())
+                })?;
+                assert_eq!(calls, 2);
+                assert_eq!(store.read()?.get(meta::LAYERS, &2)?, Some(20));
+                store.write()?.commit_after(|| {
+                    calls += 1;
+                    Ok(())
+                })?;
+                assert_eq!(calls, 3);
+            }
+            let store = Store::open(dir.path())?;
+            let r = store.read()?;
+            let all: Vec<(u64, u64)> = r.iter(meta::LAYERS)?.collect::<Result<_>>()?;
+            assert_eq!(all, vec![(2, 20)], "{kind:?}");
         }
         Ok(())
     }

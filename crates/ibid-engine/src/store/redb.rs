@@ -300,7 +300,7 @@ impl MetaStore for RedbStore {
         Ok(Box::new(self.current.read().clone()))
     }
 
-    fn write(&self, batch: &Batch) -> Result<()> {
+    fn write(&self, batch: &Batch, ready: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         let txn = self.db.begin_write()?;
         for t in Table::ALL {
             let ops = &batch.tables[t.index()];
@@ -308,6 +308,8 @@ impl MetaStore for RedbStore {
                 dispatch!(t, apply_ops, &txn, ops)?;
             }
         }
+        // Dropped uncommitted on an error: redb aborts it.
+        ready()?;
         txn.commit()?;
         *self.current.write() = Arc::new(RedbSnapshot::begin(&self.db)?);
         Ok(())
