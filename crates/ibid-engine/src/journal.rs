@@ -367,9 +367,15 @@ impl Journal {
     /// Appends a change of batch `stamp`. Call it where the change becomes visible (with the
     /// map or shard lock that orders it held), so the journal's order is the order of changes.
     pub(crate) fn append(&self, stamp: u64, change: Change) {
+        self.append_all(stamp, [change]);
+    }
+
+    /// [`Self::append`] for several changes, in order, under one lock.
+    pub(crate) fn append_all(&self, stamp: u64, changes: impl IntoIterator<Item = Change>) {
         let mut p = self.pending.lock();
-        p.changes.push((stamp, change));
-        p.appended += 1;
+        let before = p.changes.len();
+        p.changes.extend(changes.into_iter().map(|c| (stamp, c)));
+        p.appended += (p.changes.len() - before) as u64;
     }
 
     /// Forgets pending changes of batches up to `committed`: the store now holds them.

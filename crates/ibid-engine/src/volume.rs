@@ -15,6 +15,7 @@ use crate::neighbours::Neighbours;
 use crate::pool::{
     Entry, Inner, ShardState, VolumeMap, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
 };
+use crate::segment::NewRecord;
 use crate::stack::{Found, Resolved};
 use crate::stats::VolumeSpace;
 use crate::store::{ReadTxn, Reader};
@@ -541,6 +542,14 @@ enum CopyPiece {
 }
 
 /// A block prepared for installation in a volume map.
+/// A new chunk to place: its fingerprint and shard, and its record's flags and payload.
+struct NewChunk<'a> {
+    fp: [u8; 32],
+    shard: usize,
+    flags: u16,
+    payload: &'a [u8],
+}
+
 struct Prepared {
     block: u64,
     entry: Entry,
@@ -987,16 +996,8 @@ impl Inner {
                     &data[start..start + BLOCK_BYTES]
                 })
                 .collect();
-            let mut results = Vec::with_capacity(blocks.len());
-            for (block, fp) in blocks.iter().zip(fingerprints(&blocks)) {
-                let r = self.prepare_fingerprinted(v, block, fp, stamp, neighbours.as_ref());
-                let failed = r.is_err();
-                results.push(r);
-                if failed {
-                    break;
-                }
-            }
-            results
+            let fps = fingerprints(&blocks);
+            self.prepare_group(v, &blocks, &fps, stamp, neighbours.as_ref())
         };
         let groups = (f1 - f0).div_ceil(LANES) as usize;
         let busy = Preparing::enter(&self.preparing);
@@ -1100,6 +1101,165 @@ impl Inner {
         })
     }
 
+    /// [`Self::prepare_fingerprinted`] for a group of whole blocks (at most
+    /// [`fingerprint::LANES`], `fps` as [`fingerprints`] gives them), with the new chunks
+    /// among them placed together: one segment append and one journal append for the group,
+    /// and one shard lock per block to look it up (it is marked `placing` in the same hold
+    /// when nothing matches) and one to register it — instead of a lock of each per block.
+    /// Results in block order, ending at the first failure; the blocks after it took no
+    /// references (those they took are given back here).
+    ///
+    /// No deadlock with other writers: while the group holds `placing` marks it never waits for
+    /// one. A block another writer is placing is set aside and prepared alone once the group's
+    /// own marks are cleared; a block repeating an earlier new block of the group refers to it.
+    fn prepare_group(
+        &self,
+        v: &VolumeState,
+        blocks: &[&[u8]],
+        fps: &[Option<[u8; 32]>],
+        stamp: u64,
+        neighbours: Option<&Neighbours>,
+    ) -> Vec<Result<Entry>> {
+        /// What became of one block of the group.
+        enum Slot {
+            Done(Result<Entry>),
+            /// The `i`th new chunk of the group (also for a repeat of its block).
+            New(usize),
+            /// Another writer was placing this block: prepared alone, after the group's own.
+            Later,
+        }
+        let mut slots: Vec<Slot> = Vec::with_capacity(blocks.len());
+        let mut marks: Vec<PlacingMark> = Vec::new();
+        // Repeats of each new chunk's block within the group (references to add at its
+        // registration).
+        let mut repeats: Vec<i64> = Vec::new();
+        let mut new_blocks: Vec<usize> = Vec::new();
+        for (i, fp) in fps.iter().enumerate() {
+            let Some(fp) = *fp else {
+                slots.push(Slot::Done(Ok(Entry::Zero)));
+                continue;
+            };
+            if let Some(j) = marks.iter().position(|m| m.fp == fp) {
+                repeats[j] += 1;
+                slots.push(Slot::New(j));
+                continue;
+            }
+            let shard = fp[0] as usize % SHARDS;
+            let mut s = self.shards[shard].lock();
+            if s.placing.contains(&fp) {
+                slots.push(Slot::Later);
+                continue;
+            }
+            match self.find_duplicate(&s, &fp, neighbours) {
+                Ok(Some(id)) => {
+                    *s.dirty.deltas.entry(id).or_default() += 1;
+                    drop(s);
+                    if let Some(n) = neighbours {
+                        n.load_if_pending(&self.db, &self.frees);
+                    }
+                    slots.push(Slot::Done(Ok(Entry::Data(id))));
+                }
+                Ok(None) => {
+                    s.placing.insert(fp);
+                    drop(s);
+                    marks.push(PlacingMark {
+                        inner: self,
+                        shard,
+                        fp,
+                    });
+                    repeats.push(1);
+                    new_blocks.push(i);
+                    slots.push(Slot::New(marks.len() - 1));
+                }
+                Err(e) => {
+                    slots.push(Slot::Done(Err(e)));
+                    break;
+                }
+            }
+        }
+        let mut placed = Ok(Vec::new());
+        if !marks.is_empty() {
+            // Compressed forms, back to back in one buffer (the scratch is per call).
+            let mut packed: Vec<u8> = Vec::new();
+            let forms: Vec<Option<std::ops::Range<usize>>> = new_blocks
+                .iter()
+                .map(|&i| {
+                    compression::with_compressed(blocks[i], |c| {
+                        c.map(|c| {
+                            packed.extend_from_slice(c);
+                            packed.len() - c.len()..packed.len()
+                        })
+                    })
+                })
+                .collect();
+            let chunks: Vec<NewChunk> = marks
+                .iter()
+                .zip(&new_blocks)
+                .zip(&forms)
+                .map(|((m, &i), form)| {
+                    let (flags, payload) = match form {
+                        Some(r) => (RECORD_FLAG_LZ4, &packed[r.clone()]),
+                        None => (0, blocks[i]),
+                    };
+                    NewChunk {
+                        fp: m.fp,
+                        shard: m.shard,
+                        flags,
+                        payload,
+                    }
+                })
+                .collect();
+            placed = self.place_chunks(v, &chunks, stamp);
+            let bloom = self.bloom();
+            match &placed {
+                Ok(chunks) => {
+                    for ((mark, &(id, rec)), refs) in marks.drain(..).zip(chunks).zip(&repeats) {
+                        let fp = mark.fp;
+                        let mut s = mark.clear();
+                        s.dirty.new_chunks.insert(id, rec);
+                        s.dirty.fps.insert(fp, id);
+                        *s.dirty.deltas.entry(id).or_default() += refs;
+                        drop(s);
+                        bloom.insert(meta::fp_prefix(&fp));
+                    }
+                }
+                // Nothing registered: the marks come off as they drop.
+                Err(_) => marks.clear(),
+            }
+        }
+        let (ids, mut place_error): (Vec<u64>, _) = match placed {
+            Ok(p) => (p.into_iter().map(|(id, _)| id).collect(), None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
+        let mut results = Vec::with_capacity(slots.len());
+        let mut unused = Vec::new();
+        let mut failed = false;
+        for (i, slot) in slots.into_iter().enumerate() {
+            if failed {
+                // References taken past the failure are given back.
+                match slot {
+                    Slot::Done(Ok(Entry::Data(id))) => unused.push(id),
+                    Slot::New(j) => unused.extend(ids.get(j)),
+                    _ => {}
+                }
+                continue;
+            }
+            let r = match slot {
+                Slot::Done(r) => r,
+                // The first new block reports a failed placement (and ends the group).
+                Slot::New(j) => match place_error.take() {
+                    Some(e) => Err(e),
+                    None => Ok(Entry::Data(ids[j])),
+                },
+                Slot::Later => self.prepare_fingerprinted(v, blocks[i], fps[i], stamp, neighbours),
+            };
+            failed = r.is_err();
+            results.push(r);
+        }
+        self.release(&unused);
+        results
+    }
+
     /// Locks shard `shard` once no writer is placing a new chunk with fingerprint `fp`.
     /// Waiting is rare (two writers storing the same new block at once): a poll will do.
     fn lock_settled(&self, shard: usize, fp: &[u8; 32]) -> MutexGuard<'_, ShardState> {
@@ -1149,9 +1309,15 @@ impl Inner {
             shard,
             fp,
         };
-        let placed = self.place_chunk(v, fp, shard, flags, payload, stamp);
+        let chunk = NewChunk {
+            fp,
+            shard,
+            flags,
+            payload,
+        };
+        let placed = self.place_chunks(v, &[chunk], stamp);
         let mut s = mark.clear();
-        let (id, rec) = placed?;
+        let (id, rec) = placed?[0];
         s.dirty.new_chunks.insert(id, rec);
         s.dirty.fps.insert(fp, id);
         *s.dirty.deltas.entry(id).or_default() += 1;
@@ -1160,43 +1326,61 @@ impl Inner {
         Ok(Entry::Data(id))
     }
 
-    /// Appends a new chunk's record to a segment and journals it; returns its id and record
-    /// (not yet registered in its shard: the caller registers it, and its space stays counted
-    /// as pending until then).
-    fn place_chunk(
+    /// Appends new chunks' records to a segment, back to back through one writer, and journals
+    /// them; returns their ids and records, in order (not yet registered in their shards: the
+    /// caller registers them, and their space stays counted as pending until then).
+    fn place_chunks(
         &self,
         v: &VolumeState,
-        fp: [u8; 32],
-        shard: usize,
-        flags: u16,
-        payload: &[u8],
+        chunks: &[NewChunk<'_>],
         stamp: u64,
-    ) -> Result<(u64, format::ChunkRecord)> {
-        let physical = (RECORD_HEADER_BYTES + payload.len()) as u64;
+    ) -> Result<Vec<(u64, format::ChunkRecord)>> {
+        let physical: u64 = chunks
+            .iter()
+            .map(|c| (RECORD_HEADER_BYTES + c.payload.len()) as u64)
+            .sum();
         let claim = self.reserve_space(physical, v)?;
-        let id = (self.chunk_seq.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | shard as u64;
-        let placed = self
-            .segments
-            .append(shard % DATA_WRITERS, id, flags, payload, stamp)?;
-        let rec = format::ChunkRecord {
-            segment: placed.segment,
-            offset: placed.offset,
-            stored_len: payload.len() as u32,
-            crc: placed.crc,
-            flags,
-            refs: 0,
-            fingerprint: fp,
-        };
-        self.journal.append(
+        let seq = self
+            .chunk_seq
+            .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+        let records: Vec<NewRecord> = (seq..)
+            .zip(chunks)
+            .map(|(seq, c)| NewRecord {
+                chunk_id: (seq << SHARD_BITS) | c.shard as u64,
+                flags: c.flags,
+                payload: c.payload,
+            })
+            .collect();
+        let placed =
+            self.segments
+                .append_all(0..DATA_WRITERS, preferred_writer(), &records, stamp)?;
+        let placed: Vec<(u64, format::ChunkRecord)> = records
+            .iter()
+            .zip(chunks)
+            .zip(placed)
+            .map(|((r, c), at)| {
+                let rec = format::ChunkRecord {
+                    segment: at.segment,
+                    offset: at.offset,
+                    stored_len: c.payload.len() as u32,
+                    crc: at.crc,
+                    flags: c.flags,
+                    refs: 0,
+                    fingerprint: c.fp,
+                };
+                (r.chunk_id, rec)
+            })
+            .collect();
+        self.journal.append_all(
             stamp,
-            Change::Chunk {
+            placed.iter().map(|&(id, rec)| Change::Chunk {
                 id,
                 rec,
                 inline: None,
-            },
+            }),
         );
         claim.keep();
-        Ok((id, rec))
+        Ok(placed)
     }
 
     /// A live chunk with this fingerprint, if any. Called with the fingerprint's shard locked,
@@ -1707,6 +1891,23 @@ fn first_holding(
         }
     }
     Ok(None)
+}
+
+/// The data writer this thread appends through when it is free: threads spread over the
+/// writers (assigned in turn at their first append), and each keeps its own.
+fn preferred_writer() -> usize {
+    use std::cell::Cell;
+    use std::sync::atomic::AtomicUsize;
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local!(static WRITER: Cell<Option<usize>> = const { Cell::new(None) });
+    WRITER.with(|w| match w.get() {
+        Some(writer) => writer,
+        None => {
+            let writer = NEXT.fetch_add(1, Ordering::Relaxed) % DATA_WRITERS;
+            w.set(Some(writer));
+            writer
+        }
+    })
 }
 
 fn stripe_of(block: u64) -> usize {
