@@ -541,7 +541,6 @@ enum CopyPiece {
     Share { src: u64, dst: u64, blocks: u64 },
 }
 
-/// A block prepared for installation in a volume map.
 /// A new chunk to place: its fingerprint and shard, and its record's flags and payload.
 struct NewChunk<'a> {
     fp: [u8; 32],
@@ -550,6 +549,7 @@ struct NewChunk<'a> {
     payload: &'a [u8],
 }
 
+/// A block prepared for installation in a volume map.
 struct Prepared {
     block: u64,
     entry: Entry,
