@@ -68,7 +68,7 @@ const PARALLEL_BLOCKS_MIN: u64 = 64;
 pub const QUICK_WRITE_BLOCKS_MAX: u64 = 16;
 
 /// A fingerprint marked `placing` in its shard: the mark comes off when the chunk is
-/// registered ([`PlacingMark::clear`]) or, should placing it panic, when this is dropped —
+/// registered ([`PlacingMark::register`]) or, should placing it panic, when this is dropped —
 /// a mark left behind would keep every later writer of that block waiting in
 /// `lock_settled`, holding the gate, and so stop every commit.
 struct PlacingMark<'a> {
@@ -78,7 +78,17 @@ struct PlacingMark<'a> {
 }
 
 impl<'a> PlacingMark<'a> {
-    /// Removes the mark; returns the shard, still locked, to register the chunk in.
+    /// Removes the mark and registers the placed chunk `id` (record `rec`) in the shard, with
+    /// `refs` references of the current batch, under one hold of the shard lock.
+    fn register(self, id: u64, rec: format::ChunkRecord, refs: i64) {
+        let fp = self.fp;
+        let mut s = self.clear();
+        s.dirty.new_chunks.insert(id, rec);
+        s.dirty.fps.insert(fp, id);
+        *s.dirty.deltas.entry(id).or_default() += refs;
+    }
+
+    /// Removes the mark; returns the shard, still locked.
     fn clear(self) -> MutexGuard<'a, ShardState> {
         let mut s = self.inner.shards[self.shard].lock();
         s.placing.remove(&self.fp);
@@ -1213,13 +1223,9 @@ impl Inner {
             let bloom = self.bloom();
             match &placed {
                 Ok(chunks) => {
-                    for ((mark, &(id, rec)), refs) in marks.drain(..).zip(chunks).zip(&repeats) {
+                    for ((mark, &(id, rec)), &refs) in marks.drain(..).zip(chunks).zip(&repeats) {
                         let fp = mark.fp;
-                        let mut s = mark.clear();
-                        s.dirty.new_chunks.insert(id, rec);
-                        s.dirty.fps.insert(fp, id);
-                        *s.dirty.deltas.entry(id).or_default() += refs;
-                        drop(s);
+                        mark.register(id, rec, refs);
                         bloom.insert(meta::fp_prefix(&fp));
                     }
                 }
@@ -1315,13 +1321,9 @@ impl Inner {
             flags,
             payload,
         };
-        let placed = self.place_chunks(v, &[chunk], stamp);
-        let mut s = mark.clear();
-        let (id, rec) = placed?[0];
-        s.dirty.new_chunks.insert(id, rec);
-        s.dirty.fps.insert(fp, id);
-        *s.dirty.deltas.entry(id).or_default() += 1;
-        drop(s);
+        // On an error the mark comes off as it drops.
+        let (id, rec) = self.place_chunks(v, &[chunk], stamp)?[0];
+        mark.register(id, rec, 1);
         self.bloom().insert(meta::fp_prefix(&fp));
         Ok(Entry::Data(id))
     }
