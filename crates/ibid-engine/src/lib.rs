@@ -49,7 +49,7 @@ pub use config::PoolConfig;
 pub use error::{Error, Result};
 pub use format::VolumeFormat;
 pub use pool::{validate_volume_name, validate_volume_size, Pool, VolumeInfo};
-pub use provision::RESERVED_BYTES_PER_BLOCK;
+pub use provision::{OVERWRITE_HEADROOM_BLOCKS_MAX, RESERVED_BYTES_PER_BLOCK};
 pub use snapshot::SnapshotInfo;
 pub use stats::{PoolStats, VolumeSpace};
 pub use store::Backend as MetaBackend;

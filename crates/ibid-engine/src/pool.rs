@@ -168,6 +168,10 @@ pub(crate) struct Inner {
     /// Blocks of thick volumes that hold no data: each keeps a reservation (see
     /// `provision.rs`). Changed with the volume's map locked.
     pub thick_unwritten_blocks: AtomicI64,
+    /// Blocks of thick volumes (their sizes summed): up to
+    /// [`crate::provision::OVERWRITE_HEADROOM_BLOCKS_MAX`] of them keep a reservation as
+    /// headroom for overwrites (see `provision.rs`). Changed with `reserve_lock` held.
+    pub thick_blocks: AtomicI64,
     /// Serializes operations that take new reservations, so two cannot both fit.
     pub reserve_lock: Mutex<()>,
     pub meta_bytes: AtomicU64,
@@ -447,6 +451,11 @@ impl Pool {
             .filter(|r| r.format.is_thick())
             .map(|r| crate::provision::unwritten_blocks(r.size, r.mapped_blocks))
             .sum();
+        let thick_blocks: u64 = volumes
+            .values()
+            .filter(|r| r.format.is_thick())
+            .map(|r| crate::provision::unwritten_blocks(r.size, 0))
+            .sum();
         // Registered before anything can commit (see layer_filter.rs); built in the background.
         let layer_filters = LayerFilters::pending(
             volumes
@@ -496,6 +505,7 @@ impl Pool {
             live_chunks: AtomicU64::new(record.live_chunks),
             pending_bytes: AtomicI64::new(0),
             thick_unwritten_blocks: AtomicI64::new(thick_unwritten as i64),
+            thick_blocks: AtomicI64::new(thick_blocks as i64),
             reserve_lock: Mutex::new(()),
             meta_bytes: AtomicU64::new(meta_bytes),
             dirty_blocks: AtomicU64::new(0),
@@ -637,8 +647,8 @@ impl Pool {
         self.inner.check_failed()?;
         let _reserving = self.inner.reserve_lock.lock();
         if format.is_thick() {
-            self.inner
-                .check_reservation(crate::provision::unwritten_blocks(size_bytes, 0))?;
+            let blocks = crate::provision::unwritten_blocks(size_bytes, 0) as i64;
+            self.inner.check_reservation(blocks, blocks)?;
         }
         let mut cs = self.inner.commit.lock();
         let mut vols = self.inner.volumes.write();
@@ -665,10 +675,11 @@ impl Pool {
         cs.record = pool_rec;
         let state = Arc::new(new_volume_state(name.to_string(), &record, false));
         if format.is_thick() {
-            self.inner.thick_unwritten_blocks.fetch_add(
-                crate::provision::unwritten_blocks(size_bytes, 0) as i64,
-                Ordering::Relaxed,
-            );
+            let blocks = crate::provision::unwritten_blocks(size_bytes, 0) as i64;
+            self.inner
+                .thick_unwritten_blocks
+                .fetch_add(blocks, Ordering::Relaxed);
+            self.inner.thick_blocks.fetch_add(blocks, Ordering::Relaxed);
         }
         vols.insert(name.to_string(), state.clone());
         self.inner
@@ -748,9 +759,12 @@ impl Pool {
             if state.format().is_thick() {
                 let added = crate::provision::unwritten_blocks(new_size_bytes, 0)
                     - crate::provision::unwritten_blocks(map.size, 0);
-                self.inner.check_reservation(added)?;
+                self.inner.check_reservation(added as i64, added as i64)?;
                 self.inner
                     .thick_unwritten_blocks
+                    .fetch_add(added as i64, Ordering::Relaxed);
+                self.inner
+                    .thick_blocks
                     .fetch_add(added as i64, Ordering::Relaxed);
             }
             map.size = new_size_bytes;
@@ -778,6 +792,10 @@ impl Pool {
                 self.inner
                     .thick_unwritten_blocks
                     .fetch_sub(share, Ordering::Relaxed);
+                self.inner.thick_blocks.fetch_sub(
+                    crate::provision::unwritten_blocks(map.size, 0) as i64,
+                    Ordering::Relaxed,
+                );
             }
             drop(map);
             state
@@ -1177,6 +1195,7 @@ impl Inner {
             metadata_bytes: meta_bytes,
             used_bytes: used,
             reserved_bytes: reserved,
+            overwrite_headroom_bytes: self.overwrite_headroom_bytes(),
             free_bytes: capacity.saturating_sub(used + reserved),
             segment_file_bytes,
             garbage_bytes: segment_file_bytes.saturating_sub(physical),

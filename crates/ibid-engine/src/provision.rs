@@ -16,15 +16,26 @@
 //!   `overlay.rs`, `commit.rs`), so their reservation returns then, not when the zero is
 //!   acknowledged; their old data is still counted as used until then, and a zero on a thick
 //!   volume wakes the committer at once.
+//! - **Overwrite headroom.** New data is stored before the commit that frees the data it
+//!   replaces, so overwriting a written block needs a block's space for a while. The pool keeps
+//!   one block's reservation per block of its thick volumes, up to
+//!   [`OVERWRITE_HEADROOM_BLOCKS_MAX`] (64 MiB of data, more than one write can carry), reserved
+//!   from their creation (`Inner::thick_blocks`): thin writes may not use it, so a thick volume
+//!   whose every block holds data still overwrites them, and rewrites blocks it zeroed before
+//!   their range settles, on a pool thin volumes filled. Writes past the headroom wait for the
+//!   commit that frees what earlier ones replaced (a write that finds no space retries once
+//!   after a commit).
 //! - **Admission.** A write to a thick volume that still has blocks without data is always
-//!   admitted: the space was promised when the reservation was taken. The metadata store's file
-//!   grows in steps (doubling while small, then by regions of up to 4 GiB) after the writes
-//!   that caused it, so a step taken after thin writes filled the pool may push `used` past
-//!   the nominal capacity by part of a step; the reservation still holds.
+//!   admitted: the space was promised when the reservation was taken. Any other thick write is
+//!   admitted while used space (the headroom included) fits in the capacity. The metadata
+//!   store's file grows in steps (doubling while small, then by regions of up to 4 GiB) after
+//!   the writes that caused it, so a step taken after thin writes filled the pool may push
+//!   `used` past the nominal capacity by part of a step; the reservation still holds.
 //! - **Limits of the promise**, as in any array that shares data: the reservation covers one
 //!   copy of every block. Overwriting a block whose old data something else still references
 //!   (a snapshot, a clone, a duplicate elsewhere) needs new space the reservation did not set
-//!   aside; that space comes from the pool's free space like a thin write.
+//!   aside; that space comes from the pool's free space like a thin write (and the headroom
+//!   while it lasts).
 //! - **tbz** ("to be zeroed", VMware's term): a lazy-zeroed thick volume reports its blocks that
 //!   hold no data as tbz; an eager-zeroed one reports 0 from creation. Nothing is ever written
 //!   to zero a block (unwritten blocks read as zeros), so `eagerzero` and `inflate` are
@@ -44,6 +55,21 @@ const METADATA_BYTES_PER_BLOCK: u64 = 512;
 /// 4 KiB block's record in a segment file, plus its metadata.
 pub const RESERVED_BYTES_PER_BLOCK: u64 =
     BLOCK_BYTES as u64 + RECORD_HEADER_BYTES as u64 + METADATA_BYTES_PER_BLOCK;
+
+/// Most blocks the pool keeps reserved as headroom for thick volumes' overwrites (64 MiB of
+/// data: more than the largest single write, 32 MiB over NBD).
+pub const OVERWRITE_HEADROOM_BLOCKS_MAX: u64 = 16 << 10;
+
+/// Blocks of overwrite headroom for thick volumes of `blocks` blocks in all.
+fn headroom_blocks(blocks: i64) -> u64 {
+    (blocks.max(0) as u64).min(OVERWRITE_HEADROOM_BLOCKS_MAX)
+}
+
+/// Space reserved for thick volumes of `blocks` blocks in all, `unwritten` of them without
+/// data.
+fn reserved_bytes_for(unwritten: i64, blocks: i64) -> u64 {
+    (unwritten.max(0) as u64 + headroom_blocks(blocks)).saturating_mul(RESERVED_BYTES_PER_BLOCK)
+}
 
 /// Blocks of a volume of `size` bytes with `mapped` blocks of data that hold no data.
 pub(crate) fn unwritten_blocks(size: u64, mapped: u64) -> u64 {
@@ -69,10 +95,18 @@ impl VolumeState {
 }
 
 impl Inner {
-    /// Space thick volumes keep reserved.
+    /// Space thick volumes keep reserved: for their unwritten blocks, and the overwrite
+    /// headroom.
     pub(crate) fn reserved_bytes(&self) -> u64 {
-        let blocks = self.thick_unwritten_blocks.load(Ordering::Relaxed).max(0) as u64;
-        blocks * RESERVED_BYTES_PER_BLOCK
+        reserved_bytes_for(
+            self.thick_unwritten_blocks.load(Ordering::Relaxed),
+            self.thick_blocks.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The part of [`Self::reserved_bytes`] kept as headroom for thick volumes' overwrites.
+    pub(crate) fn overwrite_headroom_bytes(&self) -> u64 {
+        headroom_blocks(self.thick_blocks.load(Ordering::Relaxed)) * RESERVED_BYTES_PER_BLOCK
     }
 
     /// Claims `bytes` of pool space for a new chunk of volume `v`: counts them as used (in
@@ -114,11 +148,17 @@ impl Inner {
         }
     }
 
-    /// Fails with `CannotReserve` unless `blocks` more reserved blocks fit in the space that is
-    /// neither used nor reserved. Call with `reserve_lock` held, and add the blocks before
-    /// releasing it.
-    pub(crate) fn check_reservation(&self, blocks: u64) -> Result<()> {
-        let needed = blocks.saturating_mul(RESERVED_BYTES_PER_BLOCK);
+    /// Fails with `CannotReserve` unless the reservation that `unwritten` more unwritten
+    /// blocks and `blocks` more blocks of thick volumes add fits in the space that is neither
+    /// used nor reserved. Call with `reserve_lock` held, and add the blocks before releasing
+    /// it.
+    pub(crate) fn check_reservation(&self, unwritten: i64, blocks: i64) -> Result<()> {
+        let (u, b) = (
+            self.thick_unwritten_blocks.load(Ordering::Relaxed),
+            self.thick_blocks.load(Ordering::Relaxed),
+        );
+        let needed = reserved_bytes_for(u.saturating_add(unwritten), b.saturating_add(blocks))
+            .saturating_sub(reserved_bytes_for(u, b));
         let capacity = self.capacity_bytes.load(Ordering::Relaxed);
         let available = capacity.saturating_sub(self.used_now() + self.reserved_bytes());
         if needed > available {
@@ -170,17 +210,20 @@ impl Pool {
             return Ok(old);
         }
         let share = reservation_share(map.size, map.mapped_blocks);
+        let blocks = unwritten_blocks(map.size, 0) as i64;
         match (old.is_thick(), format.is_thick()) {
             (false, true) => {
-                self.inner.check_reservation(share.max(0) as u64)?;
+                self.inner.check_reservation(share, blocks)?;
                 self.inner
                     .thick_unwritten_blocks
                     .fetch_add(share, Ordering::Relaxed);
+                self.inner.thick_blocks.fetch_add(blocks, Ordering::Relaxed);
             }
             (true, false) => {
                 self.inner
                     .thick_unwritten_blocks
                     .fetch_sub(share, Ordering::Relaxed);
+                self.inner.thick_blocks.fetch_sub(blocks, Ordering::Relaxed);
             }
             _ => {}
         }

@@ -31,8 +31,13 @@ pub struct PoolStats {
     pub metadata_bytes: u64,
     /// `physical + metadata`: what counts against capacity.
     pub used_bytes: u64,
-    /// Space thick volumes keep reserved for their blocks that hold no data yet.
+    /// Space thick volumes keep reserved: for their blocks that hold no data yet, and
+    /// `overwrite_headroom_bytes`.
     pub reserved_bytes: u64,
+    /// The part of `reserved_bytes` that lets thick volumes overwrite their written blocks on
+    /// a full pool (new data is stored before the commit frees the old): one block's
+    /// reservation per written block of thick volumes, up to 16 Ki blocks per pool.
+    pub overwrite_headroom_bytes: u64,
     /// `capacity - used - reserved`: what thin volumes may still take.
     pub free_bytes: u64,
     /// Bytes of all segment files: headers and records, those not yet written out included

@@ -58,6 +58,17 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             "thick volumes hold {thick_unwritten} unwritten blocks, the reservation counts {counted}"
         )));
     }
+    let thick_blocks: u64 = stacks
+        .iter()
+        .filter(|(_, r)| r.format.is_thick())
+        .map(|(_, r)| crate::provision::unwritten_blocks(r.size, 0))
+        .sum();
+    let counted = inner.thick_blocks.load(Ordering::Relaxed);
+    if counted != thick_blocks as i64 {
+        return Err(fail(format!(
+            "thick volumes have {thick_blocks} blocks, the overwrite headroom counts {counted}"
+        )));
+    }
     let mut expected_layer_refs: HashMap<u64, u64> = HashMap::new();
     for (_, r) in &stacks {
         for l in format::referenced_layers(&r.layers) {

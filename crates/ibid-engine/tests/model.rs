@@ -2,7 +2,10 @@
 //! against a plain in-memory model (a byte vector per volume), and the space accounting checked
 //! for consistency at every step and exactly (dedup included) after every flush.
 
-use ibid_engine::{Error, ExtentKind, Pool, PoolConfig, VolumeFormat, RESERVED_BYTES_PER_BLOCK};
+use ibid_engine::{
+    Error, ExtentKind, Pool, PoolConfig, VolumeFormat, OVERWRITE_HEADROOM_BLOCKS_MAX,
+    RESERVED_BYTES_PER_BLOCK,
+};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashSet};
 
@@ -593,8 +596,9 @@ impl Harness {
                 .mapped_blocks();
             assert_eq!(got, want, "mapped blocks of {}", VOLUMES[v]);
         }
-        // Formats, tbz and reservations follow from the mapped counts.
-        let mut reserved = 0;
+        // Formats, tbz and reservations follow from the mapped counts and the sizes (the
+        // overwrite headroom: one block per block of thick volumes, up to a maximum).
+        let (mut reserved, mut thick_blocks) = (0, 0);
         for info in self.pool().list_volumes() {
             let v = VOLUMES.iter().position(|n| *n == info.name).expect("known");
             let format = self.formats.get(&v).copied().unwrap_or_default();
@@ -608,9 +612,15 @@ impl Harness {
             assert_eq!(info.tbz_blocks, tbz, "tbz of {}", info.name);
             if format.is_thick() {
                 reserved += unwritten * RESERVED_BYTES_PER_BLOCK;
+                thick_blocks += info.size_bytes.div_ceil(BLOCK as u64);
             }
         }
-        assert_eq!(self.pool().stats().reserved_bytes, reserved);
+        let headroom = thick_blocks.min(OVERWRITE_HEADROOM_BLOCKS_MAX) * RESERVED_BYTES_PER_BLOCK;
+        let s = self.pool().stats();
+        assert_eq!(
+            (s.reserved_bytes, s.overwrite_headroom_bytes),
+            (reserved + headroom, headroom)
+        );
     }
 
     fn check_block_status(&self, v: usize) {

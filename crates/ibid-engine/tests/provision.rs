@@ -1,14 +1,23 @@
 //! Provisioning formats: thin, lazy-zeroed thick and eager-zeroed thick are space policies.
-//! Thick volumes reserve their space, keep their promise when thin volumes fill the pool, and
-//! every creation and conversion is a metadata operation.
+//! Thick volumes reserve their space (and the pool headroom for their overwrites), keep their
+//! promise when thin volumes fill the pool, and every creation and conversion is a metadata
+//! operation.
 
 mod common;
 
 use common::{quiet_config, random_block};
-use ibid_engine::{Error, Pool, VolumeFormat, RESERVED_BYTES_PER_BLOCK};
+use ibid_engine::{
+    Error, Pool, VolumeFormat, OVERWRITE_HEADROOM_BLOCKS_MAX, RESERVED_BYTES_PER_BLOCK,
+};
 
 const BLOCK: u64 = 4096;
 const PIB: u64 = 1 << 50;
+
+/// What the pool reserves for thick volumes of `blocks` blocks in all, `unwritten` of them
+/// without data: those, and the overwrite headroom.
+fn reservation(unwritten: u64, blocks: u64) -> u64 {
+    (unwritten + blocks.min(OVERWRITE_HEADROOM_BLOCKS_MAX)) * RESERVED_BYTES_PER_BLOCK
+}
 
 fn info(pool: &Pool, name: &str) -> ibid_engine::VolumeInfo {
     pool.list_volumes()
@@ -49,7 +58,11 @@ fn every_format_creates_a_petabyte_volume_as_metadata() {
     let s = pool.stats();
     assert_eq!(s.provisioned_bytes, 3 * PIB);
     assert_eq!(s.thick_provisioned_bytes, 2 * PIB);
-    assert_eq!(s.reserved_bytes, 2 * blocks * RESERVED_BYTES_PER_BLOCK);
+    assert_eq!(s.reserved_bytes, reservation(2 * blocks, 2 * blocks));
+    assert_eq!(
+        s.overwrite_headroom_bytes,
+        OVERWRITE_HEADROOM_BLOCKS_MAX * RESERVED_BYTES_PER_BLOCK
+    );
     assert_eq!(
         s.free_bytes,
         s.capacity_bytes - s.used_bytes - s.reserved_bytes
@@ -61,7 +74,7 @@ fn every_format_creates_a_petabyte_volume_as_metadata() {
     assert_eq!(lazy.tbz_blocks, blocks - 1);
     assert_eq!(
         pool.stats().reserved_bytes,
-        (2 * blocks - 1) * RESERVED_BYTES_PER_BLOCK
+        reservation(2 * blocks - 1, 2 * blocks)
     );
     v.write_zeroes(PIB - BLOCK, BLOCK, true).expect("zero");
     assert_eq!(info(&pool, "lazyzeroedthick").tbz_blocks, blocks);
@@ -79,7 +92,8 @@ fn thick_creation_and_growth_beyond_the_pool_are_refused() {
         .expect_err("64 MiB thick in a 64 MiB pool with metadata")
     {
         Error::CannotReserve { needed, available } => {
-            assert_eq!(needed, (64 << 20) / BLOCK * RESERVED_BYTES_PER_BLOCK);
+            let blocks = (64 << 20) / BLOCK;
+            assert_eq!(needed, reservation(blocks, blocks));
             assert_eq!(available, before.free_bytes);
         }
         e => panic!("expected CannotReserve, got {e:?}"),
@@ -88,18 +102,20 @@ fn thick_creation_and_growth_beyond_the_pool_are_refused() {
     assert_eq!(pool.stats().reserved_bytes, 0);
     // Thin volumes of any size are fine: they reserve nothing.
     pool.create_volume("thin", PIB).expect("thin 1 PiB");
-    // A thick volume that fits; growing it reserves the difference, or is refused.
-    pool.create_volume_with_format("t", 16 << 20, VolumeFormat::LazyZeroedThick)
-        .expect("16 MiB thick");
+    // A thick volume that fits (its blocks and as many again of overwrite headroom); growing
+    // it reserves the difference, or is refused.
+    pool.create_volume_with_format("t", 8 << 20, VolumeFormat::LazyZeroedThick)
+        .expect("8 MiB thick");
     let reserved = pool.stats().reserved_bytes;
-    assert_eq!(reserved, (16 << 20) / BLOCK * RESERVED_BYTES_PER_BLOCK);
-    pool.resize_volume("t", 32 << 20).expect("grow to 32 MiB");
+    let blocks = (8 << 20) / BLOCK;
+    assert_eq!(reserved, reservation(blocks, blocks));
+    pool.resize_volume("t", 16 << 20).expect("grow to 16 MiB");
     assert_eq!(pool.stats().reserved_bytes, 2 * reserved);
     let err = pool
         .resize_volume("t", 64 << 20)
         .expect_err("grow past the pool");
     assert!(matches!(err, Error::CannotReserve { .. }), "{err:?}");
-    assert_eq!(info(&pool, "t").size_bytes, 32 << 20);
+    assert_eq!(info(&pool, "t").size_bytes, 16 << 20);
     assert_eq!(pool.stats().reserved_bytes, 2 * reserved);
     // Inflating a thin volume is refused the same way and leaves it thin.
     let err = pool
@@ -113,61 +129,80 @@ fn thick_creation_and_growth_beyond_the_pool_are_refused() {
 }
 
 /// Thin volumes fill the pool until their writes fail; a thick volume still writes every one
-/// of its blocks with unique data; freeing thin data lets thin volumes write again.
+/// of its blocks with unique data, then (thin volumes having taken what its data left over)
+/// overwrites every one with new data, and after a zero of the whole volume whose range
+/// settles over many commits, writes every one again; freeing thin data lets thin volumes
+/// write again.
 #[test]
 fn thick_volume_writes_every_block_after_thin_volumes_fill_the_pool() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let pool = Pool::create(dir.path().join("p"), quiet_config(48 << 20)).expect("create");
+    let config = ibid_engine::PoolConfig {
+        // The zero below settles 64 entries per commit: 32 commits for the volume.
+        zero_settle_entries_max: 64,
+        ..quiet_config(48 << 20)
+    };
+    let pool = Pool::create(dir.path().join("p"), config).expect("create");
     let thick_blocks = (8 << 20) / BLOCK;
     let thick = pool
         .create_volume_with_format("thick", 8 << 20, VolumeFormat::EagerZeroedThick)
         .expect("thick");
     let thin = pool.create_volume("thin", 1 << 30).expect("thin");
     let mut written = 0u64;
-    let err = loop {
-        match thin.write(written * BLOCK, &random_block(written), false) {
-            Ok(()) => written += 1,
-            Err(e) => break e,
-        }
-        assert!(written < 100_000, "the pool never filled");
-        if written.is_multiple_of(1024) {
-            pool.sync().expect("sync");
-        }
+    let mut fill_thin = |what: &str| {
+        let err = loop {
+            match thin.write(written * BLOCK, &random_block(written), false) {
+                Ok(()) => written += 1,
+                Err(e) => break e,
+            }
+            assert!(written < 100_000, "{what}: the pool never filled");
+            if written.is_multiple_of(1024) {
+                pool.sync().expect("sync");
+            }
+        };
+        assert!(matches!(err, Error::NoSpace), "{what}: got {err:?}");
+        pool.sync().expect("sync");
     };
-    assert!(matches!(err, Error::NoSpace), "got {err:?}");
-    pool.sync().expect("sync");
+    fill_thin("thin volumes fill the pool");
     let s = pool.stats();
     assert!(s.reserved_bytes > 0 && s.free_bytes < 64 << 10, "{s:?}");
-    for b in 0..thick_blocks {
-        thick
-            .write(b * BLOCK, &random_block(1_000_000 + b), false)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "thick block {b} of {thick_blocks}: {e}; before {s:?} now {:?}",
-                    pool.stats()
-                )
-            });
-        if b % 512 == 511 {
-            pool.sync().expect("sync");
+    let write_every_block = |seed: u64, what: &str| {
+        for b in 0..thick_blocks {
+            thick
+                .write(b * BLOCK, &random_block(seed + b), false)
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{what}: thick block {b} of {thick_blocks}: {e}; before {s:?} now {:?}",
+                        pool.stats()
+                    )
+                });
+            if b % 512 == 511 {
+                pool.sync().expect("sync");
+            }
         }
-    }
-    thick.flush().expect("flush");
-    let mut buf = vec![0u8; BLOCK as usize];
-    for b in (0..thick_blocks).step_by(61) {
-        thick.read(b * BLOCK, &mut buf).expect("read");
-        assert_eq!(buf, random_block(1_000_000 + b), "thick block {b}");
-    }
-    assert_eq!(pool.stats().reserved_bytes, 0);
-    // The reservation's allowance for metadata that the thick data did not need is free again;
-    // thin writes take it and fail again soon, until thin data goes away.
-    let slack = loop {
-        match thin.write(written * BLOCK, &random_block(written), false) {
-            Ok(()) => written += 1,
-            Err(e) => break e,
+        thick.flush().expect("flush");
+        let mut buf = vec![0u8; BLOCK as usize];
+        for b in (0..thick_blocks).step_by(61) {
+            thick.read(b * BLOCK, &mut buf).expect("read");
+            assert_eq!(buf, random_block(seed + b), "{what}: thick block {b}");
         }
-        assert!(written < 100_000, "the pool never filled again");
     };
-    assert!(matches!(slack, Error::NoSpace), "got {slack:?}");
+    write_every_block(1_000_000, "first write");
+    // What stays reserved is the overwrite headroom.
+    let headroom = thick_blocks * RESERVED_BYTES_PER_BLOCK;
+    let s = pool.stats();
+    assert_eq!(
+        (s.reserved_bytes, s.overwrite_headroom_bytes),
+        (headroom, headroom)
+    );
+    // The reservation's allowance for metadata that the thick data did not need is free again;
+    // thin writes take it and fail again soon.
+    fill_thin("thin volumes fill the pool again");
+    write_every_block(2_000_000, "overwrite");
+    thick.write_zeroes(0, 8 << 20, false).expect("zero");
+    write_every_block(3_000_000, "write after a zero");
+    assert_eq!(pool.stats().reserved_bytes, headroom);
+    pool.verify().expect("verify");
+    // Until thin data goes away.
     thin.write_zeroes(0, written * BLOCK, true).expect("unmap");
     pool.gc_now().expect("gc");
     thin.write(0, &random_block(7_777_777), true)
@@ -201,18 +236,12 @@ fn conversions_move_the_reservation_and_survive_reopen() {
     pool.set_volume_format("v", VolumeFormat::EagerZeroedThick)
         .expect("eagerzero");
     assert_eq!(info(&pool, "v").tbz_blocks, 0);
-    assert_eq!(
-        pool.stats().reserved_bytes,
-        (blocks - 2) * RESERVED_BYTES_PER_BLOCK
-    );
+    assert_eq!(pool.stats().reserved_bytes, reservation(blocks - 2, blocks));
     pool.close().expect("close");
     let pool = Pool::open(&path, quiet_config(0)).expect("reopen");
     let i = info(&pool, "v");
     assert_eq!(i.format, VolumeFormat::EagerZeroedThick);
-    assert_eq!(
-        pool.stats().reserved_bytes,
-        (blocks - 2) * RESERVED_BYTES_PER_BLOCK
-    );
+    assert_eq!(pool.stats().reserved_bytes, reservation(blocks - 2, blocks));
     pool.set_volume_format("v", VolumeFormat::Thin)
         .expect("back to thin");
     assert_eq!(pool.stats().reserved_bytes, 0);
@@ -232,10 +261,7 @@ fn conversions_move_the_reservation_and_survive_reopen() {
     // Clones and snapshots of a thick volume are thin: they reserve nothing.
     pool.clone_volume("v", "c").expect("clone");
     assert_eq!(info(&pool, "c").format, VolumeFormat::Thin);
-    assert_eq!(
-        pool.stats().reserved_bytes,
-        (blocks - 2) * RESERVED_BYTES_PER_BLOCK
-    );
+    assert_eq!(pool.stats().reserved_bytes, reservation(blocks - 2, blocks));
     assert!(matches!(
         pool.set_volume_format("nope", VolumeFormat::Thin),
         Err(Error::NotFound(_))

@@ -243,6 +243,7 @@ fn stats_json(s: &PoolStats) -> Value {
         "metadata_bytes": s.metadata_bytes,
         "used_bytes": s.used_bytes,
         "reserved_bytes": s.reserved_bytes,
+        "overwrite_headroom_bytes": s.overwrite_headroom_bytes,
         "free_bytes": s.free_bytes,
         "segment_file_bytes": s.segment_file_bytes,
         "garbage_bytes": s.garbage_bytes,

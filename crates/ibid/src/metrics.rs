@@ -271,7 +271,7 @@ impl Metrics {
 /// Pool-wide figures from [`Pool::stats`].
 fn render_pool(page: &mut Page, pool: &Pool) {
     let s = pool.stats();
-    let gauges: [(&str, &str, f64); 19] = [
+    let gauges: [(&str, &str, f64); 20] = [
         (
             "capacity_bytes",
             "Capacity of the pool.",
@@ -330,8 +330,13 @@ fn render_pool(page: &mut Page, pool: &Pool) {
         ),
         (
             "reserved_bytes",
-            "Space thick volumes keep reserved for their blocks without data.",
+            "Space thick volumes keep reserved: for their blocks without data, and the overwrite headroom.",
             s.reserved_bytes as f64,
+        ),
+        (
+            "overwrite_headroom_bytes",
+            "Part of the reserved space that lets thick volumes overwrite their data on a full pool.",
+            s.overwrite_headroom_bytes as f64,
         ),
         (
             "data_reduction_ratio",

@@ -79,9 +79,14 @@ fn formats_are_created_in_constant_time_and_converted_as_metadata() {
         (Some(0), Some(tib_blocks))
     );
     let p = ok(&srv, "GET", "/api/v1/pool", None, 200);
+    // Their blocks, and the pool's headroom for thick volumes' overwrites (16 Ki blocks).
+    let headroom = (16 << 10) * RESERVED_PER_BLOCK;
     assert_eq!(
-        p["reserved_bytes"],
-        2 * tib_blocks * RESERVED_PER_BLOCK,
+        (&p["reserved_bytes"], &p["overwrite_headroom_bytes"]),
+        (
+            &Value::from(2 * tib_blocks * RESERVED_PER_BLOCK + headroom),
+            &Value::from(headroom)
+        ),
         "{p}"
     );
     assert_eq!(p["thick_provisioned_bytes"], 2u64 << 40, "{p}");
@@ -307,12 +312,13 @@ fn pool_settings_are_adjustable_and_guarded() {
         (Some(1 << 30), Some(80))
     );
     assert_eq!(p["soft_threshold_exceeded"], false, "{p}");
-    // 512 MiB reserved of 600 MiB is past 80 %.
+    // 512 MiB and 64 MiB of overwrite headroom reserved (with their metadata allowance) of
+    // 800 MiB is past 80 %.
     let p = ok(
         &srv,
         "PATCH",
         "/api/v1/pool",
-        Some(r#"{"capacity":"600M"}"#),
+        Some(r#"{"capacity":"800M"}"#),
         200,
     );
     assert_eq!(
@@ -320,7 +326,7 @@ fn pool_settings_are_adjustable_and_guarded() {
             p["capacity_bytes"].as_u64(),
             p["soft_threshold_exceeded"].as_bool()
         ),
-        (Some(600 << 20), Some(true))
+        (Some(800 << 20), Some(true))
     );
     let p = ok(
         &srv,
@@ -333,7 +339,8 @@ fn pool_settings_are_adjustable_and_guarded() {
 }
 
 /// Thin volumes fill the pool through NBD until writes fail; the thick volume still takes
-/// every one of its blocks; unmapping thin data lets thin volumes write again.
+/// every one of its blocks, and once thin writes have filled the pool again, overwrites every
+/// one with new data; unmapping thin data lets thin volumes write again.
 #[test]
 fn thick_volume_keeps_its_promise_when_thin_volumes_fill_the_pool() {
     let srv = Server::start(&[
@@ -386,6 +393,50 @@ fn thick_volume_keeps_its_promise_when_thin_volumes_fill_the_pool() {
         (v["mapped_blocks"].as_u64(), v["reserved_bytes"].as_u64()),
         (Some(2048), Some(0)),
         "{v}"
+    );
+    let p = ok(&srv, "GET", "/api/v1/pool", None, 200);
+    assert_eq!(
+        p["overwrite_headroom_bytes"],
+        2048 * RESERVED_PER_BLOCK,
+        "{p}"
+    );
+    // Thin writes of new data at new offsets take what is left until they fail.
+    let refill = [
+        "import os",
+        "off = 512 << 20",
+        "try:",
+        "    while off < 1 << 30:",
+        "        h.pwrite(os.urandom(256 << 10), off)",
+        "        off += 256 << 10",
+        "except nbd.Error as e:",
+        "    print('full', e.errno)",
+        "h.flush()",
+    ]
+    .join("\n");
+    let out = output("nbdsh", &["-u", &srv.url("thin"), "-c", &refill]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("full ENOSPC"),
+        "thin writes did not fill the pool again: {said} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let newer = files.path().join("newer");
+    random_file(&newer, 8 << 20, 4);
+    run(
+        "nbdcopy",
+        &[newer.to_str().expect("path"), &srv.url("thick")],
+    );
+    run(
+        "qemu-img",
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            newer.to_str().expect("path"),
+            &srv.url("thick"),
+        ],
     );
     // Unmap the thin data; thin writes work again, without a restart.
     run(

@@ -81,7 +81,14 @@ fn print_stats(s: &Value) -> Result<(), CliError> {
         ("volumes", u64_field(s, "volumes")?.to_string()),
         ("provisioned", bytes("provisioned_bytes")?),
         ("thick provisioned", bytes("thick_provisioned_bytes")?),
-        ("reserved", bytes("reserved_bytes")?),
+        (
+            "reserved",
+            format!(
+                "{} ({} of it overwrite headroom)",
+                bytes("reserved_bytes")?,
+                bytes("overwrite_headroom_bytes")?
+            ),
+        ),
         ("logical written", bytes("logical_written_bytes")?),
         (
             "unique",
