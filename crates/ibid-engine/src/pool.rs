@@ -170,7 +170,7 @@ pub(crate) struct Inner {
     pub thick_unwritten_blocks: AtomicI64,
     /// Blocks of thick volumes (their sizes summed): up to
     /// [`crate::provision::OVERWRITE_HEADROOM_BLOCKS_MAX`] of them keep a reservation as
-    /// headroom for overwrites (see `provision.rs`). Changed with `reserve_lock` held.
+    /// headroom for overwrites (see `provision.rs`). Raised only with `reserve_lock` held.
     pub thick_blocks: AtomicI64,
     /// Serializes operations that take new reservations, so two cannot both fit.
     pub reserve_lock: Mutex<()>,
@@ -454,7 +454,7 @@ impl Pool {
         let thick_blocks: u64 = volumes
             .values()
             .filter(|r| r.format.is_thick())
-            .map(|r| crate::provision::unwritten_blocks(r.size, 0))
+            .map(|r| crate::provision::volume_blocks(r.size))
             .sum();
         // Registered before anything can commit (see layer_filter.rs); built in the background.
         let layer_filters = LayerFilters::pending(
@@ -647,7 +647,7 @@ impl Pool {
         self.inner.check_failed()?;
         let _reserving = self.inner.reserve_lock.lock();
         if format.is_thick() {
-            let blocks = crate::provision::unwritten_blocks(size_bytes, 0) as i64;
+            let blocks = crate::provision::volume_blocks(size_bytes) as i64;
             self.inner.check_reservation(blocks, blocks)?;
         }
         let mut cs = self.inner.commit.lock();
@@ -675,7 +675,7 @@ impl Pool {
         cs.record = pool_rec;
         let state = Arc::new(new_volume_state(name.to_string(), &record, false));
         if format.is_thick() {
-            let blocks = crate::provision::unwritten_blocks(size_bytes, 0) as i64;
+            let blocks = crate::provision::volume_blocks(size_bytes) as i64;
             self.inner
                 .thick_unwritten_blocks
                 .fetch_add(blocks, Ordering::Relaxed);
@@ -757,8 +757,8 @@ impl Pool {
                 )));
             }
             if state.format().is_thick() {
-                let added = crate::provision::unwritten_blocks(new_size_bytes, 0)
-                    - crate::provision::unwritten_blocks(map.size, 0);
+                let added = crate::provision::volume_blocks(new_size_bytes)
+                    - crate::provision::volume_blocks(map.size);
                 self.inner.check_reservation(added as i64, added as i64)?;
                 self.inner
                     .thick_unwritten_blocks
@@ -793,7 +793,7 @@ impl Pool {
                     .thick_unwritten_blocks
                     .fetch_sub(share, Ordering::Relaxed);
                 self.inner.thick_blocks.fetch_sub(
-                    crate::provision::unwritten_blocks(map.size, 0) as i64,
+                    crate::provision::volume_blocks(map.size) as i64,
                     Ordering::Relaxed,
                 );
             }

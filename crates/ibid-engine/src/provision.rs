@@ -71,6 +71,11 @@ fn reserved_bytes_for(unwritten: i64, blocks: i64) -> u64 {
     (unwritten.max(0) as u64 + headroom_blocks(blocks)).saturating_mul(RESERVED_BYTES_PER_BLOCK)
 }
 
+/// Blocks of a volume of `size` bytes.
+pub(crate) fn volume_blocks(size: u64) -> u64 {
+    size.div_ceil(BLOCK_BYTES as u64)
+}
+
 /// Blocks of a volume of `size` bytes with `mapped` blocks of data that hold no data.
 pub(crate) fn unwritten_blocks(size: u64, mapped: u64) -> u64 {
     reservation_share(size, mapped).max(0) as u64
@@ -84,7 +89,7 @@ pub(crate) fn unwritten_blocks(size: u64, mapped: u64) -> u64 {
 /// change of it (`note_mapped_change`), and a volume leaving the sum must take out exactly
 /// that, not [`unwritten_blocks`]' zero.
 pub(crate) fn reservation_share(size: u64, mapped: u64) -> i64 {
-    size.div_ceil(BLOCK_BYTES as u64) as i64 - mapped as i64
+    volume_blocks(size) as i64 - mapped as i64
 }
 
 impl VolumeState {
@@ -210,7 +215,7 @@ impl Pool {
             return Ok(old);
         }
         let share = reservation_share(map.size, map.mapped_blocks);
-        let blocks = unwritten_blocks(map.size, 0) as i64;
+        let blocks = volume_blocks(map.size) as i64;
         match (old.is_thick(), format.is_thick()) {
             (false, true) => {
                 self.inner.check_reservation(share, blocks)?;

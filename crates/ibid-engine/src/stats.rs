@@ -36,7 +36,7 @@ pub struct PoolStats {
     pub reserved_bytes: u64,
     /// The part of `reserved_bytes` that lets thick volumes overwrite their written blocks on
     /// a full pool (new data is stored before the commit frees the old): one block's
-    /// reservation per written block of thick volumes, up to 16 Ki blocks per pool.
+    /// reservation per block of thick volumes, up to 16 Ki blocks per pool.
     pub overwrite_headroom_bytes: u64,
     /// `capacity - used - reserved`: what thin volumes may still take.
     pub free_bytes: u64,

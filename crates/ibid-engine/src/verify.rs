@@ -61,7 +61,7 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     let thick_blocks: u64 = stacks
         .iter()
         .filter(|(_, r)| r.format.is_thick())
-        .map(|(_, r)| crate::provision::unwritten_blocks(r.size, 0))
+        .map(|(_, r)| crate::provision::volume_blocks(r.size))
         .sum();
     let counted = inner.thick_blocks.load(Ordering::Relaxed);
     if counted != thick_blocks as i64 {
