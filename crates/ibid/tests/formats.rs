@@ -27,6 +27,16 @@ fn random_file(path: &Path, len: usize, seed: u64) {
     std::fs::write(path, data).expect("write data file");
 }
 
+/// Copies `file` onto the export at `url` with nbdcopy, then compares them with qemu-img.
+fn copy_in_and_compare(file: &Path, url: &str) {
+    let file = file.to_str().expect("path");
+    run("nbdcopy", &[file, url]);
+    run(
+        "qemu-img",
+        &["compare", "-f", "raw", "-F", "raw", file, url],
+    );
+}
+
 fn ok(srv: &Server, method: &str, path: &str, body: Option<&str>, want: u16) -> Value {
     let (status, v) = call(srv, method, path, body);
     assert_eq!(status, want, "{method} {path}: {v}");
@@ -372,22 +382,7 @@ fn thick_volume_keeps_its_promise_when_thin_volumes_fill_the_pool() {
     );
     let mine = files.path().join("mine");
     random_file(&mine, 8 << 20, 2);
-    run(
-        "nbdcopy",
-        &[mine.to_str().expect("path"), &srv.url("thick")],
-    );
-    run(
-        "qemu-img",
-        &[
-            "compare",
-            "-f",
-            "raw",
-            "-F",
-            "raw",
-            mine.to_str().expect("path"),
-            &srv.url("thick"),
-        ],
-    );
+    copy_in_and_compare(&mine, &srv.url("thick"));
     let v = ok(&srv, "GET", "/api/v1/volumes/thick", None, 200);
     assert_eq!(
         (v["mapped_blocks"].as_u64(), v["reserved_bytes"].as_u64()),
@@ -422,22 +417,7 @@ fn thick_volume_keeps_its_promise_when_thin_volumes_fill_the_pool() {
     );
     let newer = files.path().join("newer");
     random_file(&newer, 8 << 20, 4);
-    run(
-        "nbdcopy",
-        &[newer.to_str().expect("path"), &srv.url("thick")],
-    );
-    run(
-        "qemu-img",
-        &[
-            "compare",
-            "-f",
-            "raw",
-            "-F",
-            "raw",
-            newer.to_str().expect("path"),
-            &srv.url("thick"),
-        ],
-    );
+    copy_in_and_compare(&newer, &srv.url("thick"));
     // Unmap the thin data; thin writes work again, without a restart.
     run(
         "qemu-io",
