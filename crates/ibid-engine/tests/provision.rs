@@ -306,3 +306,64 @@ fn capacity_and_soft_threshold_are_adjustable_within_the_promises() {
     let s = pool.stats();
     assert_eq!((s.capacity_bytes, s.soft_threshold_pct), (capacity, 95));
 }
+
+/// Writers at once overwrite a fully written thick volume on a pool thin volumes filled, each
+/// 64 KiB at a time with no flush of their own: the headroom and the commits that free what
+/// they replaced admit every write.
+#[test]
+fn concurrent_overwrites_of_a_full_thick_volume_on_a_full_pool_all_succeed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(64 << 20)).expect("create");
+    let blocks = (8 << 20) / BLOCK;
+    let thick = pool
+        .create_volume_with_format("thick", 8 << 20, VolumeFormat::EagerZeroedThick)
+        .expect("thick");
+    let thin = pool.create_volume("thin", 1 << 30).expect("thin");
+    for b in 0..blocks {
+        thick
+            .write(b * BLOCK, &random_block(1_000_000 + b), false)
+            .expect("first write");
+    }
+    pool.sync().expect("sync");
+    let mut written = 0u64;
+    loop {
+        match thin.write(written * BLOCK, &random_block(written), false) {
+            Ok(()) => written += 1,
+            Err(Error::NoSpace) => break,
+            Err(e) => panic!("thin: {e}"),
+        }
+        if written.is_multiple_of(1024) {
+            pool.sync().expect("sync");
+        }
+    }
+    pool.sync().expect("sync");
+    const WRITERS: u64 = 8;
+    const BATCH: u64 = 16;
+    std::thread::scope(|s| {
+        for w in 0..WRITERS {
+            let thick = &thick;
+            s.spawn(move || {
+                for round in 0..4u64 {
+                    // Writer w's share of the volume, 16 blocks at a time.
+                    for first in (w * BATCH..blocks).step_by((WRITERS * BATCH) as usize) {
+                        let data: Vec<u8> = (first..first + BATCH)
+                            .flat_map(|b| random_block((round + 2) * 1_000_000 + b))
+                            .collect();
+                        thick
+                            .write(first * BLOCK, &data, false)
+                            .unwrap_or_else(|e| {
+                                panic!("writer {w} round {round} block {first}: {e}")
+                            });
+                    }
+                }
+            });
+        }
+    });
+    pool.sync().expect("sync");
+    let mut buf = vec![0u8; BLOCK as usize];
+    for b in (0..blocks).step_by(7) {
+        thick.read(b * BLOCK, &mut buf).expect("read");
+        assert_eq!(buf, random_block(5_000_000 + b), "block {b}");
+    }
+    pool.verify().expect("verify");
+}
