@@ -67,7 +67,7 @@ impl Default for PoolConfig {
             direct_io: true,
             dedup_filter_min: 1 << 20,
             dedup_run_keys_min: 4096,
-            dedup_runs_max: 8,
+            dedup_runs_max: 16,
             zero_settle_entries_max: 64 << 10,
         }
     }

@@ -32,7 +32,7 @@ use rustc_hash::FxHashSet;
 use std::sync::Arc;
 
 /// Most keys the runs hold (16 bytes each in memory): past it, the next run merges them.
-pub(crate) const RUN_KEYS_MAX: usize = 1 << 20;
+pub(crate) const RUN_KEYS_MAX: usize = 2 << 20;
 
 /// When a commit writes a run, and when it merges the runs.
 #[derive(Debug, Clone, Copy)]
