@@ -446,16 +446,7 @@ impl Pool {
                 })
             })
             .collect();
-        let thick_unwritten: u64 = volumes
-            .values()
-            .filter(|r| r.format.is_thick())
-            .map(|r| crate::provision::unwritten_blocks(r.size, r.mapped_blocks))
-            .sum();
-        let thick_blocks: u64 = volumes
-            .values()
-            .filter(|r| r.format.is_thick())
-            .map(|r| crate::provision::volume_blocks(r.size))
-            .sum();
+        let (thick_unwritten, thick_blocks) = crate::provision::thick_totals(volumes.values());
         // Registered before anything can commit (see layer_filter.rs); built in the background.
         let layer_filters = LayerFilters::pending(
             volumes

@@ -42,7 +42,7 @@
 //!   metadata-only conversions.
 
 use crate::error::{Error, Result};
-use crate::format::{VolumeFormat, BLOCK_BYTES, RECORD_HEADER_BYTES};
+use crate::format::{VolumeFormat, VolumeRecord, BLOCK_BYTES, RECORD_HEADER_BYTES};
 use crate::meta;
 use crate::pool::{Inner, Pool, VolumeState};
 use std::sync::atomic::Ordering;
@@ -74,6 +74,19 @@ fn reserved_bytes_for(unwritten: i64, blocks: i64) -> u64 {
 /// Blocks of a volume of `size` bytes.
 pub(crate) fn volume_blocks(size: u64) -> u64 {
     size.div_ceil(BLOCK_BYTES as u64)
+}
+
+/// What the pool's reservation counters hold for these volume records: the thick volumes'
+/// unwritten blocks and all their blocks (`Inner::thick_unwritten_blocks`, `thick_blocks`).
+pub(crate) fn thick_totals<'a>(records: impl Iterator<Item = &'a VolumeRecord>) -> (u64, u64) {
+    records
+        .filter(|r| r.format.is_thick())
+        .fold((0, 0), |(unwritten, blocks), r| {
+            (
+                unwritten + unwritten_blocks(r.size, r.mapped_blocks),
+                blocks + volume_blocks(r.size),
+            )
+        })
 }
 
 /// Blocks of a volume of `size` bytes with `mapped` blocks of data that hold no data.

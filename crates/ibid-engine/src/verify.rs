@@ -47,22 +47,14 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         }
     }
     report.volumes = stacks.len() as u64;
-    let thick_unwritten: u64 = stacks
-        .iter()
-        .filter(|(_, r)| r.format.is_thick())
-        .map(|(_, r)| crate::provision::unwritten_blocks(r.size, r.mapped_blocks))
-        .sum();
+    let (thick_unwritten, thick_blocks) =
+        crate::provision::thick_totals(stacks.iter().map(|(_, r)| r));
     let counted = inner.thick_unwritten_blocks.load(Ordering::Relaxed);
     if counted != thick_unwritten as i64 {
         return Err(fail(format!(
             "thick volumes hold {thick_unwritten} unwritten blocks, the reservation counts {counted}"
         )));
     }
-    let thick_blocks: u64 = stacks
-        .iter()
-        .filter(|(_, r)| r.format.is_thick())
-        .map(|(_, r)| crate::provision::volume_blocks(r.size))
-        .sum();
     let counted = inner.thick_blocks.load(Ordering::Relaxed);
     if counted != thick_blocks as i64 {
         return Err(fail(format!(
