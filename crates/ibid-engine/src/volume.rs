@@ -26,6 +26,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 const BLOCK: u64 = BLOCK_BYTES as u64;
+
+/// Most commits a write that found no space retries after ([`Inner::retry_after_commit`]).
+const RETRIES_AFTER_COMMIT_MAX: usize = 16;
 /// Blocks of a write fingerprinted together.
 const LANES: u64 = fingerprint::LANES as u64;
 /// Times a read retries when the chunk it found was concurrently freed or moved.
@@ -1526,16 +1529,27 @@ impl Inner {
     }
 
     /// Runs `op`; if it fails for lack of space, commits (space freed by overwrites, zeroing
-    /// and deletes since the last commit is only counted back then) and runs it once more.
+    /// and deletes since the last commit is only counted back then) and runs it once more, and
+    /// again (up to [`RETRIES_AFTER_COMMIT_MAX`] times) while each commit freed space.
     /// `op` must be safe to repeat after a partial run (a plain write is).
     pub(crate) fn retry_after_commit<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
-        match op() {
-            Err(Error::NoSpace) => {
-                self.commit()?;
-                op()
+        let mut result = op();
+        // Again while the commits free space (what overwrites replaced): other writers may
+        // take what one commit freed before this one retries. Bounded, so a pool that fills
+        // under a stream of overwrites of shared data still answers `NoSpace`.
+        for _ in 0..RETRIES_AFTER_COMMIT_MAX {
+            if !matches!(result, Err(Error::NoSpace)) {
+                break;
             }
-            other => other,
+            let before = self.used_now();
+            self.commit()?;
+            let freed = self.used_now() < before;
+            result = op();
+            if !freed {
+                break;
+            }
         }
+        result
     }
 
     /// Replays a journaled chunk: it becomes an uncommitted new chunk again, with no reference
