@@ -15,6 +15,7 @@
 //! record the batch references was already durable (step 2). An error in steps 2–3 fails the
 //! pool: it must be reopened, which recovers the last committed state.
 
+use crate::chunk_table;
 use crate::dedup_index::{IndexUpdate, Runs};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, Frame, SegmentUsage, VolumeRecord};
@@ -298,7 +299,7 @@ impl Inner {
         let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
         let runs = self.dedup_runs();
         let mut index = IndexUpdate::new(&runs);
-        // Sorted by chunk id: the reference count updates then read the chunks table in key
+        // Sorted by chunk id: the reference count updates then read the chunk pages in key
         // order (ids grow with time, so a copy of data written together reads neighbours).
         // A new chunk's references are counted into its record below, from its shard's deltas
         // (where every change to them is recorded: a chunk id names its fingerprint's shard),
@@ -316,31 +317,43 @@ impl Inner {
         // with their records when already at hand (a dying chunk's record is not written back,
         // only removed).
         let mut zero_refs: Vec<(u64, Option<ChunkRecord>)> = Vec::new();
-        for shard in &batch.shards {
-            for (&id, rec) in &shard.new_chunks {
-                // A new chunk is stored with its references already counted (no second
-                // lookup and rewrite of its record below).
-                let refs = shard.deltas.get(&id).copied().unwrap_or(0);
-                if refs < 0 {
-                    return Err(Error::Corrupt(format!(
-                        "new chunk {id:#x} would have {refs} references"
-                    )));
-                }
-                let rec = ChunkRecord {
-                    refs: refs as u64,
-                    ..*rec
-                };
-                txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
-                index.add(meta::fps_key(&rec.fingerprint, id));
-                let u = segment_usage(&mut usage, txn, rec.segment)?;
-                u.total_bytes += rec.physical_bytes();
-                u.live_bytes += rec.physical_bytes();
-                record.live_chunks += 1;
-                record.live_bytes += rec.physical_bytes();
-                if refs == 0 {
-                    // Written, then overwritten before this commit: never referenced.
-                    zero_refs.push((id, Some(rec)));
-                }
+        // Every chunk record this commit reads or changes goes through here, a page at a time.
+        let mut chunks = chunk_table::Pages::new();
+        // In id order across the shards, so each record appends to its page.
+        let mut new_chunks: Vec<(u64, &ChunkRecord, &ShardBatch)> = batch
+            .shards
+            .iter()
+            .flat_map(|shard| {
+                shard
+                    .new_chunks
+                    .iter()
+                    .map(move |(&id, rec)| (id, rec, &**shard))
+            })
+            .collect();
+        new_chunks.sort_unstable_by_key(|&(id, _, _)| id);
+        for (id, rec, shard) in new_chunks {
+            // A new chunk is stored with its references already counted (no second
+            // lookup and rewrite of its record below).
+            let refs = shard.deltas.get(&id).copied().unwrap_or(0);
+            if refs < 0 {
+                return Err(Error::Corrupt(format!(
+                    "new chunk {id:#x} would have {refs} references"
+                )));
+            }
+            let rec = ChunkRecord {
+                refs: refs as u64,
+                ..*rec
+            };
+            chunks.put(txn, id, rec)?;
+            index.add(meta::fps_key(&rec.fingerprint, id));
+            let u = segment_usage(&mut usage, txn, rec.segment)?;
+            u.total_bytes += rec.physical_bytes();
+            u.live_bytes += rec.physical_bytes();
+            record.live_chunks += 1;
+            record.live_bytes += rec.physical_bytes();
+            if refs == 0 {
+                // Written, then overwritten before this commit: never referenced.
+                zero_refs.push((id, Some(rec)));
             }
         }
         let mut applied = Applied::default();
@@ -395,11 +408,11 @@ impl Inner {
             if d == 0 {
                 continue;
             }
-            let rec = add_refs(txn, id, d)?;
+            let rec = add_refs(&mut chunks, txn, id, d)?;
             if rec.refs == 0 {
                 zero_refs.push((id, Some(rec)));
             } else {
-                txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
+                chunks.put(txn, id, rec)?;
             }
         }
         // Only ids in this set get an orphan delete: in an LSM store a delete of an absent key
@@ -420,7 +433,7 @@ impl Inner {
             let stored = known.is_none();
             let rec = match known {
                 Some(rec) => rec,
-                None => load_chunk(txn, id)?,
+                None => load_chunk(&mut chunks, txn, id)?,
             };
             if rec.refs > 0 {
                 if orphan_ids.contains(&id) {
@@ -435,7 +448,7 @@ impl Inner {
                 // A newer, uncommitted write references it again: keep it (with no
                 // reference) until that commits.
                 if !stored {
-                    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
+                    chunks.put(txn, id, rec)?;
                 }
                 txn.insert(meta::ORPHANS, &id, &());
                 continue;
@@ -445,7 +458,7 @@ impl Inner {
             if orphan_ids.contains(&id) {
                 txn.remove(meta::ORPHANS, &id);
             }
-            txn.remove(meta::CHUNKS, &id);
+            chunks.remove(txn, id)?;
             let new = batch.shards[shard].new_chunks.contains_key(&id);
             index.remove(txn, meta::fps_key(&rec.fingerprint, id), new);
             let u = segment_usage(&mut usage, txn, rec.segment)?;
@@ -454,6 +467,7 @@ impl Inner {
             record.live_bytes -= rec.physical_bytes();
             applied.died.push((shard, rec.fingerprint));
         }
+        chunks.write(txn);
         applied.runs = index.finish(txn, batch.no, self.run_policy());
         for (seg, u) in usage {
             if u.live_bytes == 0 && self.segments.fully_committed(seg, batch.no) {
@@ -499,28 +513,30 @@ pub(crate) fn drop_layer_refs(
 /// frees, or keeps if a newer write references it again. The caller sets `orphans_pending`.
 pub(crate) fn apply_ref_deltas(txn: &mut WriteTxn, deltas: &BTreeMap<u64, i64>) -> Result<bool> {
     let mut orphaned = false;
+    let mut chunks = chunk_table::Pages::new();
     for (&id, &d) in deltas {
         if d == 0 {
             continue;
         }
-        if add_refs_stored(txn, id, d)? == 0 {
+        let rec = add_refs(&mut chunks, txn, id, d)?;
+        chunks.put(txn, id, rec)?;
+        if rec.refs == 0 {
             txn.insert(meta::ORPHANS, &id, &());
             orphaned = true;
         }
     }
+    chunks.write(txn);
     Ok(orphaned)
 }
 
-/// Adds `delta` to a committed chunk's reference count in `txn`; returns the new count.
-fn add_refs_stored(txn: &mut WriteTxn, id: u64, delta: i64) -> Result<u64> {
-    let rec = add_refs(txn, id, delta)?;
-    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
-    Ok(rec.refs)
-}
-
 /// A committed chunk's record with `delta` added to its reference count (not written back).
-fn add_refs(txn: &WriteTxn, id: u64, delta: i64) -> Result<ChunkRecord> {
-    let mut rec = load_chunk(txn, id)?;
+fn add_refs(
+    chunks: &mut chunk_table::Pages,
+    txn: &WriteTxn,
+    id: u64,
+    delta: i64,
+) -> Result<ChunkRecord> {
+    let mut rec = load_chunk(chunks, txn, id)?;
     let refs = rec.refs as i64 + delta;
     if refs < 0 {
         return Err(Error::Corrupt(format!(
@@ -716,11 +732,9 @@ fn without_blocks(ranges: &[(u64, u64)], holes: &BTreeSet<u64>) -> Vec<(u64, u64
     out
 }
 
-pub(crate) fn load_chunk(store: &impl Reader, id: u64) -> Result<ChunkRecord> {
-    let v = store
-        .get(meta::CHUNKS, &id)?
-        .ok_or_else(|| Error::Corrupt(format!("chunk {id:#x} is referenced but missing")))?;
-    ChunkRecord::decode(&v)
+/// A chunk's record as `txn` sees it with the changes in `chunks`; corrupt if it is missing.
+fn load_chunk(chunks: &mut chunk_table::Pages, txn: &WriteTxn, id: u64) -> Result<ChunkRecord> {
+    chunks.get(txn, id)?.ok_or_else(|| chunk_table::missing(id))
 }
 
 fn segment_usage<'a>(

@@ -142,7 +142,8 @@ pub fn record_crc_ok(record: &[u8], crc: u32) -> bool {
     crc32c::crc32c_append(c, &record[RECORD_HEADER_BYTES..]) == crc
 }
 
-/// Where a chunk lives and how it is stored: the value of the `chunks` table.
+/// Where a chunk lives and how it is stored: one entry of a `chunk.pages` row
+/// (see `chunk_table.rs`).
 ///
 /// Layout (64 bytes): segment u64 | offset u32 | stored_len u32 | crc u32 | flags u16 |
 /// reserved u16 | refs u64 | fingerprint [u8; 32].
@@ -173,7 +174,7 @@ impl ChunkRecord {
         RECORD_HEADER_BYTES as u64 + self.stored_len as u64
     }
 
-    /// Encodes the record for the `chunks` table.
+    /// Encodes the record for a chunk page.
     pub fn encode(&self) -> [u8; CHUNK_RECORD_BYTES] {
         let mut v = [0u8; CHUNK_RECORD_BYTES];
         v[0..8].copy_from_slice(&self.segment.to_le_bytes());
@@ -186,7 +187,7 @@ impl ChunkRecord {
         v
     }
 
-    /// Decodes a `chunks` table value.
+    /// Decodes a record of a chunk page.
     pub fn decode(v: &[u8]) -> Result<Self> {
         if v.len() != CHUNK_RECORD_BYTES {
             return Err(Error::Corrupt(format!("chunk record of {} bytes", v.len())));

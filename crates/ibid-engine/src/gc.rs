@@ -219,11 +219,11 @@ impl Inner {
         let mut txn = self.db.write()?;
         {
             let mut usage: std::collections::BTreeMap<u64, SegmentUsage> = Default::default();
+            let mut chunks = crate::chunk_table::Pages::new();
             for (id, old_offset, placed) in moved {
-                let Some(v) = txn.get(meta::CHUNKS, &id)? else {
+                let Some(mut rec) = chunks.get(&txn, id)? else {
                     continue;
                 };
-                let mut rec = ChunkRecord::decode(&v)?;
                 let u = match usage.entry(placed.segment) {
                     std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                     std::collections::btree_map::Entry::Vacant(e) => {
@@ -239,9 +239,10 @@ impl Inner {
                     rec.segment = placed.segment;
                     rec.offset = placed.offset;
                     debug_assert_eq!(rec.crc, placed.crc);
-                    txn.insert(meta::CHUNKS, &id, rec.encode().as_slice());
+                    chunks.put(&txn, id, rec)?;
                 }
             }
+            chunks.write(&mut txn);
             for (s, u) in usage {
                 txn.insert(meta::SEGMENTS, &s, u.encode().as_slice());
             }
@@ -265,8 +266,7 @@ impl Inner {
             if end > bytes.len() {
                 break;
             }
-            if let Some(v) = txn.get(meta::CHUNKS, &h.chunk_id)? {
-                let rec = ChunkRecord::decode(&v)?;
+            if let Some(rec) = crate::chunk_table::get(&txn, h.chunk_id)? {
                 if rec.segment == seg && rec.offset as usize == pos {
                     if !format::record_crc_ok(&bytes[pos..end], rec.crc) {
                         return Err(crate::Error::Corrupt(format!(

@@ -19,6 +19,7 @@
 #[cfg(feature = "mimalloc")]
 pub mod allocator;
 mod bloom;
+pub mod chunk_table;
 mod commit;
 mod compression;
 pub mod config;

@@ -5,7 +5,7 @@
 //! | `pool`     | `"pool"`                             | [`PoolRecord`]                         |
 //! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
 //! | `map`      | (layer u64 BE, block u64 BE)         | chunk id (absent = zero)               |
-//! | `chunks`   | chunk id                             | [`crate::format::ChunkRecord`]         |
+//! | `chunk.pages` | chunk id >> 10                    | a page: the [`crate::format::ChunkRecord`]s of up to 16 neighbouring ids (see `chunk_table.rs`) |
 //! | `fps`      | (fingerprint prefix u64, chunk id) as u128 BE | () — the dedup index's B-tree |
 //! | `fps.runs` | commit number                        | a run: ascending `fps` keys, 16 B each |
 //! | `fps.dead` | `fps` key                            | () — keys in runs of dead chunks       |
@@ -21,7 +21,7 @@
 //! big-endian u64) in the high half, its id in the low half ([`fps_key`]). A key is in the
 //! `fps` B-tree or in one of a few recent sorted runs (`fps.runs`, see `dedup_index.rs`). A
 //! lookup scans the keys of one prefix ([`fps_range`]) and confirms each candidate against the
-//! full fingerprint in its `chunks` record; two chunks may share a prefix. Sixteen-byte integer keys keep the
+//! full fingerprint in its chunk record; two chunks may share a prefix. Sixteen-byte integer keys keep the
 //! index's pages dense: the index was most of a commit's store work with 32-byte keys (see
 //! `ibid-bench store-shapes`).
 //!
@@ -38,8 +38,12 @@ pub const POOL: Def<str, [u8]> = Def::new(Table::Pool);
 pub const VOLUMES: Def<str, [u8]> = Def::new(Table::Volumes);
 /// Volume maps: (layer, block) → chunk id.
 pub const MAP: Def<[u8; 16], u64> = Def::new(Table::Map);
-/// Chunks: id → record.
-pub const CHUNKS: Def<u64, [u8]> = Def::new(Table::Chunks);
+/// Chunks: page key (`id >> chunk_table::PAGE_SHIFT`) → page of records (see
+/// [`crate::chunk_table`], the only module that reads or writes it).
+pub const CHUNK_PAGES: Def<u64, [u8]> = Def::new(Table::ChunkPages);
+/// Chunks of pools of format version 5 and older, one row per chunk: id → record. Emptied into
+/// [`CHUNK_PAGES`] when such a pool is opened ([`crate::chunk_table::upgrade`]).
+pub const CHUNKS_BY_ID: Def<u64, [u8]> = Def::new(Table::Chunks);
 /// The dedup index's B-tree: (fingerprint prefix, chunk id) → () (see the module doc).
 pub const FPS: Def<u128, ()> = Def::new(Table::Fps);
 /// The dedup index's runs: commit number → that commit's new keys, ascending, packed as
@@ -127,6 +131,8 @@ pub const POOL_KEY: &str = "pool";
 /// runs and needs only the empty tables, but a build that knows only version 3 would not see
 /// the keys in runs. 5 — zeroed ranges a commit left to settle (`zeroing`); a version 4
 /// pool has none, but a build that knows only version 4 would show the data they hide.
+/// 6 — chunk records packed in pages (`chunk.pages`); a version 5 pool has its `chunks` rows
+/// moved into pages when opened.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -157,7 +163,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 5;
+pub const POOL_FORMAT_VERSION: u64 = 6;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

@@ -1,7 +1,7 @@
 //! Dedup by locality. Blocks written together are stored together (consecutive chunk sequence
 //! numbers), and copied data (a clone, a backup, a second copy of a file) arrives in runs. So
 //! once one block of a large write is found in the fingerprint index, the chunks stored around
-//! it are read with one range scan of the `chunks` table, and the write's other blocks are
+//! it are read with one range scan of the chunk table, and the write's other blocks are
 //! looked for among them first: a point read of the `fps` B-tree, whose random 32-byte keys make
 //! every lookup a walk through pages no cache holds, becomes a hash probe and a read of a chunk
 //! record beside the ones just read. A hint only: the caller checks a hit against the chunk's
@@ -12,8 +12,6 @@
 //! proves X is still stored (the scan read it with that fingerprint; fingerprints never
 //! change).
 
-use crate::format::ChunkRecord;
-use crate::meta;
 use crate::pool::SHARD_BITS;
 use crate::store::Store;
 use rustc_hash::FxHashMap;
@@ -95,9 +93,8 @@ impl Neighbours {
 fn scan(db: &Store, lo: u64, hi: u64) -> crate::Result<FxHashMap<[u8; 32], u64>> {
     let txn = db.read()?;
     let mut near = FxHashMap::default();
-    for item in txn.range(meta::CHUNKS, lo..=hi)? {
-        let (id, v) = item?;
-        near.insert(ChunkRecord::decode(&v)?.fingerprint, id);
+    for (id, rec) in crate::chunk_table::range(&txn, lo, hi)? {
+        near.insert(rec.fingerprint, id);
     }
     Ok(near)
 }

@@ -394,8 +394,9 @@ impl Pool {
             )
         };
         if record.version < meta::POOL_FORMAT_VERSION {
-            // The store moved the tables to this version's layout when it opened; the record
-            // says so at once, so older builds refuse the pool from now on.
+            // The store moved its tables to this version's layout when it opened, and the
+            // chunk records move into pages here, in the transaction that rewrites the record,
+            // so older builds refuse the pool from now on.
             tracing::info!(
                 "pool {}: format version {} upgraded to {}",
                 dir.display(),
@@ -404,6 +405,13 @@ impl Pool {
             );
             record.version = meta::POOL_FORMAT_VERSION;
             let mut txn = db.write()?;
+            let moved = crate::chunk_table::upgrade(&mut txn)?;
+            if moved > 0 {
+                tracing::info!(
+                    "pool {}: {moved} chunk records moved into pages",
+                    dir.display()
+                );
+            }
             txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
             txn.commit()?;
         }

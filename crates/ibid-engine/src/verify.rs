@@ -4,7 +4,7 @@
 
 use crate::dedup_index::Runs;
 use crate::error::{Error, Result};
-use crate::format::{self, ChunkRecord, SegmentUsage, VolumeRecord, BLOCK_BYTES};
+use crate::format::{self, SegmentUsage, VolumeRecord, BLOCK_BYTES};
 use crate::meta::{self, PoolRecord};
 use crate::pool::Inner;
 use crate::store::Reader;
@@ -140,9 +140,13 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     }
     let mut usage: HashMap<u64, u64> = HashMap::new();
     let mut block = vec![0u8; BLOCK_BYTES];
-    for item in txn.iter(meta::CHUNKS)? {
-        let (id, v) = item?;
-        let rec = ChunkRecord::decode(&v)?;
+    if let Some(item) = txn.iter(meta::CHUNKS_BY_ID)?.next() {
+        return Err(fail(format!(
+            "chunk {:#x} is still in the table of format version 5",
+            item?.0
+        )));
+    }
+    crate::chunk_table::for_each(&txn, |id, rec| {
         let counted = refs.remove(&id).unwrap_or(0);
         if rec.refs != counted {
             return Err(fail(format!(
@@ -173,7 +177,8 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         *usage.entry(rec.segment).or_default() += rec.physical_bytes();
         report.chunks += 1;
         report.physical_bytes += rec.physical_bytes();
-    }
+        Ok(())
+    })?;
     if let Some((id, n)) = refs.into_iter().next() {
         return Err(fail(format!(
             "{n} map entries reference missing chunk {id:#x}"

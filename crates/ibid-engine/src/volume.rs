@@ -519,7 +519,7 @@ impl Volume {
             ..Default::default()
         };
         for (&id, &(n, in_shared_layer)) in &counts {
-            let rec = crate::commit::load_chunk(&txn, id)?;
+            let rec = crate::chunk_table::load(&txn, id)?;
             s.mapped_blocks += n;
             if rec.refs == n && !in_shared_layer {
                 s.exclusive_blocks += n;
@@ -649,8 +649,8 @@ impl Inner {
         if !stored.is_empty() {
             let txn = self.db.read()?;
             for id in stored {
-                if let Some(v) = txn.get(meta::CHUNKS, &id)? {
-                    out.insert(id, format::ChunkRecord::decode(&v)?);
+                if let Some(rec) = crate::chunk_table::get(&txn, id)? {
+                    out.insert(id, rec);
                 }
             }
         }
@@ -923,10 +923,7 @@ impl Inner {
         if let Some(r) = self.uncommitted_location(id) {
             return Ok(Some(r));
         }
-        match self.db.read()?.get(meta::CHUNKS, &id)? {
-            Some(v) => Ok(Some(format::ChunkRecord::decode(&v)?)),
-            None => Ok(None),
-        }
+        crate::chunk_table::get(&self.db.read()?, id)
     }
 
     /// Where a chunk created since the last commit is (`None` for committed chunks).
@@ -1888,10 +1885,7 @@ fn entry_of(id: u64) -> Entry {
 
 /// Whether `store` holds chunk `id` with fingerprint `fp`.
 fn holds_chunk_in(store: &impl Reader, id: u64, fp: &[u8; 32]) -> Result<bool> {
-    Ok(match store.get(meta::CHUNKS, &id)? {
-        Some(v) => format::ChunkRecord::decode(&v)?.fingerprint == *fp,
-        None => false,
-    })
+    Ok(crate::chunk_table::get(store, id)?.is_some_and(|rec| rec.fingerprint == *fp))
 }
 
 /// The first of the chunk ids `ids` that `store` holds with fingerprint `fp`.

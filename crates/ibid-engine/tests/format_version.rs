@@ -96,6 +96,100 @@ fn pool_with_eight_blocks(path: &Path) {
     pool.close().expect("close");
 }
 
+const CHUNKS: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("chunks");
+const CHUNK_PAGES: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("chunk.pages");
+
+/// Puts the chunk records of the pool at `path` back in format version 5's layout: one row per
+/// chunk in `chunks` (id → record) instead of pages. Returns how many records it moved.
+fn unpack_chunk_pages(path: &Path) -> usize {
+    use redb::{ReadableTable, ReadableTableMetadata};
+    let db = redb::Database::open(path.join("meta.redb")).expect("redb");
+    let txn = db.begin_write().expect("write");
+    let mut moved = 0;
+    {
+        let mut pages = txn.open_table(CHUNK_PAGES).expect("chunk.pages");
+        let mut rows = txn.open_table(CHUNKS).expect("chunks");
+        assert_eq!(rows.len().expect("len"), 0, "rows before the unpacking");
+        for item in pages.iter().expect("iter") {
+            let (_, page) = item.expect("page");
+            for entry in page.value().chunks(72) {
+                let id = u64::from_le_bytes(entry[..8].try_into().expect("8 bytes"));
+                rows.insert(id, &entry[8..]).expect("insert");
+                moved += 1;
+            }
+        }
+        pages.retain(|_, _| false).expect("empty the pages");
+    }
+    txn.commit().expect("commit");
+    moved
+}
+
+/// A version 5 pool (chunk records one per row) opens upgraded: every record moved into pages
+/// in the transaction that rewrites the pool record, every block reads back, verify agrees,
+/// a block written again is found as a duplicate, the cleaner and deletions work on the pages,
+/// and a reopen finds it all.
+#[test]
+fn a_version_5_pool_has_its_chunk_records_moved_into_pages() {
+    use redb::ReadableTableMetadata;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    {
+        let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+        let v = pool.create_volume("v", 64 << 20).expect("volume");
+        for i in 0..100u64 {
+            v.write(i * 4096, &random_block(i), false).expect("write");
+        }
+        pool.close().expect("close");
+    }
+    assert_eq!(unpack_chunk_pages(&path), 100);
+    set_version(&path, 5);
+    {
+        let pool = Pool::open(&path, quiet_config(1 << 30)).expect("open a version 5 pool");
+        assert_eq!(pool.verify().expect("verify after the upgrade").chunks, 100);
+        let v = pool.volume("v").expect("v");
+        let mut got = vec![0u8; 4096];
+        for i in 0..100u64 {
+            v.read(i * 4096, &mut got).expect("read");
+            assert_eq!(got, random_block(i), "block {i}");
+        }
+        v.write(500 * 4096, &random_block(7), false)
+            .expect("write a duplicate");
+        v.write_zeroes(0, 50 * 4096, false).expect("zero half");
+        pool.sync().expect("sync");
+        // Block 7 stays: block 500 holds it too.
+        assert_eq!(pool.stats().unique_chunks, 51, "chunks after the zeroing");
+        assert!(
+            pool.gc_now().expect("clean") > 0,
+            "the cleaner moved nothing"
+        );
+        assert_eq!(pool.verify().expect("verify").chunks, 51);
+        for i in 50..100u64 {
+            v.read(i * 4096, &mut got).expect("read after cleaning");
+            assert_eq!(got, random_block(i), "block {i}");
+        }
+        pool.close().expect("close");
+    }
+    assert_eq!(stored_version(&path), POOL_FORMAT_VERSION, "upgraded");
+    {
+        let db = redb::Database::open(path.join("meta.redb")).expect("redb");
+        let txn = redb::ReadableDatabase::begin_read(&db).expect("read");
+        assert_eq!(
+            txn.open_table(CHUNKS).expect("chunks").len().expect("len"),
+            0
+        );
+        let pages = txn.open_table(CHUNK_PAGES).expect("chunk.pages");
+        assert!(pages.len().expect("len") > 0);
+    }
+    let pool = Pool::open(&path, quiet_config(1 << 30)).expect("reopen");
+    assert_eq!(pool.verify().expect("verify").chunks, 51);
+    let mut got = vec![0u8; 4096];
+    pool.volume("v")
+        .expect("v")
+        .read(500 * 4096, &mut got)
+        .expect("read");
+    assert_eq!(got, random_block(7));
+}
+
 /// A pool whose dedup index is in format version 2's form (redb table `fps.bytes`: the whole
 /// fingerprint → chunk id) opens upgraded: the index rewritten with prefix keys, the record at
 /// the current version, every chunk in the index (verify), and a block written again found as
@@ -103,13 +197,13 @@ fn pool_with_eight_blocks(path: &Path) {
 #[test]
 fn a_version_2_index_is_rewritten_and_still_finds_duplicates() {
     use redb::{ReadableTable, TableDefinition};
-    const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
     const FPS_V2: TableDefinition<&[u8], u64> = TableDefinition::new("fps.bytes");
     const FPS_V3: TableDefinition<u128, ()> = TableDefinition::new("fps.prefix");
 
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("p");
     pool_with_eight_blocks(&path);
+    assert_eq!(unpack_chunk_pages(&path), 8);
     // Turn the index back into version 2's table, from the fingerprints in the chunk records.
     {
         let db = redb::Database::open(path.join("meta.redb")).expect("redb");

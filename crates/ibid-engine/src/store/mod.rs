@@ -37,7 +37,7 @@ pub enum Table {
     Volumes,
     /// Volume maps: (layer, block) → chunk id.
     Map,
-    /// Chunks: id → record.
+    /// Chunks one per row (format version 5 and older; emptied at open).
     Chunks,
     /// The dedup index's B-tree: (fingerprint prefix, chunk id).
     Fps,
@@ -55,10 +55,12 @@ pub enum Table {
     FpsDead,
     /// Zeroed ranges a commit left to settle: volume id → ranges.
     Zeroing,
+    /// Chunk records in pages of neighbouring ids.
+    ChunkPages,
 }
 
 /// Number of tables.
-pub const TABLES: usize = 12;
+pub const TABLES: usize = 13;
 
 impl Table {
     /// Every table, in index order.
@@ -75,6 +77,7 @@ impl Table {
         Table::FpsRuns,
         Table::FpsDead,
         Table::Zeroing,
+        Table::ChunkPages,
     ];
 
     /// Position in [`Table::ALL`].
@@ -97,6 +100,7 @@ impl Table {
             Table::FpsRuns => "fps.runs",
             Table::FpsDead => "fps.dead",
             Table::Zeroing => "zeroing",
+            Table::ChunkPages => "chunk.pages",
         }
     }
 }

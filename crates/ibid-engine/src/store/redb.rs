@@ -37,7 +37,9 @@ const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
 /// with 64 Ki random fingerprints per commit; a byte string compares with one `memcmp`.
 /// The byte order is the same, so scans see the same order.
 const MAP: TableDefinition<&[u8], u64> = TableDefinition::new("map.bytes");
+/// Chunk records one per row, as pools of format version 5 and older keep them.
 const CHUNKS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunks");
+const CHUNK_PAGES: TableDefinition<u64, &[u8]> = TableDefinition::new("chunk.pages");
 /// The dedup index: 16-byte integer keys (fingerprint prefix, chunk id), compared as numbers.
 const FPS: TableDefinition<u128, ()> = TableDefinition::new("fps.prefix");
 /// The map and dedup index of pools created before the byte-string tables (format version 1);
@@ -70,6 +72,7 @@ macro_rules! dispatch {
             Table::FpsRuns => $f(FPS_RUNS, $($arg),*),
             Table::FpsDead => $f(FPS_DEAD, $($arg),*),
             Table::Zeroing => $f(ZEROING, $($arg),*),
+            Table::ChunkPages => $f(CHUNK_PAGES, $($arg),*),
         }
     };
 }

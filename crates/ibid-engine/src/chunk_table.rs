@@ -1,0 +1,321 @@
+//! The chunk table: every live chunk's [`ChunkRecord`], packed in pages of neighbouring ids.
+//!
+//! A chunk id is `(sequence << SHARD_BITS) | shard`, and sequence numbers are handed out in
+//! order, so chunks written together have neighbouring ids. One row of [`meta::CHUNK_PAGES`]
+//! holds the records of [`PAGE_SEQS`] consecutive sequence numbers (key: [`page_of`]): a
+//! commit of 64 Ki new chunks inserts 4 Ki rows instead of 64 Ki. Each row costs the store a
+//! B-tree descent and its share of page handling whatever its size; one row per chunk was
+//! about a sixth of the server's CPU on unique writes (session 21, `docs/benchmarks`).
+//!
+//! # Page format (the value of a `chunk.pages` row)
+//!
+//! ```text
+//! entry*  (1 to PAGE_SEQS, ascending chunk id; a page left with none is deleted)
+//! entry:  chunk id u64 LE | ChunkRecord (64 bytes, see format.rs)
+//! ```
+//!
+//! Every id in a page has the page's key as `id >> PAGE_SHIFT`. Pools of format version 5 and
+//! older kept one row per chunk in `chunks`; [`upgrade`] moves them into pages when such a pool
+//! is opened.
+//!
+//! Reads take one row and scan at most 16 fixed-size entries. Writes inside a transaction go
+//! through [`Pages`], which reads each page once, applies every change to it in memory and
+//! writes it back once.
+
+use crate::error::{Error, Result};
+use crate::format::{ChunkRecord, CHUNK_RECORD_BYTES};
+use crate::meta;
+use crate::pool::SHARD_BITS;
+use crate::store::{ReadTxn, Reader, WriteTxn};
+use rustc_hash::FxHashMap;
+
+/// Sequence numbers (so chunks) per page, as a power of two.
+pub const PAGE_SEQS_BITS: u32 = 4;
+/// Sequence numbers (so chunks) per page.
+pub const PAGE_SEQS: usize = 1 << PAGE_SEQS_BITS;
+/// A chunk id shifted right by this is its page's key.
+pub const PAGE_SHIFT: u32 = SHARD_BITS + PAGE_SEQS_BITS;
+/// Encoded size of one page entry (chunk id and record).
+pub const ENTRY_BYTES: usize = 8 + CHUNK_RECORD_BYTES;
+
+/// The key of the page holding chunk `id`.
+pub fn page_of(id: u64) -> u64 {
+    id >> PAGE_SHIFT
+}
+
+/// The decoded entries of a page: (chunk id, record), ascending by id.
+type Entries = Vec<(u64, ChunkRecord)>;
+
+/// Checks a page's length and returns its number of entries.
+fn entry_count(key: u64, page: &[u8]) -> Result<usize> {
+    let n = page.len() / ENTRY_BYTES;
+    if !page.len().is_multiple_of(ENTRY_BYTES) || n == 0 || n > PAGE_SEQS {
+        return Err(Error::Corrupt(format!(
+            "chunk page {key:#x} of {} bytes",
+            page.len()
+        )));
+    }
+    Ok(n)
+}
+
+fn entry_id(page: &[u8], i: usize) -> u64 {
+    let at = i * ENTRY_BYTES;
+    u64::from_le_bytes(page[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn entry_record(page: &[u8], i: usize) -> Result<ChunkRecord> {
+    let at = i * ENTRY_BYTES + 8;
+    ChunkRecord::decode(&page[at..at + CHUNK_RECORD_BYTES])
+}
+
+/// Decodes page `key`, checking that its ids ascend and belong to it.
+fn decode(key: u64, page: &[u8]) -> Result<Entries> {
+    let n = entry_count(key, page)?;
+    let mut out: Entries = Vec::with_capacity(n);
+    for i in 0..n {
+        let id = entry_id(page, i);
+        if page_of(id) != key || out.last().is_some_and(|&(prev, _)| prev >= id) {
+            return Err(Error::Corrupt(format!(
+                "chunk page {key:#x}: entry {i} has chunk id {id:#x}"
+            )));
+        }
+        out.push((id, entry_record(page, i)?));
+    }
+    Ok(out)
+}
+
+fn encode(entries: &[(u64, ChunkRecord)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(entries.len() * ENTRY_BYTES);
+    for (id, rec) in entries {
+        out.extend_from_slice(&id.to_le_bytes());
+        out.extend_from_slice(&rec.encode());
+    }
+    out
+}
+
+/// The record of chunk `id`, if the store holds it.
+pub fn get(r: &impl Reader, id: u64) -> Result<Option<ChunkRecord>> {
+    let key = page_of(id);
+    let Some(page) = r.get(meta::CHUNK_PAGES, &key)? else {
+        return Ok(None);
+    };
+    for i in 0..entry_count(key, &page)? {
+        if entry_id(&page, i) == id {
+            return entry_record(&page, i).map(Some);
+        }
+    }
+    Ok(None)
+}
+
+/// The record of chunk `id`, which something references: corrupt if the store lacks it.
+pub fn load(r: &impl Reader, id: u64) -> Result<ChunkRecord> {
+    get(r, id)?.ok_or_else(|| missing(id))
+}
+
+/// The error for a chunk that is referenced but has no record.
+pub fn missing(id: u64) -> Error {
+    Error::Corrupt(format!("chunk {id:#x} is referenced but missing"))
+}
+
+/// The records of the chunks with ids in `lo..=hi`, ascending by id.
+pub fn range(txn: &ReadTxn, lo: u64, hi: u64) -> Result<Entries> {
+    let mut out = Vec::new();
+    for item in txn.range(meta::CHUNK_PAGES, page_of(lo)..=page_of(hi))? {
+        let (key, page) = item?;
+        out.extend(
+            decode(key, &page)?
+                .into_iter()
+                .filter(|&(id, _)| (lo..=hi).contains(&id)),
+        );
+    }
+    Ok(out)
+}
+
+/// Calls `f` with every chunk's id and record, ascending by id.
+pub fn for_each(txn: &ReadTxn, mut f: impl FnMut(u64, ChunkRecord) -> Result<()>) -> Result<()> {
+    for item in txn.iter(meta::CHUNK_PAGES)? {
+        let (key, page) = item?;
+        for (id, rec) in decode(key, &page)? {
+            f(id, rec)?;
+        }
+    }
+    Ok(())
+}
+
+/// Changes to chunk records inside one write transaction, kept a page at a time: each page is
+/// read from the transaction once, changed in memory, and written back by [`Pages::write`].
+/// Until then the transaction itself does not see the changes: read them through here.
+///
+/// Changes made in ascending id order (as a commit makes most of them) append to their page.
+#[derive(Default)]
+pub struct Pages {
+    /// Pages read so far: their entries and whether they changed.
+    pages: FxHashMap<u64, (Entries, bool)>,
+}
+
+impl Pages {
+    /// No page read yet.
+    pub fn new() -> Pages {
+        Pages::default()
+    }
+
+    fn page(&mut self, r: &impl Reader, key: u64) -> Result<&mut (Entries, bool)> {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.pages.entry(key) {
+            let entries = match r.get(meta::CHUNK_PAGES, &key)? {
+                Some(page) => decode(key, &page)?,
+                None => Vec::new(),
+            };
+            e.insert((entries, false));
+        }
+        Ok(self.pages.get_mut(&key).expect("inserted"))
+    }
+
+    /// The record of chunk `id` as this transaction (with the changes made here) sees it.
+    pub fn get(&mut self, r: &impl Reader, id: u64) -> Result<Option<ChunkRecord>> {
+        let (entries, _) = self.page(r, page_of(id))?;
+        Ok(entries
+            .binary_search_by_key(&id, |&(i, _)| i)
+            .ok()
+            .map(|at| entries[at].1))
+    }
+
+    /// Sets chunk `id`'s record.
+    pub fn put(&mut self, r: &impl Reader, id: u64, rec: ChunkRecord) -> Result<()> {
+        let (entries, dirty) = self.page(r, page_of(id))?;
+        if entries.last().is_none_or(|&(last, _)| last < id) {
+            entries.push((id, rec));
+        } else {
+            match entries.binary_search_by_key(&id, |&(i, _)| i) {
+                Ok(at) => entries[at].1 = rec,
+                Err(at) => entries.insert(at, (id, rec)),
+            }
+        }
+        *dirty = true;
+        Ok(())
+    }
+
+    /// Deletes chunk `id`'s record (absent or not).
+    pub fn remove(&mut self, r: &impl Reader, id: u64) -> Result<()> {
+        let (entries, dirty) = self.page(r, page_of(id))?;
+        if let Ok(at) = entries.binary_search_by_key(&id, |&(i, _)| i) {
+            entries.remove(at);
+            *dirty = true;
+        }
+        Ok(())
+    }
+
+    /// Writes every changed page into `txn` (deleting the ones left empty).
+    pub fn write(self, txn: &mut WriteTxn) {
+        let mut changed: Vec<(u64, Entries)> = self
+            .pages
+            .into_iter()
+            .filter(|(_, (_, dirty))| *dirty)
+            .map(|(key, (entries, _))| (key, entries))
+            .collect();
+        changed.sort_unstable_by_key(|&(key, _)| key);
+        for (key, entries) in changed {
+            if entries.is_empty() {
+                txn.remove(meta::CHUNK_PAGES, &key);
+            } else {
+                txn.insert(meta::CHUNK_PAGES, &key, encode(&entries).as_slice());
+            }
+        }
+    }
+}
+
+/// Moves the records of a pool of format version 5 or older (one row per chunk in the
+/// `chunks` table) into pages, inside `txn`: the caller commits it with the pool record's new
+/// version, so a crash leaves either layout whole. Returns how many records moved.
+pub fn upgrade(txn: &mut WriteTxn) -> Result<u64> {
+    let rows = txn.extract_range_if(meta::CHUNKS_BY_ID, .., |_, _| true)?;
+    let moved = rows.len() as u64;
+    let mut pages = Pages::new();
+    for (id, v) in rows {
+        pages.put(txn, id, ChunkRecord::decode(&v)?)?;
+    }
+    pages.write(txn);
+    Ok(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Backend, Store};
+
+    fn record(n: u64) -> ChunkRecord {
+        ChunkRecord {
+            segment: n,
+            offset: n as u32 * 10,
+            stored_len: 4096,
+            crc: n as u32,
+            flags: 0,
+            refs: n + 1,
+            fingerprint: [n as u8; 32],
+        }
+    }
+
+    /// Pages hold what was put, in id order, across page boundaries and commits; a removed
+    /// record is gone and an emptied page is deleted; reads, ranges and scans agree.
+    #[test]
+    fn pages_round_trip() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let ids: Vec<u64> = (0..40u64).map(|s| (s << SHARD_BITS) | (s % 7)).collect();
+        let mut txn = store.write()?;
+        let mut pages = Pages::new();
+        for &id in ids.iter().rev() {
+            pages.put(&txn, id, record(id))?;
+        }
+        assert_eq!(pages.get(&txn, ids[3])?, Some(record(ids[3])));
+        pages.write(&mut txn);
+        txn.commit()?;
+
+        let mut txn = store.write()?;
+        let mut pages = Pages::new();
+        for &id in &ids[..PAGE_SEQS] {
+            pages.remove(&txn, id)?;
+        }
+        pages.put(&txn, ids[20], record(1))?;
+        pages.write(&mut txn);
+        txn.commit()?;
+
+        let r = store.read()?;
+        assert_eq!(r.get(meta::CHUNK_PAGES, &0)?, None, "an emptied page stays");
+        assert_eq!(get(&r, ids[0])?, None);
+        assert_eq!(get(&r, ids[20])?, Some(record(1)));
+        assert_eq!(get(&r, ids[39])?, Some(record(ids[39])));
+        assert_eq!(get(&r, ids[39] + 1)?, None);
+        let all = {
+            let mut all = Vec::new();
+            for_each(&r, |id, rec| {
+                all.push((id, rec));
+                Ok(())
+            })?;
+            all
+        };
+        let want: Vec<u64> = ids[PAGE_SEQS..].to_vec();
+        assert_eq!(all.iter().map(|&(id, _)| id).collect::<Vec<_>>(), want);
+        let some = range(&r, ids[18], ids[33])?;
+        assert_eq!(
+            some.iter().map(|&(id, _)| id).collect::<Vec<_>>(),
+            ids[18..=33].to_vec()
+        );
+        Ok(())
+    }
+
+    /// A page whose length is not whole entries, or whose ids are out of order or belong to
+    /// another page, is reported as corrupt rather than misread.
+    #[test]
+    fn bad_pages_are_corrupt() {
+        let good = encode(&[(1 << SHARD_BITS, record(1)), (2 << SHARD_BITS, record(2))]);
+        assert!(decode(0, &good).is_ok());
+        assert!(matches!(
+            decode(0, &good[..ENTRY_BYTES + 3]),
+            Err(Error::Corrupt(_))
+        ));
+        assert!(matches!(decode(0, &[]), Err(Error::Corrupt(_))));
+        assert!(matches!(decode(1, &good), Err(Error::Corrupt(_))));
+        let swapped = encode(&[(2 << SHARD_BITS, record(2)), (1 << SHARD_BITS, record(1))]);
+        assert!(matches!(decode(0, &swapped), Err(Error::Corrupt(_))));
+    }
+}
