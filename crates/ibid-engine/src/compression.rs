@@ -10,8 +10,14 @@
 //! and that copy was 14 % of the server's samples under unique 1 MiB writes.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::format::BLOCK_BYTES;
+
+/// Incompressible new blocks in a row after which a write tries only a sample of the rest.
+pub(crate) const STREAK_MIN: u32 = 16;
+/// Past the streak, one new block in this many is tried; the others are stored as they are.
+pub(crate) const SAMPLE_EVERY: u32 = 8;
 
 /// The page size the skew is computed against (the low address bits loads and stores are
 /// matched on).
@@ -51,9 +57,86 @@ pub(crate) fn with_compressed<R>(block: &[u8], f: impl FnOnce(Option<&[u8]>) -> 
     })
 }
 
+/// How one write's new blocks compressed so far, shared by the threads preparing its blocks:
+/// after [`STREAK_MIN`] incompressible blocks in a row, only every [`SAMPLE_EVERY`]th is
+/// tried until one compresses, and then every block again.
+///
+/// An LZ4 attempt on an incompressible block costs about as much as its fingerprint (~1.2 µs
+/// per 4 KiB here) and saves nothing: most of a stream of encrypted or already compressed data
+/// skips it. The price is bounded: where such a stream turns compressible within one write,
+/// at most `SAMPLE_EVERY - 1` blocks are stored uncompressed before the write notices (more
+/// only if threads preparing other parts of the write keep failing meanwhile; the count is
+/// shared without a lock, as a hint). Each write starts trying every block again, like btrfs'
+/// heuristic per file, but without its permanent `nocompress` mark.
+#[derive(Debug, Default)]
+pub(crate) struct Attempts {
+    /// Blocks since the last one that compressed (tried or not).
+    misses: AtomicU32,
+}
+
+impl Attempts {
+    /// [`with_compressed`], or `f(None)` without trying when the streak says to skip `block`.
+    pub(crate) fn with_compressed<R>(&self, block: &[u8], f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+        let misses = self.misses.load(Ordering::Relaxed);
+        let tried = misses < STREAK_MIN || (misses - STREAK_MIN) % SAMPLE_EVERY == SAMPLE_EVERY - 1;
+        if !tried {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            return f(None);
+        }
+        with_compressed(block, |c| {
+            if c.is_some() {
+                self.misses.store(0, Ordering::Relaxed);
+            } else {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+            }
+            f(c)
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Noise for a block: an xorshift stream from `seed`.
+    fn noise(seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..BLOCK_BYTES)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// A run of incompressible blocks stops the attempts but for a sample; where the data
+    /// turns compressible, the next sampled block finds it and every block is tried again.
+    #[test]
+    fn a_streak_of_noise_samples_and_compressible_data_resumes_the_attempts() {
+        let attempts = Attempts::default();
+        let text = b"all work and no play ".repeat(BLOCK_BYTES / 21 + 1);
+        let text = &text[..BLOCK_BYTES];
+        let compressed = |block: &[u8]| attempts.with_compressed(block, |c| c.is_some());
+        for i in 0..STREAK_MIN as u64 {
+            assert!(!compressed(&noise(i)));
+        }
+        // Past the streak: compressible blocks are stored as they are until a sampled one.
+        let skipped = (0..).take_while(|_| !compressed(text)).count();
+        assert_eq!(skipped as u32, SAMPLE_EVERY - 1);
+        for _ in 0..3 * SAMPLE_EVERY {
+            assert!(compressed(text), "every block is tried again");
+        }
+        // Noise again: STREAK_MIN tried, then one in SAMPLE_EVERY.
+        for i in 0..(STREAK_MIN + 4 * SAMPLE_EVERY) as u64 {
+            assert!(!compressed(&noise(100 + i)));
+        }
+        assert_eq!(
+            attempts.misses.load(Ordering::Relaxed),
+            STREAK_MIN + 4 * SAMPLE_EVERY
+        );
+    }
 
     #[test]
     fn the_window_is_half_a_page_ahead_of_the_source_and_inside_the_buffer() {

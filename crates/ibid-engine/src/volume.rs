@@ -994,6 +994,7 @@ impl Inner {
         // Small writes look every block up in the index: a neighbourhood scan would cost more
         // than it could spare them.
         let neighbours = (f1 - f0 >= PARALLEL_BLOCKS_MIN).then(|| Neighbours::for_write(f1 - f0));
+        let attempts = compression::Attempts::default();
         // Blocks go in groups of `fingerprint::LANES`, fingerprinted together; a group stops
         // at its first failure (the blocks after a failure are only released, below, so the
         // groups after a short one need not line up).
@@ -1007,7 +1008,7 @@ impl Inner {
                 })
                 .collect();
             let fps = fingerprints(&blocks);
-            self.prepare_group(v, &blocks, &fps, stamp, neighbours.as_ref())
+            self.prepare_group(v, &blocks, &fps, stamp, neighbours.as_ref(), &attempts)
         };
         let groups = (f1 - f0).div_ceil(LANES) as usize;
         let busy = Preparing::enter(&self.preparing);
@@ -1122,6 +1123,7 @@ impl Inner {
     /// No deadlock with other writers: while the group holds `placing` marks it never waits for
     /// one. A block another writer is placing is set aside and prepared alone once the group's
     /// own marks are cleared; a block repeating an earlier new block of the group refers to it.
+    /// `attempts`: the write's record of how its blocks compressed (which new blocks to try).
     fn prepare_group(
         &self,
         v: &VolumeState,
@@ -1129,6 +1131,7 @@ impl Inner {
         fps: &[Option<[u8; 32]>],
         stamp: u64,
         neighbours: Option<&Neighbours>,
+        attempts: &compression::Attempts,
     ) -> Vec<Result<Entry>> {
         /// What became of one block of the group.
         enum Slot {
@@ -1194,7 +1197,7 @@ impl Inner {
             let forms: Vec<Option<std::ops::Range<usize>>> = new_blocks
                 .iter()
                 .map(|&i| {
-                    compression::with_compressed(blocks[i], |c| {
+                    attempts.with_compressed(blocks[i], |c| {
                         c.map(|c| {
                             packed.extend_from_slice(c);
                             packed.len() - c.len()..packed.len()

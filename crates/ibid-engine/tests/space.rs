@@ -824,3 +824,47 @@ fn gc_now_ends_while_writes_go_on() {
     }
     pool.verify().expect("verify");
 }
+
+/// A write stops trying to compress during a run of incompressible blocks (all but a sample,
+/// see `compression.rs`), and where its data turns compressible the next sampled block
+/// notices. A write of fewer than 64 blocks is prepared in order on one thread: of its 23
+/// compressible blocks after 40 of noise, at most 7 are stored as they are. A larger write is
+/// prepared by several threads at once, which share the count: of 256 compressible blocks
+/// after 256 of noise, nearly all are stored compressed.
+#[test]
+fn a_write_that_turns_compressible_stores_the_rest_compressed() {
+    const RECORD: u64 = 4096 + 24;
+    let text = |i: u64| {
+        let t = format!("block {i}: all work and no play makes a dull disk. ").repeat(100);
+        t.as_bytes()[..4096].to_vec()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(1 << 30)).expect("create");
+    let v = pool.create_volume("v", 8 << 20).expect("volume");
+    let mut stored = 0;
+    for (noise, compressible, uncompressed_max, at) in
+        [(40u64, 23u64, 7u64, 0u64), (256, 256, 32, 63)]
+    {
+        let mut data = Vec::new();
+        for i in 0..noise {
+            data.extend_from_slice(&random_block(at + i));
+        }
+        for i in 0..compressible {
+            data.extend_from_slice(&text(at + i));
+        }
+        v.write(at * 4096, &data, false).expect("write");
+        pool.sync().expect("sync");
+        let stats = pool.stats();
+        assert_eq!(stats.unique_chunks, at + noise + compressible);
+        let text_stored = stats.physical_bytes - stored - noise * RECORD;
+        assert!(
+            text_stored <= uncompressed_max * RECORD + compressible * 1024,
+            "{compressible} compressible blocks after {noise} of noise took {text_stored} bytes"
+        );
+        stored = stats.physical_bytes;
+        let mut back = vec![0u8; data.len()];
+        v.read(at * 4096, &mut back).expect("read");
+        assert!(back == data, "the data read back differs");
+    }
+    pool.verify().expect("verify");
+}
