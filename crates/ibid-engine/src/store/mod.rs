@@ -21,8 +21,9 @@ pub mod fjall;
 pub mod redb;
 
 use crate::error::{Error, Result};
-use indexmap::IndexMap;
 use parking_lot::{Mutex, MutexGuard};
+use rustc_hash::FxHashMap;
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
@@ -112,67 +113,96 @@ pub type KvIter<'a> = Box<dyn Iterator<Item = Result<KvPair>> + 'a>;
 /// Changes to one table: key → new value (`None`: delete); a later change to a key replaces
 /// the earlier one.
 ///
-/// Kept in arrival order with a hash index (for a transaction's reads of its own changes) and
-/// put in key order once, when the batch is written ([`TableOps::sorted`]). A commit of new
-/// data adds three changes per block, mostly in runs of ascending keys (a volume's blocks,
-/// chunk ids per shard), which a stable sort merges in near-linear time; a `BTreeMap`
-/// compared each key ~30 times on insert and was a quarter of the commit thread's CPU.
+/// Kept as a log in arrival order and put in key order once, when the batch is written
+/// ([`TableOps::sorted`]: a stable sort, then the last change of each key). A commit of new
+/// data adds a change per block to the map, mostly in runs of ascending keys, which the
+/// stable sort merges in near-linear time; a `BTreeMap` compared each key ~30 times on insert
+/// and was a quarter of the commit thread's CPU, and a hash index kept on every change (for a
+/// transaction's reads of its own changes) cost ~4 % of the server's CPU under unique writes.
+/// The index is built only when a transaction first reads its own changes to the table, and
+/// then kept up to date lazily, at each read.
 #[derive(Debug, Default)]
 pub struct TableOps {
-    ops: IndexMap<Vec<u8>, Option<Vec<u8>>, rustc_hash::FxBuildHasher>,
+    /// Every change, in arrival order.
+    log: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    /// Key → position in `log` of its latest change, covering the first `.1` changes.
+    index: RefCell<(FxHashMap<Vec<u8>, usize>, usize)>,
 }
 
 impl TableOps {
     /// Records that `key` becomes `value` (`None`: is deleted).
     pub fn set(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
-        self.ops.insert(key, value);
+        self.log.push((key, value));
     }
 
-    /// This batch's change to `key`, if it has one.
-    pub fn get(&self, key: &[u8]) -> Option<&Option<Vec<u8>>> {
-        self.ops.get(key)
+    /// This batch's change to `key`, if it has one: `Some(None)` for a delete.
+    pub fn get(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        if self.log.is_empty() {
+            return None;
+        }
+        let mut index = self.index.borrow_mut();
+        let (map, covered) = &mut *index;
+        for (at, (k, _)) in self.log.iter().enumerate().skip(*covered) {
+            map.insert(k.clone(), at);
+        }
+        *covered = self.log.len();
+        map.get(key).map(|&at| self.log[at].1.clone())
     }
 
     /// Whether there is no change.
     pub fn is_empty(&self) -> bool {
-        self.ops.is_empty()
+        self.log.is_empty()
     }
 
     /// Forgets every change, keeping the memory for the next batch unless it holds room for
     /// more than [`TableOps::RETAINED_MAX`] changes (a rare huge batch, such as the deletion
     /// of a large layer, gives its memory back).
     fn clear(&mut self) {
-        if self.ops.capacity() > Self::RETAINED_MAX {
-            self.ops = IndexMap::default();
+        if self.log.capacity() > Self::RETAINED_MAX {
+            self.log = Vec::new();
         } else {
-            self.ops.clear();
+            self.log.clear();
         }
+        let index = self.index.get_mut();
+        if index.0.capacity() > Self::RETAINED_MAX {
+            index.0 = FxHashMap::default();
+        } else {
+            index.0.clear();
+        }
+        index.1 = 0;
     }
 
     /// Most changes a table's emptied batch keeps room for (a commit under a sequential write
     /// load holds about 128 Ki per table).
     const RETAINED_MAX: usize = 512 << 10;
 
-    /// Every change, in key order.
+    /// Every key's last change, in key order.
     pub fn sorted(&self) -> Vec<(&[u8], Option<&[u8]>)> {
-        let mut v: Vec<(&[u8], Option<&[u8]>)> = self
-            .ops
-            .iter()
-            .map(|(k, v)| (k.as_slice(), v.as_deref()))
-            .collect();
-        v.sort_by(|a, b| a.0.cmp(b.0));
-        v
+        self.last_changes(|_| true)
     }
 
-    /// The changes to keys within `(lo, hi)`, in key order.
+    /// The last changes to keys within `(lo, hi)`, in key order.
     fn in_range(&self, lo: Bound<&[u8]>, hi: Bound<&[u8]>) -> Vec<(&[u8], Option<&[u8]>)> {
+        self.last_changes(|k| (lo, hi).contains(k))
+    }
+
+    /// The last change of each key that `keep` accepts, in key order.
+    fn last_changes(&self, keep: impl Fn(&[u8]) -> bool) -> Vec<(&[u8], Option<&[u8]>)> {
         let mut v: Vec<(&[u8], Option<&[u8]>)> = self
-            .ops
+            .log
             .iter()
-            .filter(|(k, _)| (lo, hi).contains(k.as_slice()))
+            .filter(|(k, _)| keep(k))
             .map(|(k, v)| (k.as_slice(), v.as_deref()))
             .collect();
+        // Stable: a key's changes stay in arrival order, and the last one is kept.
         v.sort_by(|a, b| a.0.cmp(b.0));
+        v.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                *kept = *later;
+            }
+            same
+        });
         v
     }
 }
@@ -573,7 +603,7 @@ impl Drop for WriteTxn<'_> {
 impl Reader for WriteTxn<'_> {
     fn get_raw(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>> {
         match self.batch.tables[table.index()].get(key) {
-            Some(v) => Ok(v.clone()),
+            Some(v) => Ok(v),
             None => self.base().get(table, key),
         }
     }
@@ -703,10 +733,21 @@ mod tests {
             (&[3], None),
         ];
         assert_eq!(ops.sorted(), expect);
-        assert_eq!(ops.get(&[3]), Some(&None));
-        assert_eq!(ops.get(&[4]), None);
+        assert_eq!(ops.get(&[3]), Some(None));
+        assert_eq!(ops.get(&[2]), Some(Some(vec![21])));
+        assert_eq!(ops.get(&[5]), None);
         let r = ops.in_range(Bound::Excluded(&[1][..]), Bound::Unbounded);
         assert_eq!(r, expect[1..].to_vec());
+        // Changes after a read are seen by the next one.
+        ops.set(vec![3], Some(vec![31]));
+        ops.set(vec![4], None);
+        assert_eq!(ops.get(&[3]), Some(Some(vec![31])));
+        assert_eq!(ops.get(&[4]), Some(None));
+        ops.set(vec![4], Some(vec![40]));
+        assert_eq!(ops.sorted().last(), Some(&(&[4][..], Some(&[40][..]))));
+        ops.clear();
+        assert!(ops.is_empty());
+        assert_eq!(ops.get(&[1]), None, "cleared");
     }
 
     /// Both backends: a batch is visible after commit, a write transaction reads its own
