@@ -2,11 +2,14 @@
 //!
 //! Several writers append in parallel, each to its own open segment, so appends never serialize
 //! on one lock. Each writer buffers up to [`WRITE_BUFFER_BYTES`]; a full buffer's whole pages
-//! are handed to the pool's segment I/O thread (`ibid-segment-io`), which writes them to the
-//! file while the writer goes on appending to a fresh buffer (the write no longer stalls the
-//! thread that filled the buffer, and the disk works while the cores hash and compress). A
-//! writer has at most one such write in flight: the next full buffer waits for it. Readers of a
-//! record not yet in the file read it from the buffer in flight or the open one.
+//! are handed to the pool's segment I/O threads (`ibid-segment-io`, one per writer, taking
+//! writes from one queue), which write them to the file while the writer goes on appending to a
+//! fresh buffer (the write no longer stalls the thread that filled the buffer, and the disk
+//! works while the cores hash and compress). A writer has at most one such write in flight:
+//! the next full buffer waits for it; the writers' flights go to the device side by side (a
+//! flash device, or a virtual disk, writes several 4 MiB writes at once faster than one after
+//! another). Readers of a record not yet in the file read it from the buffer in flight or the
+//! open one.
 //! A sealed segment (full, or sealed by the cleaner) is fsynced at once by the segment sync
 //! thread (`ibid-segment-sync`), so that the commit has little left to wait for.
 //! [`Segments::sync`] waits for the writes in flight, writes every buffer and fsyncs every file
@@ -162,7 +165,7 @@ struct SegmentFile {
     size: AtomicU64,
 }
 
-/// Whole pages of a buffer on their way to a segment file: written by the I/O thread, read
+/// Whole pages of a buffer on their way to a segment file: written by an I/O thread, read
 /// from here until the writer sees the write done.
 struct Flight {
     /// File offset of the first byte.
@@ -203,7 +206,7 @@ impl Flight {
     }
 }
 
-/// A write for the segment I/O thread.
+/// A write for a segment I/O thread.
 struct Job {
     flight: Arc<Flight>,
     target: Arc<File>,
@@ -218,7 +221,7 @@ struct OpenSegment {
     /// Bytes of the file that are final and written (a multiple of the page size). A padded
     /// tail written by a sync lies past it.
     file_len: u64,
-    /// The pages from `file_len` on, while the I/O thread writes them.
+    /// The pages from `file_len` on, while an I/O thread writes them.
     flight: Option<Arc<Flight>>,
     /// Bytes not yet final in the file (the segment header, then records); they start where
     /// the flight ends, or at `file_len`.
@@ -273,17 +276,20 @@ pub struct Segments {
     sync_lock: Mutex<()>,
     /// Write open segments with `O_DIRECT` where the filesystem supports it.
     direct_io: bool,
-    /// Hands full buffers to the I/O thread (`None` only while dropping).
+    /// Hands full buffers to the I/O threads (`None` only while dropping).
     io: Option<mpsc::Sender<Job>>,
-    /// The I/O thread, joined on drop.
-    io_thread: Option<JoinHandle<()>>,
+    /// The I/O threads (one per writer), joined on drop.
+    io_threads: Vec<JoinHandle<()>>,
     /// Hands sealed segments to the sync thread (`None` only while dropping).
     sealed_sync: Option<mpsc::Sender<(u64, Arc<SegmentFile>)>>,
     /// The sync thread, joined on drop.
     sync_thread: Option<JoinHandle<()>>,
-    /// Held by tests to keep the I/O thread from writing.
+    /// Held by tests to keep the I/O threads from writing.
     #[cfg(test)]
     io_hold: Arc<Mutex<()>>,
+    /// Counts the I/O threads' writes in progress (tests only).
+    #[cfg(test)]
+    io_probe: Arc<IoProbe>,
 }
 
 /// The state [`Segments`] shares with its sync thread.
@@ -319,10 +325,7 @@ impl Drop for Segments {
         // Closing a channel ends its thread once it has done what was queued.
         self.io = None;
         self.sealed_sync = None;
-        for t in [self.io_thread.take(), self.sync_thread.take()]
-            .into_iter()
-            .flatten()
-        {
+        for t in (self.io_threads.drain(..)).chain(self.sync_thread.take()) {
             let _ = t.join();
         }
     }
@@ -349,12 +352,39 @@ fn sync_thread(sealed: mpsc::Receiver<(u64, Arc<SegmentFile>)>, shared: Arc<Shar
     }
 }
 
-/// The segment I/O thread: writes each job's pages in turn until the channel closes.
-fn io_thread(jobs: mpsc::Receiver<Job>, #[cfg(test)] hold: Arc<Mutex<()>>) {
-    for job in jobs {
+/// What tests see of the I/O threads' writes.
+#[cfg(test)]
+#[derive(Default)]
+struct IoProbe {
+    /// Writes in progress.
+    busy: AtomicU64,
+    /// The most writes seen in progress at once.
+    peak: AtomicU64,
+    /// Each write first sleeps this long (so that writes in flight overlap visibly).
+    delay_ms: AtomicU64,
+}
+
+/// A segment I/O thread: takes jobs from the queue it shares with the others and writes
+/// their pages until the channel closes. (The lock is held only while waiting for a job.)
+fn io_thread(
+    jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
+    #[cfg(test)] hold: Arc<Mutex<()>>,
+    #[cfg(test)] probe: Arc<IoProbe>,
+) {
+    loop {
+        let Ok(job) = jobs.lock().recv() else { return };
         #[cfg(test)]
-        let _held = hold.lock();
+        drop(hold.lock());
+        #[cfg(test)]
+        {
+            let now = probe.busy.fetch_add(1, Ordering::AcqRel) + 1;
+            probe.peak.fetch_max(now, Ordering::AcqRel);
+            let delay = probe.delay_ms.load(Ordering::Acquire);
+            std::thread::sleep(std::time::Duration::from_millis(delay));
+        }
         job.flight.write_to(&job.target);
+        #[cfg(test)]
+        probe.busy.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -460,7 +490,7 @@ impl Segments {
             max_id = max_id.max(id + 1);
         }
         let ids = files.keys().copied().collect();
-        let writers = (0..writers)
+        let writers: Vec<Writer> = (0..writers)
             .map(|_| Writer {
                 open: Mutex::new(None),
                 segment: AtomicU64::new(NO_SEGMENT),
@@ -468,20 +498,31 @@ impl Segments {
             })
             .collect();
         let (io, jobs) = mpsc::channel();
+        let jobs = Arc::new(Mutex::new(jobs));
         #[cfg(test)]
         let io_hold = Arc::new(Mutex::new(()));
         #[cfg(test)]
-        let hold = io_hold.clone();
-        let io_thread = std::thread::Builder::new()
-            .name("ibid-segment-io".into())
-            .spawn(move || {
-                io_thread(
-                    jobs,
-                    #[cfg(test)]
-                    hold,
-                )
+        let io_probe = Arc::new(IoProbe::default());
+        // One thread per writer: each writer has at most one write in flight.
+        let io_threads = (0..writers.len())
+            .map(|_| {
+                let jobs = jobs.clone();
+                #[cfg(test)]
+                let (hold, probe) = (io_hold.clone(), io_probe.clone());
+                std::thread::Builder::new()
+                    .name("ibid-segment-io".into())
+                    .spawn(move || {
+                        io_thread(
+                            jobs,
+                            #[cfg(test)]
+                            hold,
+                            #[cfg(test)]
+                            probe,
+                        )
+                    })
+                    .map_err(|e| Error::io("start a segment I/O thread", e))
             })
-            .map_err(|e| Error::io("start the segment I/O thread", e))?;
+            .collect::<Result<Vec<_>>>()?;
         let shared = Arc::new(Shared {
             unsynced: Mutex::new(HashMap::new()),
             failed: Mutex::new(None),
@@ -500,7 +541,9 @@ impl Segments {
             #[cfg(test)]
             io_hold,
             io: Some(io),
-            io_thread: Some(io_thread),
+            io_threads,
+            #[cfg(test)]
+            io_probe,
             shared,
             sealed_sync: Some(sealed_sync),
             sync_thread: Some(sync_thread),
@@ -642,7 +685,7 @@ impl Segments {
         }
     }
 
-    /// Hands the buffer's whole pages to the I/O thread (after the writer's previous flight
+    /// Hands the buffer's whole pages to the I/O threads (after the writer's previous flight
     /// has landed) and keeps appending to a fresh buffer holding the rest.
     fn launch(&self, writer: &Writer, o: &mut OpenSegment) -> Result<()> {
         self.land(writer, o)?;
@@ -1013,15 +1056,15 @@ mod tests {
         (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
     }
 
-    /// Appends records of 3,000 bytes through writer 0 until its buffer has been handed to the
-    /// I/O thread, and a few more; returns where each landed.
-    fn fill_past_a_flight(segs: &Segments) -> Vec<(Placement, Vec<u8>)> {
+    /// Appends records of 3,000 bytes through writer `w` until its buffer has been handed to
+    /// the I/O threads, and a few more; returns where each landed.
+    fn fill_past_a_flight(segs: &Segments, w: usize) -> Vec<(Placement, Vec<u8>)> {
         let mut placed = Vec::new();
         let mut extra = 0;
         for i in 0u64.. {
             let p = payload(i, 3000);
-            placed.push((segs.append(0, i, 0, &p, 1).unwrap(), p));
-            if segs.writers[0]
+            placed.push((segs.append(w, i, 0, &p, 1).unwrap(), p));
+            if segs.writers[w]
                 .open
                 .lock()
                 .as_ref()
@@ -1191,7 +1234,7 @@ mod tests {
         assert_eq!(segs.file_bytes(at.segment), 100);
     }
 
-    /// A full buffer is written by the I/O thread, not by the appender: while that thread is
+    /// A full buffer is written by an I/O thread, not by the appender: while that thread is
     /// held, the file is still empty, every record reads back (from the flight and the
     /// buffer), and a sync waits; once released, the sync completes and the file holds them.
     #[test]
@@ -1200,7 +1243,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let (segs, _) = Segments::open(dir.path(), 2, 32 << 20, 1, direct).unwrap();
             let held = segs.io_hold.lock();
-            let placed = fill_past_a_flight(&segs);
+            let placed = fill_past_a_flight(&segs, 0);
             let id = placed[0].0.segment;
             assert_eq!(
                 segs.file_bytes(id),
@@ -1228,6 +1271,24 @@ mod tests {
             let (segs, _) = Segments::open(dir.path(), 2, 32 << 20, 1, direct).unwrap();
             read_back(&segs, &placed).unwrap();
         }
+    }
+
+    /// Two writers' full buffers are written at the same time, not one after the other.
+    #[test]
+    fn writers_flights_are_written_side_by_side() {
+        let dir = tempfile::tempdir().unwrap();
+        let (segs, _) = Segments::open(dir.path(), 3, 32 << 20, 1, true).unwrap();
+        segs.io_probe.delay_ms.store(300, Ordering::Release);
+        let first = fill_past_a_flight(&segs, 0);
+        let second = fill_past_a_flight(&segs, 1);
+        segs.sync().unwrap();
+        assert_eq!(
+            segs.io_probe.peak.load(Ordering::Acquire),
+            2,
+            "the two flights were not written at once"
+        );
+        read_back(&segs, &first).unwrap();
+        read_back(&segs, &second).unwrap();
     }
 
     /// A sealed segment is fsynced by the sync thread: the commit's sync is left with the open
@@ -1325,7 +1386,7 @@ mod tests {
             let o = open.as_mut().unwrap();
             o.target = Arc::new(File::open(segment_path(dir.path(), o.id)).unwrap());
         }
-        let placed = fill_past_a_flight(&segs);
+        let placed = fill_past_a_flight(&segs, 0);
         assert!(
             segs.sync().is_err(),
             "a sync after a failed write succeeded"
