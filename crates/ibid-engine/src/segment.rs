@@ -1279,8 +1279,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (segs, _) = Segments::open(dir.path(), 3, 32 << 20, 1, true).unwrap();
         segs.io_probe.delay_ms.store(300, Ordering::Release);
+        // Both flights wait at the hold, so however slow the filling, they start together.
+        let held = segs.io_hold.lock();
         let first = fill_past_a_flight(&segs, 0);
         let second = fill_past_a_flight(&segs, 1);
+        drop(held);
         segs.sync().unwrap();
         assert_eq!(
             segs.io_probe.peak.load(Ordering::Acquire),
