@@ -244,6 +244,23 @@ run_job() {
     echo "libnbd: $(nbdinfo --version | head -1)"
     echo "ibid: $IBID ($(git -C "$REPO" rev-parse HEAD) $(git -C "$REPO" status --porcelain -- crates Cargo.toml Cargo.lock | wc -l) uncommitted changes under crates/)"
 } >"$OUT/env.txt"
+
+# The disk alone, the ceiling for every system: 1 MiB O_DIRECT writes of a new file on the
+# scratch filesystem, one at a time and four at a time (hosts of the same kind differed 2x).
+disk_alone() {
+    local f="$SCRATCH/disk-alone.fio" mbs
+    mbs=$(fio --name=disk --filename="$f" --rw=write --bs=1M --size="$DISK_PROBE_SIZE" --direct=1 \
+              "$@" --output-format=json 2>/dev/null |
+          "$PY" -c 'import json, sys; print("%.0f" % (json.load(sys.stdin)["jobs"][0]["write"]["bw_bytes"] / 1e6))') ||
+        mbs="failed"
+    rm -f "$f"
+    echo "$mbs"
+}
+DISK_PROBE_SIZE=1G
+[ "$QUICK" = 1 ] && DISK_PROBE_SIZE=256M
+echo "disk alone ($DISK_PROBE_SIZE of 1 MiB O_DIRECT writes to a new file in $SCRATCH):" \
+    "QD1 $(disk_alone --ioengine=psync) MB/s, QD4 $(disk_alone --ioengine=libaio --iodepth=4) MB/s" |
+    tee -a "$OUT/env.txt"
 echo "results: $OUT"
 
 # ---------------------------------------------------------------- the run
