@@ -716,7 +716,7 @@ impl Segments {
             target: o.target.clone(),
         };
         if let Some(Err(mpsc::SendError(job))) = self.io.as_ref().map(|io| io.send(job)) {
-            // The thread is gone (it cannot panic short of a bug): write here instead.
+            // The I/O threads are gone (they cannot panic short of a bug): write here instead.
             job.flight.write_to(&job.target);
         }
         Ok(())
