@@ -15,7 +15,9 @@
 //! `s` is journaled in file `s % 2`, starting at offset 0. Commits are serialized, so when a
 //! file restarts for batch `s` (batch `s - 1` has been cut, so commit `s - 2` has finished), its
 //! old content is an older batch that is committed, or was empty (then its records change
-//! nothing).
+//! nothing). Flushes write the files with `O_DIRECT` where the filesystem allows it, in whole
+//! pages: the batch's partial last page is rewritten with the same bytes, and the new last page
+//! is padded with zeros, which no record header matches.
 //!
 //! # Record format (little-endian)
 //! ```text
@@ -43,6 +45,7 @@
 //! are recomputed, not journaled) and one commit makes them durable. The commit counter then
 //! resumes after the highest stamp replayed, so a record is never replayed twice.
 
+use crate::direct_io::{open_direct, AlignedBuf, PAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, RECORD_HEADER_BYTES};
 use crate::pool::{Entry, Inner};
@@ -92,20 +95,42 @@ fn file_name(i: usize) -> String {
 
 /// Encodes one record (header and body) onto `out`.
 pub(crate) fn encode(out: &mut Vec<u8>, stamp: u64, change: &Change) {
+    match change {
+        Change::Chunk { id, rec, inline } => encode_chunk(out, stamp, *id, rec, inline.as_deref()),
+        other => encode_record(out, stamp, other, None),
+    }
+}
+
+/// Encodes a chunk record carrying `payload` inline, or none.
+fn encode_chunk(out: &mut Vec<u8>, stamp: u64, id: u64, rec: &ChunkRecord, payload: Option<&[u8]>) {
+    encode_record(
+        out,
+        stamp,
+        &Change::Chunk {
+            id,
+            rec: *rec,
+            inline: None,
+        },
+        payload,
+    );
+}
+
+/// Encodes `change` (for a chunk: with `payload` inline, ignoring its own `inline`).
+fn encode_record(out: &mut Vec<u8>, stamp: u64, change: &Change, payload: Option<&[u8]>) {
     let start = out.len();
     out.extend_from_slice(&[0u8; JOURNAL_HEADER_BYTES]);
     let kind = match change {
-        Change::Chunk { id, rec, inline } => {
+        Change::Chunk { id, rec, .. } => {
             out.extend_from_slice(&id.to_le_bytes());
             out.extend_from_slice(&rec.segment.to_le_bytes());
             out.extend_from_slice(&rec.offset.to_le_bytes());
             out.extend_from_slice(&rec.stored_len.to_le_bytes());
             out.extend_from_slice(&rec.crc.to_le_bytes());
             out.extend_from_slice(&rec.flags.to_le_bytes());
-            out.push(u8::from(inline.is_some()));
+            out.push(u8::from(payload.is_some()));
             out.push(0);
             out.extend_from_slice(&rec.fingerprint);
-            if let Some(p) = inline {
+            if let Some(p) = payload {
                 out.extend_from_slice(p);
             }
             KIND_CHUNK
@@ -279,19 +304,70 @@ pub(crate) fn read(dir: &Path, committed: u64) -> Result<(Vec<(u64, Change)>, u6
 }
 
 struct JournalFile {
+    /// The file, buffered: fdatasync, and writes where direct I/O is refused.
     file: File,
+    /// The file opened with `O_DIRECT`, where the filesystem allows it.
+    direct: Option<File>,
     /// The batch this file currently holds (0: none yet).
     stamp: u64,
     /// Bytes of that batch written.
     len: u64,
+    /// The bytes of the batch past its last whole page (`len % PAGE_BYTES` of them): a direct
+    /// write starts on the page that holds them and writes them again, unchanged.
+    tail: Vec<u8>,
     /// Size of the file on disk.
     size: u64,
+}
+
+impl JournalFile {
+    /// Writes `bytes` after the batch's `len` bytes. A direct write rewrites the partial last
+    /// page with the same bytes and pads the new last page with zeros (replay stops at them):
+    /// a torn write can then only damage the new records, which their checksums catch.
+    fn append(&mut self, bytes: &[u8], staging: &mut AlignedBuf) -> Result<()> {
+        let write = |f: &File, b: &[u8], at: u64| {
+            f.write_all_at(b, at)
+                .map_err(|e| Error::io("write journal", e))
+        };
+        let end = self.len + bytes.len() as u64;
+        match &self.direct {
+            Some(direct) => {
+                let start = self.len - self.tail.len() as u64;
+                let need = self.tail.len() + bytes.len() + PAGE_BYTES;
+                if staging.capacity() < need {
+                    *staging = AlignedBuf::with_capacity(need.next_power_of_two());
+                }
+                staging.truncate(0);
+                staging.push(&self.tail);
+                staging.push(bytes);
+                let whole = staging.len() / PAGE_BYTES * PAGE_BYTES;
+                self.tail.clear();
+                self.tail.extend_from_slice(&staging.bytes()[whole..]);
+                write(direct, staging.padded(), start)?;
+                self.size = self.size.max(end.next_multiple_of(PAGE_BYTES as u64));
+            }
+            None => {
+                write(&self.file, bytes, self.len)?;
+                self.size = self.size.max(end);
+            }
+        }
+        self.len = end;
+        Ok(())
+    }
+
+    /// Starts the file over for batch `stamp`.
+    fn restart(&mut self, stamp: u64) {
+        self.stamp = stamp;
+        self.len = 0;
+        self.tail.clear();
+    }
 }
 
 struct Files {
     files: [JournalFile; 2],
     /// Changes appended (counted from open) that are durable: journaled or committed.
     durable: u64,
+    /// Page-aligned staging for direct writes, grown as needed.
+    staging: AlignedBuf,
 }
 
 #[derive(Default)]
@@ -299,6 +375,24 @@ struct Pending {
     changes: Vec<(u64, Change)>,
     /// Changes appended since open.
     appended: u64,
+    /// Stored bytes of the pending changes' new chunks, with or without their payload.
+    new_bytes: u64,
+}
+
+impl Pending {
+    fn recount(&mut self) {
+        self.new_bytes = chunk_bytes(self.changes.iter());
+    }
+}
+
+/// Stored bytes of the new chunks among `changes`.
+fn chunk_bytes<'a>(changes: impl Iterator<Item = &'a (u64, Change)>) -> u64 {
+    changes
+        .map(|(_, c)| match c {
+            Change::Chunk { rec, .. } => rec.stored_len as u64,
+            _ => 0,
+        })
+        .sum()
 }
 
 /// The journal of a pool: pending changes in memory, and the two files they are flushed to.
@@ -316,8 +410,10 @@ pub(crate) enum FlushOutcome {
 }
 
 impl Journal {
-    /// Opens (creating if needed) the journal files of the pool in `dir`.
-    pub(crate) fn open(dir: &Path) -> Result<Journal> {
+    /// Opens (creating if needed) the journal files of the pool in `dir`; with `direct_io`,
+    /// flushes write them with `O_DIRECT` where the filesystem allows it, so that their
+    /// fdatasync has no dirty pages to write back (only the device's cache to flush).
+    pub(crate) fn open(dir: &Path, direct_io: bool) -> Result<Journal> {
         let mut created = false;
         let mut open = |i: usize| -> Result<JournalFile> {
             let path = dir.join(file_name(i));
@@ -340,10 +436,17 @@ impl Journal {
                 size = JOURNAL_PREWRITTEN_BYTES;
                 created = true;
             }
+            let direct = if direct_io {
+                open_direct(&path).map_err(|e| Error::io("open journal", e))?
+            } else {
+                None
+            };
             Ok(JournalFile {
                 file,
+                direct,
                 stamp: 0,
                 len: 0,
+                tail: Vec::with_capacity(PAGE_BYTES),
                 size,
             })
         };
@@ -355,7 +458,11 @@ impl Journal {
         }
         Ok(Journal {
             pending: Mutex::new(Pending::default()),
-            files: Mutex::new(Files { files, durable: 0 }),
+            files: Mutex::new(Files {
+                files,
+                durable: 0,
+                staging: AlignedBuf::with_capacity(1 << 20),
+            }),
         })
     }
 
@@ -376,6 +483,26 @@ impl Journal {
         let before = p.changes.len();
         p.changes.extend(changes.into_iter().map(|c| (stamp, c)));
         p.appended += (p.changes.len() - before) as u64;
+        let added = chunk_bytes(p.changes[before..].iter());
+        p.new_bytes += added;
+    }
+
+    /// Appends new chunks of batch `stamp` (id, record, stored payload), in order. Each keeps
+    /// a copy of its payload while the pending new data stays within what a flush carries
+    /// inline ([`INLINE_BYTES_MAX`]), so that the flush need not read it back from its segment
+    /// (from the device, once a direct write has put it there).
+    pub(crate) fn append_chunks<'a>(
+        &self,
+        stamp: u64,
+        chunks: impl IntoIterator<Item = (u64, ChunkRecord, &'a [u8])>,
+    ) {
+        let mut p = self.pending.lock();
+        for (id, rec, payload) in chunks {
+            p.new_bytes += rec.stored_len as u64;
+            let inline = (p.new_bytes <= INLINE_BYTES_MAX).then(|| payload.to_vec());
+            p.changes.push((stamp, Change::Chunk { id, rec, inline }));
+            p.appended += 1;
+        }
     }
 
     /// Forgets pending changes of batches up to `committed`: the store now holds them.
@@ -383,6 +510,7 @@ impl Journal {
         let mut p = self.pending.lock();
         if p.changes.first().is_some_and(|(s, _)| *s <= committed) {
             p.changes.retain(|(s, _)| *s > committed);
+            p.recount();
         }
         if p.changes.is_empty() {
             let appended = p.appended;
@@ -403,6 +531,7 @@ impl Journal {
         }
         let (changes, upto) = {
             let mut p = self.pending.lock();
+            p.new_bytes = 0;
             (std::mem::take(&mut p.changes), p.appended)
         };
         let committed = inner.committed.load(Ordering::Acquire);
@@ -443,21 +572,22 @@ impl Journal {
             let newer = std::mem::take(&mut p.changes);
             p.changes = changes;
             p.changes.extend(newer);
+            p.recount();
             return Ok(FlushOutcome::NeedsCommit);
         };
         let mut touched = [false; 2];
+        let Files {
+            files: journal_files,
+            staging,
+            ..
+        } = &mut *files;
         for (stamp, bytes) in &out {
             let i = (*stamp % 2) as usize;
-            let f = &mut files.files[i];
+            let f = &mut journal_files[i];
             if f.stamp != *stamp {
-                f.stamp = *stamp;
-                f.len = 0;
+                f.restart(*stamp);
             }
-            f.file
-                .write_all_at(bytes, f.len)
-                .map_err(|e| Error::io("write journal", e))?;
-            f.len += bytes.len() as u64;
-            f.size = f.size.max(f.len);
+            f.append(bytes, staging)?;
             touched[i] = true;
         }
         for (i, _) in touched.iter().enumerate().filter(|(_, t)| **t) {
@@ -472,7 +602,8 @@ impl Journal {
 }
 
 /// Encodes `live` changes per batch (a batch goes to file `stamp % 2`), with the new chunks'
-/// data read back from their segments when `inline`.
+/// data inline when `inline` (the copy kept since the append, else read back from the
+/// segment).
 fn encode_batches(
     inner: &Inner,
     live: &[&(u64, Change)],
@@ -485,6 +616,11 @@ fn encode_batches(
         }
         let buf = &mut out.last_mut().expect("pushed").1;
         match change {
+            Change::Chunk {
+                id,
+                rec,
+                inline: Some(payload),
+            } if inline => encode_chunk(buf, *stamp, *id, rec, Some(payload)),
             Change::Chunk { id, rec, .. } if inline => {
                 let Some(record) =
                     inner
@@ -499,15 +635,9 @@ fn encode_batches(
                         "journal: chunk {id:#x} of an uncommitted batch has no segment"
                     )));
                 };
-                let payload = record[RECORD_HEADER_BYTES..].to_vec();
-                let with_data = Change::Chunk {
-                    id: *id,
-                    rec: *rec,
-                    inline: Some(payload),
-                };
-                encode(buf, *stamp, &with_data);
+                encode_chunk(buf, *stamp, *id, rec, Some(&record[RECORD_HEADER_BYTES..]));
             }
-            other => encode(buf, *stamp, other),
+            other => encode_record(buf, *stamp, other, None),
         }
     }
     Ok(out)
@@ -633,6 +763,47 @@ mod tests {
             encode(&mut out, stamp, c);
         }
         out
+    }
+
+    /// A scratch directory on the checkout's filesystem (direct I/O works there; `/tmp` may be
+    /// a tmpfs, which refuses it).
+    fn scratch() -> tempfile::TempDir {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target");
+        std::fs::create_dir_all(&base).expect("target directory");
+        tempfile::tempdir_in(base).expect("tempdir")
+    }
+
+    #[test]
+    fn appends_in_pieces_keep_every_record_with_and_without_direct_io() {
+        for direct_io in [false, true] {
+            let dir = scratch();
+            let journal = Journal::open(dir.path(), direct_io).expect("open");
+            let mut files = journal.files.lock();
+            assert_eq!(files.files[0].direct.is_some(), direct_io);
+            let Files {
+                files: f, staging, ..
+            } = &mut *files;
+            let content = || std::fs::read(dir.path().join("journal.0")).expect("read");
+            // Batch 4 in appends of odd sizes: within a page, across pages, and one larger
+            // than the staging buffer (1 MiB), which must grow.
+            f[0].restart(4);
+            let mut expected = Vec::new();
+            for (n, len) in [(1, 100), (3, 333), (70, 90), (2, 4000), (300, 4096), (5, 7)] {
+                let changes: Vec<Change> = (0..n)
+                    .map(|i| chunk(expected.len() as u64 + i, Some(vec![i as u8; len])))
+                    .collect();
+                f[0].append(&encode_all(4, &changes), staging)
+                    .expect("append");
+                expected.extend(changes);
+                assert_eq!(parse(&content(), 4), expected);
+            }
+            // The file restarts for batch 6: batch 4's records after it are not replayed.
+            f[0].restart(6);
+            f[0].append(&encode_all(6, &sample()), staging)
+                .expect("append");
+            assert_eq!(parse(&content(), 6), sample());
+            assert!(f[0].size >= f[0].len);
+        }
     }
 
     #[test]

@@ -25,6 +25,7 @@ mod compression;
 pub mod config;
 mod copy;
 mod dedup_index;
+mod direct_io;
 pub mod error;
 mod fingerprint;
 pub mod format;

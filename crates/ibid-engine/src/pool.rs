@@ -439,7 +439,7 @@ impl Pool {
             // Written after the last commit and not journaled: nothing references it.
             segments.remove(*id)?;
         }
-        let journal = Journal::open(dir)?;
+        let journal = Journal::open(dir, config.direct_io)?;
         let bloom = Bloom::with_capacity(
             bloom_capacity(record.live_chunks, config.dedup_filter_min),
             false,

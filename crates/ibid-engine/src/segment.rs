@@ -27,6 +27,7 @@
 //! may end in zeros, which no record header matches. Reads use the ordinary buffered file: the
 //! kernel drops cached pages a direct write overwrites.
 
+use crate::direct_io::{open_direct, AlignedBuf, PAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::format::{self, RECORD_HEADER_BYTES};
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
@@ -45,97 +46,6 @@ use std::thread::JoinHandle;
 pub const WRITE_BUFFER_BYTES: usize = 4 << 20;
 /// Marker for a writer slot with no open segment.
 const NO_SEGMENT: u64 = u64::MAX;
-/// Unit of direct I/O: buffer addresses, file offsets and lengths are multiples of it.
-const PAGE_BYTES: usize = 4096;
-
-/// One page-aligned page of a write buffer.
-#[repr(C, align(4096))]
-#[derive(Clone, Copy)]
-struct Page([u8; PAGE_BYTES]);
-
-/// A write buffer that starts on a page boundary, as `O_DIRECT` needs. Its capacity is fixed
-/// at creation.
-struct AlignedBuf {
-    pages: Vec<Page>,
-    len: usize,
-}
-
-impl AlignedBuf {
-    fn with_capacity(bytes: usize) -> AlignedBuf {
-        AlignedBuf {
-            pages: vec![Page([0; PAGE_BYTES]); bytes.div_ceil(PAGE_BYTES)],
-            len: 0,
-        }
-    }
-
-    /// The whole capacity as bytes.
-    fn raw(&self) -> &[u8] {
-        // SAFETY: `Page` is `repr(C)` around a byte array whose size equals its alignment, so
-        // the pages are contiguous bytes with no padding.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.pages.as_ptr().cast::<u8>(),
-                self.pages.len() * PAGE_BYTES,
-            )
-        }
-    }
-
-    fn raw_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `raw`; the borrow of `self` is exclusive.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                self.pages.as_mut_ptr().cast::<u8>(),
-                self.pages.len() * PAGE_BYTES,
-            )
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Bytes it can hold.
-    fn capacity(&self) -> usize {
-        self.pages.len() * PAGE_BYTES
-    }
-
-    /// Keeps the first `len` bytes.
-    fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The buffered bytes.
-    fn bytes(&self) -> &[u8] {
-        &self.raw()[..self.len]
-    }
-
-    /// Appends `b`. Panics past the capacity (the writer sizes the buffer for its largest
-    /// fill).
-    fn push(&mut self, b: &[u8]) {
-        let at = self.len;
-        self.raw_mut()[at..at + b.len()].copy_from_slice(b);
-        self.len += b.len();
-    }
-
-    /// The buffered bytes padded with zeros to whole pages.
-    fn padded(&mut self) -> &[u8] {
-        let (len, end) = (self.len, self.len.next_multiple_of(PAGE_BYTES));
-        self.raw_mut()[len..end].fill(0);
-        &self.raw()[..end]
-    }
-
-    /// Drops the first `n` bytes (a multiple of the page size), moving the rest to the start.
-    fn consume(&mut self, n: usize) {
-        let len = self.len;
-        self.raw_mut().copy_within(n..len, 0);
-        self.len -= n;
-    }
-}
-
 /// A record to append: the chunk it stores, its flags and its bytes as stored.
 #[derive(Debug, Clone, Copy)]
 pub struct NewRecord<'a> {
@@ -428,20 +338,6 @@ fn copy_overlap(out: &mut [u8], out_at: u64, src_at: u64, src: &[u8]) {
         let n = (hi - lo) as usize;
         let (o, s) = ((lo - out_at) as usize, (lo - src_at) as usize);
         out[o..o + n].copy_from_slice(&src[s..s + n]);
-    }
-}
-
-/// Opens `path` for `O_DIRECT` writes; `None` where the filesystem refuses direct I/O.
-fn open_direct(path: &Path) -> std::io::Result<Option<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    match OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-    {
-        Ok(f) => Ok(Some(f)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-        Err(e) => Err(e),
     }
 }
 

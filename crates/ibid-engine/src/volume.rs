@@ -1376,13 +1376,9 @@ impl Inner {
                 (r.chunk_id, rec)
             })
             .collect();
-        self.journal.append_all(
+        self.journal.append_chunks(
             stamp,
-            placed.iter().map(|&(id, rec)| Change::Chunk {
-                id,
-                rec,
-                inline: None,
-            }),
+            (placed.iter().zip(chunks)).map(|(&(id, rec), c)| (id, rec, c.payload)),
         );
         claim.keep();
         Ok(placed)

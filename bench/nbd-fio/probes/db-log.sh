@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# usage: db-log.sh SYSTEM [IBID [SERVE_ARGS...]]   SYSTEM: ibid | raw (qemu-nbd, raw file,
+# --cache=none --aio=native)
+# Issue 31's database mix on a 16 GiB volume: DB_GIB (default 2) GiB prefilled with 50 %
+# compressible data, then RUNTIME (default 30) s of 3 jobs of 32 KiB random reads and writes
+# (58/42, QD4 each) beside one 4 KiB sequential log writer that flushes after every write
+# (fio fsync=1). Prints total DB IOPS, the log writer's commits/s and its flush mean and p99.
+. "$(dirname "$0")/common.sh"
+system=$1; shift
+DB_GIB=${DB_GIB:-2}
+RUNTIME=${RUNTIME:-30}
+case $system in
+ibid) start_ibid "$@" ;;
+raw)
+    rm -rf "$SCRATCH"; mkdir -p "$SCRATCH"
+    qemu-img create -q -f raw "$SCRATCH/raw.img" 16G
+    qemu-nbd -f raw --cache=none --aio=native -x bench -p "$PORT" -b 127.0.0.1 -t \
+        "$SCRATCH/raw.img" > "$SCRATCH/log" 2>&1 &
+    PID=$!
+    trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$SCRATCH"' EXIT
+    for _ in $(seq 100); do nbdinfo --size "$URI" >/dev/null 2>&1 && break; sleep 0.1; done ;;
+*) echo "unknown system $system" >&2; exit 2 ;;
+esac
+fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 --size=${DB_GIB}G \
+    --refill_buffers=1 --buffer_compress_percentage=50 --randseed=7 --end_fsync=1 > /dev/null
+sleep 2
+cat > "$SCRATCH/mix.fio" <<JOB
+[global]
+ioengine=nbd
+uri=$URI
+time_based=1
+runtime=$RUNTIME
+refill_buffers=1
+buffer_compress_percentage=50
+randrepeat=0
+norandommap=1
+lat_percentiles=1
+
+[db]
+rw=randrw
+rwmixread=58
+bs=32k
+offset=0
+size=${DB_GIB}G
+iodepth=4
+numjobs=3
+group_reporting=1
+
+[log]
+new_group
+rw=write
+bs=4k
+offset=${DB_GIB}G
+size=1G
+iodepth=1
+fsync=1
+JOB
+c0=$(cpu_ticks)
+fio --output-format=json --output="$SCRATCH/mix.json" "$SCRATCH/mix.fio"
+c1=$(cpu_ticks)
+python3 - "$SCRATCH/mix.json" "$system" "$((c1 - c0))" "$RUNTIME" <<'PY'
+import json, sys
+t = open(sys.argv[1]).read(); j = json.loads(t[t.index("{"):])
+db = next(x for x in j["jobs"] if x["jobname"] == "db")
+lg = next(x for x in j["jobs"] if x["jobname"] == "log")
+s = lg["sync"]["lat_ns"]; w = lg["write"]["clat_ns"]
+p99 = s.get("percentile", {}).get("99.000000", 0) / 1e6
+print("%-4s db %6.0f IOPS  log %5.0f commits/s  write %.2f ms  flush mean %.2f ms p99 %.2f ms  server CPU %.0f%%" % (
+    sys.argv[2], db["read"]["iops"] + db["write"]["iops"], lg["write"]["iops"], w["mean"] / 1e6,
+    s["mean"] / 1e6, p99, int(sys.argv[3]) / float(sys.argv[4])))
+PY
