@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 mod formats;
 mod sharing;
 mod store_shapes;
+mod xcopy;
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * 1024;
@@ -45,6 +46,8 @@ enum Cmd {
     Formats(formats::FormatsArgs),
     /// Measures the metadata store's cost per new block for today's row shapes and others.
     StoreShapes(store_shapes::StoreShapesArgs),
+    /// Range copies in 4 MiB segments with several in flight, as ESXi sends EXTENDED COPY.
+    Xcopy(xcopy::XcopyArgs),
     /// Internal: writes to a pool until killed (the crash-recovery measurement).
     #[command(hide = true)]
     CrashChild {
@@ -163,6 +166,7 @@ fn main() -> Result<()> {
         Cmd::Sharing(a) => sharing::sharing(&a),
         Cmd::Formats(a) => formats::formats(&a),
         Cmd::StoreShapes(a) => store_shapes::store_shapes(&a),
+        Cmd::Xcopy(a) => xcopy::xcopy(&a),
         Cmd::CrashChild { dir, seed } => crash_child(&dir, seed),
     }
 }

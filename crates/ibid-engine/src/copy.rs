@@ -85,14 +85,19 @@ impl Inner {
             let dst_old_stack = maps[dst_map_index].stack.clone();
             let mut dst_stack = dst_old_stack.clone();
             let dst_top = dst_stack.pop().expect("a stack has a layer");
-            let widened = widen_group(&mut dst_stack, &group);
-            if !widened {
-                if dst_stack.len() + group.len() + 1 > COPY_FRAMES_MAX {
-                    return Ok(false);
-                }
-                dst_stack.extend(group.iter().copied());
+            place_group(&mut dst_stack, &group);
+            if dst_stack.len() + 1 > COPY_FRAMES_MAX.max(dst_old_stack.len()) {
+                return Ok(false);
             }
             dst_stack.push(dst_top);
+            // Layers the new stack shows in more frames (+) or fewer (joined groups: -).
+            let layer_changes = layer_ref_changes(&dst_old_stack, &dst_stack);
+            let mut shown = Vec::new();
+            let mut unshown = Vec::new();
+            for (&layer, &n) in &layer_changes {
+                let list = if n > 0 { &mut shown } else { &mut unshown };
+                list.extend(std::iter::repeat_n(layer, n.unsigned_abs() as usize));
+            }
 
             // The destination's mapped-block count: what the window showed, what it shows now.
             let before = count_data(&txn, &inner.layer_filters, &dst_old_stack, db, db + n)?;
@@ -119,11 +124,6 @@ impl Inner {
                         dst.name, maps[dst_map_index].mapped_blocks
                     ))
                 })?;
-            let shown: Vec<u64> = if widened {
-                Vec::new()
-            } else {
-                format::referenced_layers(&group).collect()
-            };
             let mut dst_record = inner.record_of(dst, &maps[dst_map_index], dst_stack.clone());
             dst_record.mapped_blocks = mapped;
             let mut orphaned = false;
@@ -138,6 +138,7 @@ impl Inner {
                     for k in &overwritten {
                         txn.remove(meta::MAP, k);
                     }
+                    drop_layer_refs(txn, &inner.layer_filters, unshown, &mut deltas)?;
                     orphaned = apply_ref_deltas(txn, &deltas)?;
                     Ok(())
                 },
@@ -321,29 +322,96 @@ fn group_for(embedded: &[Frame], sb: u64, db: u64, n: u64) -> Vec<Frame> {
     group
 }
 
-/// Widens the group of frames at the end of `stack` (the top layer removed) to also cover
-/// `group`, when `group` continues it exactly: the same layers in the same order, each window
-/// starting where the old one ends, and showing the source blocks that follow. Equivalent to
-/// pushing `group`, without deepening the stack.
-fn widen_group(stack: &mut [Frame], group: &[Frame]) -> bool {
-    let m = group.len();
-    if stack.len() < m {
-        return false;
+/// Puts `group` (a copy's frames, floor first) on `stack` (the top layer removed), then
+/// joins groups that show the same layers with the same shifts in adjacent windows into one
+/// ([`join_groups`]): segments of one copy that arrive out of order or in parallel (ESXi sends
+/// EXTENDED COPY in 4 MiB segments, 8 or more at once) end up as one group, so the stack stays
+/// as shallow as for a sequential copy. Equivalent to pushing `group` alone.
+fn place_group(stack: &mut Vec<Frame>, group: &[Frame]) {
+    stack.extend_from_slice(group);
+    while join_groups(stack) {}
+}
+
+/// The groups of `stack`: runs of windowed frames, each starting with a floor, as
+/// `(start, end)` index ranges, bottom first.
+fn groups(stack: &[Frame]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    let mut open: Option<usize> = None;
+    for (i, f) in stack.iter().enumerate() {
+        if f.is_floor() || f.is_plain() {
+            if let Some(s) = open.take() {
+                out.push((s, i));
+            }
+            if f.is_floor() {
+                open = Some(i);
+            }
+        }
     }
-    let at = stack.len() - m;
-    let continues = stack[at..].iter().zip(group).all(|(p, g)| {
-        p.layer == g.layer
-            && p.hi == g.lo
-            && !p.is_plain()
-            && (p.is_floor() || p.src_lo + (p.hi - p.lo) == g.src_lo)
-    });
-    if !continues {
-        return false;
+    if let Some(s) = open {
+        out.push((s, stack.len()));
     }
-    for (p, g) in stack[at..].iter_mut().zip(group) {
-        p.hi = g.hi;
+    out
+}
+
+/// Joins one pair of groups, if any can be: a lower group `x` and an upper group `y` with the
+/// same layers, each frame of `y` continuing the same frame of `x` (adjacent windows, the
+/// layer's blocks continuing with the same shift; on either side), and no frame between them
+/// whose window meets `y`'s (moving `y` down past them then changes nothing a read sees). `y`'s
+/// frames are removed and `x`'s widened. Returns whether it joined two.
+fn join_groups(stack: &mut Vec<Frame>) -> bool {
+    let gs = groups(stack);
+    for yi in (1..gs.len()).rev() {
+        let (ys, ye) = gs[yi];
+        let (lo, hi) = (stack[ys].lo, stack[ys].hi);
+        for xi in (0..yi).rev() {
+            let (xs, xe) = gs[xi];
+            // Every frame between x and y (other groups, plain frames) must miss y's window;
+            // if one meets it, no lower group can take y either.
+            let between = &stack[xe..ys];
+            if between
+                .iter()
+                .any(|f| f.is_plain() || (f.lo < hi && lo < f.hi))
+            {
+                break;
+            }
+            let (x, y) = (&stack[xs..xe], &stack[ys..ye]);
+            if x.len() != y.len() || x.iter().zip(y).any(|(a, b)| a.layer != b.layer) {
+                continue;
+            }
+            let continues = |a: &Frame, b: &Frame| {
+                a.hi == b.lo && (a.is_floor() || a.src_lo + (a.hi - a.lo) == b.src_lo)
+            };
+            if x.iter().zip(y).all(|(a, b)| continues(a, b)) {
+                for i in 0..y.len() {
+                    stack[xs + i].hi = stack[ys + i].hi;
+                }
+            } else if x.iter().zip(y).all(|(a, b)| continues(b, a)) {
+                for i in 0..y.len() {
+                    stack[xs + i].lo = stack[ys + i].lo;
+                    stack[xs + i].src_lo = stack[ys + i].src_lo;
+                }
+            } else {
+                continue;
+            }
+            stack.drain(ys..ye);
+            return true;
+        }
     }
-    true
+    false
+}
+
+/// How many more (positive) or fewer (negative) frames of `new` than of `old` show each
+/// layer: the `layers` table's changes when a stack goes from `old` to `new`.
+fn layer_ref_changes(old: &[Frame], new: &[Frame]) -> BTreeMap<u64, i64> {
+    let mut d: BTreeMap<u64, i64> = BTreeMap::new();
+    for l in format::referenced_layers(new) {
+        *d.entry(l).or_default() += 1;
+    }
+    for l in format::referenced_layers(old) {
+        *d.entry(l).or_default() -= 1;
+    }
+    d.retain(|_, n| *n != 0);
+    d
 }
 
 /// Whether `layer` has no committed entry.
@@ -433,17 +501,75 @@ mod tests {
     fn a_sequential_copy_widens_the_previous_group() {
         let embedded = [Frame::plain(3)];
         let mut stack = vec![Frame::plain(1)];
-        stack.extend(group_for(&embedded, 0, 100, 10));
-        assert!(widen_group(&mut stack, &group_for(&embedded, 10, 110, 10)));
+        place_group(&mut stack, &group_for(&embedded, 0, 100, 10));
+        place_group(&mut stack, &group_for(&embedded, 10, 110, 10));
         assert_eq!(stack[1..], [window(0, 100, 120, 0), window(3, 100, 120, 0)]);
         // Not adjacent, or not the next source blocks: a new group.
-        assert!(!widen_group(&mut stack, &group_for(&embedded, 30, 130, 10)));
-        assert!(!widen_group(&mut stack, &group_for(&embedded, 0, 120, 10)));
-        // Plain frames never widen.
+        place_group(&mut stack, &group_for(&embedded, 30, 130, 10));
+        assert_eq!(stack.len(), 5);
+        place_group(&mut stack, &group_for(&embedded, 0, 140, 10));
+        assert_eq!(stack.len(), 7);
+        // Plain frames never join.
         let mut plain = vec![Frame::plain(0), Frame::plain(3)];
-        assert!(!widen_group(
-            &mut plain,
-            &[Frame::plain(0), Frame::plain(3)]
-        ));
+        place_group(&mut plain, &[Frame::plain(0), Frame::plain(3)]);
+        assert_eq!(plain.len(), 4);
+    }
+
+    /// Reads block `b` through `stack` the way the read path does: the top frame whose window
+    /// holds it decides (a floor: zero, `None`; else the layer's block, which the test's
+    /// layers hold whole).
+    fn shows(stack: &[Frame], b: u64) -> Option<(u64, u64)> {
+        let f = stack.iter().rev().find(|f| f.lo <= b && b < f.hi)?;
+        (!f.is_floor()).then(|| (f.layer, f.source_block(b)))
+    }
+
+    #[test]
+    fn segments_in_any_order_end_as_one_group_showing_the_same_blocks() {
+        let embedded = [Frame::plain(3)];
+        // 16 segments of 10 blocks, copied from 0 to 1000, in a scrambled order (8 in flight).
+        let order = [3, 0, 7, 1, 2, 6, 5, 4, 11, 8, 15, 9, 10, 14, 13, 12];
+        let mut stack = vec![Frame::plain(1)];
+        let mut pushed = stack.clone();
+        for &i in &order {
+            let g = group_for(&embedded, i * 10, 1000 + i * 10, 10);
+            place_group(&mut stack, &g);
+            pushed.extend(g);
+            for b in 990..1170 {
+                assert_eq!(shows(&stack, b), shows(&pushed, b), "block {b}");
+            }
+        }
+        assert_eq!(
+            stack,
+            [
+                Frame::plain(1),
+                window(0, 1000, 1160, 0),
+                window(3, 1000, 1160, 0)
+            ]
+        );
+        assert_eq!(
+            layer_ref_changes(&pushed, &stack),
+            BTreeMap::from([(3, -15)])
+        );
+    }
+
+    #[test]
+    fn a_group_never_moves_below_a_frame_that_shows_its_window() {
+        let embedded = [Frame::plain(3)];
+        let mut stack = vec![Frame::plain(1)];
+        place_group(&mut stack, &group_for(&embedded, 0, 100, 10));
+        // Another copy over [105, 115) from layer 4, then the segment [110, 120) from layer 3:
+        // it may not join the first group below the layer-4 group it overlaps.
+        place_group(&mut stack, &group_for(&[Frame::plain(4)], 0, 105, 10));
+        let g = group_for(&embedded, 10, 110, 10);
+        let mut pushed = stack.clone();
+        pushed.extend(g.iter().copied());
+        place_group(&mut stack, &g);
+        assert_eq!(stack, pushed);
+        // A snapshot (a plain frame) between: no join either.
+        let mut stack = vec![Frame::plain(1)];
+        place_group(&mut stack, &group_for(&embedded, 0, 100, 10));
+        stack.push(Frame::plain(2));
+        place_group(&mut stack, &group_for(&embedded, 10, 110, 10));
+        assert_eq!(stack.len(), 6);
     }
 }

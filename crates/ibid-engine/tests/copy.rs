@@ -126,6 +126,82 @@ fn sequential_segment_copies_widen_one_group_of_frames() {
 }
 
 #[test]
+fn segments_arriving_out_of_order_and_in_parallel_join_into_one_group() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
+    let vol = pool.create_volume("vol", 96 * MIB).expect("vol");
+    let other = pool.create_volume("other", 48 * MIB).expect("other");
+    let content = data(11, 8192);
+    vol.write(0, &content, false).expect("write");
+    // ESXi's pattern: 1 MiB segments (frame copies from 256 blocks), several in flight, so
+    // they arrive in no particular order: first a fixed scramble, then 8 threads at once.
+    let order = [3, 0, 7, 1, 2, 6, 5, 4, 11, 8, 15, 9, 10, 14, 13, 12];
+    for &seg in &order {
+        vol.copy_from(&vol, seg * MIB, 48 * MIB + seg * MIB, MIB)
+            .expect("copy segment");
+    }
+    let next = std::sync::atomic::AtomicU64::new(16);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| loop {
+                let seg = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if seg >= 32 {
+                    return;
+                }
+                vol.copy_from(&vol, seg * MIB, 48 * MIB + seg * MIB, MIB)
+                    .expect("copy segment");
+                other
+                    .copy_from(&vol, seg * MIB, 16 * MIB + seg * MIB, MIB)
+                    .expect("copy segment across volumes");
+            });
+        }
+    });
+    for &seg in order.iter().rev() {
+        other
+            .copy_from(&vol, seg * MIB, 16 * MIB + seg * MIB, MIB)
+            .expect("copy segment across volumes");
+    }
+    // Joined groups: the source's frozen layer, one floor and one window, and the top.
+    assert!(
+        vol.stack_depth() <= 4,
+        "stack of {} frames",
+        vol.stack_depth()
+    );
+    assert!(
+        other.stack_depth() <= 4,
+        "stack of {} frames",
+        other.stack_depth()
+    );
+    let got = read_all(&vol);
+    assert_same(&got[..32 * MIB as usize], &content, "source range");
+    assert!(got[32 * MIB as usize..48 * MIB as usize]
+        .iter()
+        .all(|&b| b == 0));
+    assert_same(&got[48 * MIB as usize..80 * MIB as usize], &content, "copy");
+    let got = read_all(&other);
+    assert!(got[..16 * MIB as usize].iter().all(|&b| b == 0));
+    assert_same(&got[16 * MIB as usize..], &content, "copy across volumes");
+    assert_eq!(vol.mapped_blocks(), 2 * 8192);
+    assert_eq!(other.mapped_blocks(), 8192);
+    pool.verify().expect("verify");
+    // The layer references the joined frames gave back were counted right: made permanent,
+    // then reopened, everything reads the same and verifies.
+    pool.gc_now().expect("gc");
+    pool.verify()
+        .expect("verify after making the copies permanent");
+    drop((vol, other));
+    pool.close().expect("close");
+    let pool = Pool::open(dir.path().join("pool"), config()).expect("reopen");
+    let vol = pool.volume("vol").expect("vol");
+    assert_same(
+        &read_all(&vol)[48 * MIB as usize..80 * MIB as usize],
+        &content,
+        "copy after reopen",
+    );
+    pool.verify().expect("verify after reopen");
+}
+
+#[test]
 fn copies_within_a_volume_overlap_like_memmove_and_nest_through_other_copies() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
