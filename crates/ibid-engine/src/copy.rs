@@ -34,7 +34,7 @@ use crate::pool::{CommitState, Inner, VolumeMap, VolumeState};
 use crate::store::{ReadTxn, Reader};
 use crate::volume::resolve_stored;
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// Most frames a range copy lets a stack reach; past it, copies share block references
@@ -190,8 +190,9 @@ impl Inner {
 
     /// Makes `v`'s windowed frames permanent (see the module doc). Returns whether it did.
     /// Holds the commit lock throughout (commits and catalog operations wait); writes and
-    /// reads of the volume go on, and see the same data through either stack.
-    pub(crate) fn materialize_frames(&self, v: &VolumeState) -> Result<bool> {
+    /// reads of the volume go on, and see the same data through either stack. Once `stop` is
+    /// set it gives up between walk windows, having written nothing.
+    pub(crate) fn materialize_frames(&self, v: &VolumeState, stop: &AtomicBool) -> Result<bool> {
         if v.read_only || v.map.lock().stack.iter().all(Frame::is_plain) {
             return Ok(false);
         }
@@ -227,6 +228,9 @@ impl Inner {
         let end = size.div_ceil(format::BLOCK_BYTES as u64);
         let mut w0 = 0;
         while w0 < end {
+            if stop.load(Ordering::Acquire) {
+                return Ok(false);
+            }
             let w1 = end.min(w0 + WALK_WINDOW_BLOCKS);
             let shown = resolve_stored(&txn, &self.layer_filters, upper, w0, w1, false)?;
             let below = if lower.is_empty() {

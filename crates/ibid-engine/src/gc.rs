@@ -84,7 +84,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             // each commit the writes cause settles a part).
             continue;
         }
-        if let Err(e) = inner.flatten_all(false) {
+        if let Err(e) = inner.flatten_all(false, &stop) {
             tracing::error!("flatten volume layers: {e}");
         }
         let bloom = inner.bloom();

@@ -868,7 +868,7 @@ impl Pool {
                 .segments
                 .seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
         }
-        self.inner.flatten_all(true)?;
+        self.inner.flatten_all(true, &AtomicBool::new(false))?;
         self.sync()?;
         // Only the segments there now. The segments the cleaner fills meanwhile and those
         // concurrent writers seal become eligible as soon as a commit runs, and overwrites keep

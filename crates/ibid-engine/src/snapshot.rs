@@ -21,7 +21,7 @@ use crate::store::{Reader, WriteTxn};
 use crate::volume::Volume;
 use parking_lot::MutexGuard;
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -402,7 +402,8 @@ impl Pool {
         };
         let dst = self.create_volume(new_name, src.size())?;
         dst.copy_from(&src, 0, 0, src.size())?;
-        self.inner.materialize_frames(dst.state())?;
+        self.inner
+            .materialize_frames(dst.state(), &AtomicBool::new(false))?;
         Ok(dst)
     }
 }
@@ -413,22 +414,29 @@ impl Inner {
     /// and the data the upper layer hides is released. Returns the number of merges.
     /// First, a volume's range-copy frames are made permanent (`copy.rs`) when it has had no
     /// range copy for a while, or at once with `now`.
-    pub(crate) fn flatten_all(&self, now: bool) -> Result<u64> {
+    ///
+    /// Gives up between steps (and inside a copy's walk) once `stop` is set, so that closing
+    /// the pool waits for one step at most; what is left is done after the next open.
+    pub(crate) fn flatten_all(&self, now: bool, stop: &AtomicBool) -> Result<u64> {
         let volumes: Vec<Arc<VolumeState>> = self.volumes.read().values().cloned().collect();
         let mut merged = 0;
+        let stopped = || stop.load(Ordering::Acquire);
         // All copies first: a source's frozen layers become private only once every copy of
         // them is permanent.
         for v in &volumes {
+            if stopped() {
+                return Ok(merged);
+            }
             let due = now
                 || v.frames_copied_at
                     .lock()
                     .is_none_or(|t| t.elapsed() >= crate::copy::MATERIALIZE_DELAY);
-            if due && self.materialize_frames(v)? {
+            if due && self.materialize_frames(v, stop)? {
                 merged += 1;
             }
         }
         for v in volumes {
-            while self.flatten_one(&v)? {
+            while !stopped() && self.flatten_one(&v)? {
                 merged += 1;
             }
         }
