@@ -3,8 +3,11 @@
 //! (statistics, capacity, soft threshold), volumes (create in a format, list, describe, resize,
 //! delete, format conversions, clone, range copy) and snapshots (create, list, delete). Errors
 //! are JSON `{"code": ..., "message": ...}` with a 4xx status for bad requests and a stable
-//! `code` scripts can match on. With a token configured, every route requires
-//! `Authorization: Bearer TOKEN`.
+//! `code` scripts can match on; an unknown route is a JSON 404 (`not_found`), a known route
+//! with another method a JSON 405 (`method_not_allowed`). With a token configured, every route
+//! requires `Authorization: Bearer TOKEN`. Request bodies are read whole before a handler runs,
+//! at most [`BODY_BYTES_MAX`] of them (else 413, `too_large`) and within the server's request
+//! timeout (else 408, `timeout`), so a client that stops sending cannot hold a request open.
 //!
 //! Engine calls block (they may fsync), so every handler runs them on the blocking pool.
 
@@ -20,6 +23,13 @@ use ibid_engine::{Error, Pool, PoolStats, SnapshotInfo, Volume, VolumeFormat, Vo
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// Largest request body the API reads: its requests are small JSON documents.
+pub const BODY_BYTES_MAX: usize = 64 << 10;
+/// How much of an oversized body is read (and dropped) before the 413 answer: a client still
+/// sending gets to read the answer instead of a reset connection.
+const DRAIN_BYTES_MAX: u64 = 4 << 20;
 
 /// An API error: HTTP status, stable code, message.
 pub struct ApiError {
@@ -33,6 +43,14 @@ impl ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             code: "bad_request",
+            message: message.into(),
+        }
+    }
+
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
             message: message.into(),
         }
     }
@@ -315,8 +333,105 @@ async fn authorize(State(access): State<Access>, req: Request, next: Next) -> Re
     next.run(req).await
 }
 
-/// The API's routes over `pool`, guarded by `access`.
-pub fn router(pool: Pool, access: Access) -> Router {
+/// Reads the request's body whole, at most [`BODY_BYTES_MAX`] bytes within `timeout`, before
+/// the handler runs: 413 (`too_large`) above the limit, 408 (`timeout`) if the client stops
+/// sending, both as JSON errors. An oversized body is read on (and dropped) up to
+/// [`DRAIN_BYTES_MAX`] before the answer, so that the client, still sending, gets to read it.
+async fn read_body(State(timeout): State<Duration>, req: Request, next: Next) -> Response {
+    use http_body_util::BodyExt;
+    let (parts, mut body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let mut bytes = Vec::new();
+    let mut seen = declared.unwrap_or(0);
+    if declared.is_none_or(|n| n <= DRAIN_BYTES_MAX) {
+        seen = 0;
+        let read = async {
+            while let Some(frame) = body.frame().await {
+                if let Ok(data) = frame?.into_data() {
+                    seen += data.len() as u64;
+                    if seen <= BODY_BYTES_MAX as u64 {
+                        bytes.extend_from_slice(&data);
+                    } else if seen > DRAIN_BYTES_MAX {
+                        break;
+                    }
+                }
+            }
+            Ok::<(), axum::Error>(())
+        };
+        match tokio::time::timeout(timeout, read).await {
+            Err(_) => {
+                return closing(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "timeout",
+                    format!(
+                        "the request body did not arrive within {} s",
+                        timeout.as_secs_f64()
+                    ),
+                ))
+            }
+            Ok(Err(e)) => {
+                return closing(ApiError::bad_request(format!(
+                    "cannot read the request body: {e}"
+                )))
+            }
+            Ok(Ok(())) => {}
+        }
+    }
+    if seen > BODY_BYTES_MAX as u64 {
+        return closing(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the request body is larger than {BODY_BYTES_MAX} bytes, the API's limit"),
+        ));
+    }
+    next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+        .await
+}
+
+/// An error answer after which the server closes the connection (the rest of the request was
+/// not read).
+fn closing(e: ApiError) -> Response {
+    let mut r = e.into_response();
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
+}
+
+/// Any path the API does not have: a JSON 404, like every other error.
+async fn no_route(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!(
+            "no API route {} {} (the routes are in /api/v1/openapi.json)",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+/// A known path with a method it does not take: a JSON 405.
+async fn wrong_method(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!(
+            "{} does not take {} (see /api/v1/openapi.json)",
+            req.uri().path(),
+            req.method()
+        ),
+    )
+}
+
+/// The API's routes over `pool`, guarded by `access`; a request's body must arrive within
+/// `request_timeout`.
+pub fn router(pool: Pool, access: Access, request_timeout: Duration) -> Router {
     Router::new()
         .route("/metrics", get(crate::metrics::scrape))
         .route("/api/v1/openapi.json", get(openapi))
@@ -341,7 +456,10 @@ pub fn router(pool: Pool, access: Access) -> Router {
             "/api/v1/volumes/{name}/snapshots/{snapshot}",
             axum::routing::delete(delete_snapshot),
         )
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .with_state(pool)
+        .layer(middleware::from_fn_with_state(request_timeout, read_body))
         .layer(middleware::from_fn_with_state(access, authorize))
 }
 
@@ -467,6 +585,7 @@ async fn clone_volume(
 ) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     let req = body(req)?;
     blocking(move || {
+        pool.volume(&name)?;
         let source = match &req.snapshot {
             Some(s) => format!("{name}@{s}"),
             None => name.clone(),
@@ -558,7 +677,10 @@ async fn reserve(
 /// Opens a volume or a `VOLUME@SNAPSHOT` for reading.
 fn open_source(pool: &Pool, source: &str) -> ApiResult<Volume> {
     Ok(match source.split_once('@') {
-        Some((v, s)) => pool.snapshot(v, s)?,
+        Some((v, s)) => {
+            pool.volume(v)?;
+            pool.snapshot(v, s)?
+        }
         None => pool.volume(source)?,
     })
 }
@@ -634,6 +756,8 @@ async fn delete_snapshot(
     Path((name, snapshot)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
     blocking(move || {
+        // A missing volume is named as such, not as a missing snapshot of it.
+        pool.volume(&name)?;
         pool.delete_snapshot(&name, &snapshot)?;
         Ok(StatusCode::NO_CONTENT)
     })

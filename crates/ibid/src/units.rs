@@ -40,23 +40,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
-/// Formats bytes with a binary unit: `1.5 GiB`, `512 B`.
-pub fn format_size(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i < UNITS.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{bytes} B")
-    } else if v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[i])
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
-}
+pub use ibid_engine::units::format_size;
 
 #[cfg(test)]
 mod tests {

@@ -423,7 +423,10 @@ fn a_server_with_a_token_refuses_clients_without_it() {
     let out = ibid_env(&args, &[("IBID_API_TOKEN", "s3cret")]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let out = ibid_env(&args, &[("IBID_API_TOKEN", "nope")]);
-    check_failure(&out, &args, 7, "unauthorized");
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
+    // With --json the error is JSON too.
+    let e: Value = serde_json::from_slice(&out.stderr).expect("a JSON error");
+    assert_eq!(e["code"], "unauthorized", "{e}");
 }
 
 #[test]
@@ -559,4 +562,159 @@ fn a_full_pool_exits_5() {
         5,
         "no_space",
     );
+}
+
+#[test]
+fn client_options_go_before_or_after_the_group() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--volume",
+        "v=1M",
+        "--api-token",
+        "s3cret",
+    ]);
+    let url = server_url(&srv);
+    for args in [
+        &[
+            "--server", &url, "--token", "s3cret", "--json", "volume", "list",
+        ][..],
+        &[
+            "--json", "volume", "--server", &url, "list", "--token", "s3cret",
+        ],
+        &[
+            "volume", "list", "--server", &url, "--token", "s3cret", "--json",
+        ],
+    ] {
+        let out = ibid_env(args, &[]);
+        assert_eq!(out.status.code(), Some(0), "ibid {args:?}: {}", text(&out));
+        let list: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(names(&list), ["v"], "ibid {args:?}");
+    }
+    // They are the client commands' options: serve refuses them rather than ignoring them.
+    let out = ibid_env(&["--json", "serve", "--data", "/nonexistent/pool"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--json is an option of the client"),
+        "{}",
+        text(&out)
+    );
+    assert!(!std::path::Path::new("/nonexistent/pool").exists());
+}
+
+/// Runs `ibid ARGS --json` that must fail with `exit` and `code`; returns the JSON error it
+/// printed on stderr (stdout stays empty).
+fn fails_json(srv: &Server, args: &[&str], exit: i32, code: &str) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = ibid(srv, &all);
+    assert_eq!(
+        out.status.code(),
+        Some(exit),
+        "ibid {all:?}: {}",
+        text(&out)
+    );
+    assert!(out.stdout.is_empty(), "ibid {all:?}: {}", text(&out));
+    let e: Value = serde_json::from_slice(&out.stderr)
+        .unwrap_or_else(|e| panic!("ibid {all:?}: stderr is not JSON ({e}): {}", text(&out)));
+    assert_eq!(
+        (e["code"].as_str(), e["exit"].as_i64()),
+        (Some(code), Some(i64::from(exit))),
+        "{e}"
+    );
+    e
+}
+
+#[test]
+fn errors_speak_of_snapshots_in_binary_units_and_as_json_with_json() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--volume",
+        "v=16M",
+        "--volume",
+        "w=1M",
+    ]);
+    ok(&srv, &["snapshot", "create", "v@golden"]);
+    let err = fails(&srv, &["snapshot", "delete", "v@nope"], 3, "not_found");
+    assert!(err.contains(r#"no snapshot "nope" of volume "v""#), "{err}");
+    let err = fails(&srv, &["snapshot", "delete", "nope@golden"], 3, "not_found");
+    assert!(err.contains(r#"no volume named "nope""#), "{err}");
+    let err = fails(&srv, &["volume", "clone", "v@nope", "c"], 3, "not_found");
+    assert!(err.contains(r#"no snapshot "nope" of volume "v""#), "{err}");
+    let err = fails(&srv, &["volume", "copy", "nope@x", "w"], 3, "not_found");
+    assert!(err.contains(r#"no volume named "nope""#), "{err}");
+    let err = fails(
+        &srv,
+        &["snapshot", "create", "v", "golden"],
+        4,
+        "already_exists",
+    );
+    assert!(
+        err.contains(r#"volume "v" already has a snapshot named "golden""#),
+        "{err}"
+    );
+    // Sizes and offsets in binary units, with the exact bytes where they matter.
+    let err = fails(
+        &srv,
+        &["volume", "copy", "v", "w", "--length", "17G"],
+        2,
+        "out_of_range",
+    );
+    assert!(
+        err.contains(
+            "offset 0 bytes + length 17 GiB (18253611008 bytes) is beyond the volume size 16 MiB"
+        ),
+        "{err}"
+    );
+    let err = fails(
+        &srv,
+        &["volume", "resize", "v", "--size", "8M"],
+        2,
+        "invalid_argument",
+    );
+    assert!(
+        err.contains(r#"volume "v" is 16 MiB; shrinking it to 8 MiB would discard data"#),
+        "{err}"
+    );
+    let err = fails(
+        &srv,
+        &["volume", "create", "x", "--size", "1.0001G"],
+        2,
+        "invalid_argument",
+    );
+    assert!(
+        err.contains("volume size 1.0 GiB (1073849198 bytes): must be a positive multiple of 512"),
+        "{err}"
+    );
+    // With --json, the same errors are one JSON object on stderr.
+    let e = fails_json(&srv, &["snapshot", "delete", "v@nope"], 3, "not_found");
+    assert_eq!(e["message"], r#"no snapshot "nope" of volume "v""#);
+    fails_json(&srv, &["snapshot", "create", "v"], 2, "usage");
+    // Usage errors found by the argument parser too.
+    let e = fails_json(
+        &srv,
+        &["volume", "create", "x", "--size", "10Q"],
+        2,
+        "usage",
+    );
+    assert!(
+        e["message"].as_str().is_some_and(|m| m.contains("10Q")),
+        "{e}"
+    );
+    fails_json(&srv, &["volume", "frobnicate"], 2, "usage");
+    // Unreachable server.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let down = format!("http://{}", free.local_addr().expect("addr"));
+    drop(free);
+    let out = ibid_env(&["volume", "list", "--json", "--server", &down], &[]);
+    assert_eq!(out.status.code(), Some(6), "{}", text(&out));
+    let e: Value = serde_json::from_slice(&out.stderr).expect("JSON error");
+    assert_eq!(e["code"], "cannot_connect");
+    // --help still prints help, not a JSON error.
+    let out = ibid_env(&["volume", "--help", "--json"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
+    // Nothing above changed the pool.
+    let list = json(&srv, &["volume", "list"]);
+    assert_eq!(names(&list), ["v", "w"]);
+    assert_eq!(list[0]["size_bytes"], 16u64 << 20);
 }

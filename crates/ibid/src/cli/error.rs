@@ -42,7 +42,9 @@ Exit codes (client commands):
   7  unauthorized: missing or wrong --token / IBID_API_TOKEN (unauthorized)
 
 Client commands talk to --server (env IBID_SERVER, default http://127.0.0.1:7800);
---json prints the API's JSON for scripts.";
+--json prints the API's JSON for scripts, and errors as JSON on stderr:
+{\"code\": CODE, \"message\": MESSAGE, \"exit\": EXIT}. --server, --token and --json go
+before or after the command group.";
 
 impl Exit {
     /// The exit code for an API error `code`; `status` decides for codes this CLI does not know
