@@ -11,9 +11,10 @@
 //!
 //! Engine calls block (they may fsync), so every handler runs them on the blocking pool.
 
+use crate::clients::{ClientView, Clients};
 use crate::units::parse_size;
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, Request, State};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -209,6 +210,19 @@ struct CloneRequest {
     format: Option<String>,
 }
 
+/// The router's state: the pool and who is connected to its volumes.
+#[derive(Clone)]
+struct Api {
+    pool: Pool,
+    clients: Arc<Clients>,
+}
+
+impl axum::extract::FromRef<Api> for Pool {
+    fn from_ref(api: &Api) -> Pool {
+        api.pool.clone()
+    }
+}
+
 #[derive(Serialize)]
 struct VolumeView {
     name: String,
@@ -220,11 +234,15 @@ struct VolumeView {
     tbz_blocks: u64,
     reserved_bytes: u64,
     created_unix_s: u64,
+    /// Open connections using the volume or its snapshots (NBD, iSCSI): what deleting it would
+    /// cut off.
+    clients: Vec<ClientView>,
 }
 
-impl From<VolumeInfo> for VolumeView {
-    fn from(v: VolumeInfo) -> Self {
+impl VolumeView {
+    fn new(v: VolumeInfo, clients: &Clients) -> Self {
         VolumeView {
+            clients: clients.of_volume_and_snapshots(&v.name),
             name: v.name,
             id: v.id,
             format: v.format.as_str(),
@@ -429,9 +447,14 @@ async fn wrong_method(req: Request) -> ApiError {
     )
 }
 
-/// The API's routes over `pool`, guarded by `access`; a request's body must arrive within
-/// `request_timeout`.
-pub fn router(pool: Pool, access: Access, request_timeout: Duration) -> Router {
+/// The API's routes over `pool`, guarded by `access`, listing (and protecting) the volumes'
+/// `clients`; a request's body must arrive within `request_timeout`.
+pub fn router(
+    pool: Pool,
+    clients: Arc<Clients>,
+    access: Access,
+    request_timeout: Duration,
+) -> Router {
     Router::new()
         .route("/metrics", get(crate::metrics::scrape))
         .route("/api/v1/openapi.json", get(openapi))
@@ -458,7 +481,7 @@ pub fn router(pool: Pool, access: Access, request_timeout: Duration) -> Router {
         )
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
-        .with_state(pool)
+        .with_state(Api { pool, clients })
         .layer(middleware::from_fn_with_state(request_timeout, read_body))
         .layer(middleware::from_fn_with_state(access, authorize))
 }
@@ -491,42 +514,45 @@ async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiRe
     .await
 }
 
-async fn list_volumes(State(pool): State<Pool>) -> Json<Vec<VolumeView>> {
+async fn list_volumes(State(api): State<Api>) -> Json<Vec<VolumeView>> {
     Json(
-        pool.list_volumes()
+        api.pool
+            .list_volumes()
             .into_iter()
-            .map(VolumeView::from)
+            .map(|v| VolumeView::new(v, &api.clients))
             .collect(),
     )
 }
 
 /// The `201 Created` answer describing a volume just made.
-fn created(pool: &Pool, name: &str) -> ApiResult<(StatusCode, Json<VolumeView>)> {
+fn created(api: &Api, name: &str) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     Ok((
         StatusCode::CREATED,
-        Json(VolumeView::from(volume_info(pool, name)?)),
+        Json(VolumeView::new(volume_info(&api.pool, name)?, &api.clients)),
     ))
 }
 
 async fn create_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     req: Body<CreateVolume>,
 ) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     let req = body(req)?;
     let size = req.size.bytes()?;
     let format = req.format.as_deref().map(parse_format).transpose()?;
     blocking(move || {
-        pool.create_volume_with_format(&req.name, size, format.unwrap_or_default())?;
-        created(&pool, &req.name)
+        api.pool
+            .create_volume_with_format(&req.name, size, format.unwrap_or_default())?;
+        created(&api, &req.name)
     })
     .await
 }
 
 async fn describe_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<Value>> {
     blocking(move || {
+        let Api { pool, clients } = api;
         let volume = pool.volume(&name)?;
         let space = volume.space()?;
         let info = volume_info(&pool, &name)?;
@@ -548,17 +574,70 @@ async fn describe_volume(
             "exclusive_physical_bytes": space.exclusive_physical_bytes,
             "shared_physical_bytes": space.shared_physical_bytes,
             "snapshots": pool.list_snapshots(Some(&name)).iter().map(snapshot_json).collect::<Vec<_>>(),
+            "clients": clients.of_volume_and_snapshots(&name),
         })))
     })
     .await
 }
 
+/// `?force=true` on a delete: go ahead even with clients connected.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeleteQuery {
+    #[serde(default)]
+    force: bool,
+}
+
+/// The query of a delete, or the precise reason it is not one.
+fn delete_query(q: Result<Query<DeleteQuery>, QueryRejection>) -> ApiResult<bool> {
+    q.map(|Query(q)| q.force).map_err(|e| ApiError {
+        status: e.status(),
+        code: "bad_request",
+        message: e.body_text(),
+    })
+}
+
+/// Refuses (409 `in_use`) to cut `clients` off `what`, unless forced.
+fn check_unused(what: &str, clients: &[ClientView], force: bool) -> ApiResult<()> {
+    if force || clients.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = clients
+        .iter()
+        .map(|c| match &c.initiator {
+            Some(i) => format!("{} {} ({i})", c.protocol, c.remote),
+            None => format!("{} {}", c.protocol, c.remote),
+        })
+        .collect();
+    Err(ApiError::conflict(
+        "in_use",
+        format!(
+            "{what} has {} connected client{}: {}; disconnect {} first, or force the delete \
+             (CLI --force, API ?force=true) and {} I/O will fail",
+            clients.len(),
+            if clients.len() == 1 { "" } else { "s" },
+            list.join(", "),
+            if clients.len() == 1 { "it" } else { "them" },
+            if clients.len() == 1 { "its" } else { "their" },
+        ),
+    ))
+}
+
 async fn delete_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
+    query: Result<Query<DeleteQuery>, QueryRejection>,
 ) -> ApiResult<StatusCode> {
+    let force = delete_query(query)?;
     blocking(move || {
-        pool.delete_volume(&name)?;
+        api.pool.volume(&name)?;
+        check_unused(
+            &format!("volume {name:?} (with its snapshots)"),
+            &api.clients.of_volume_and_snapshots(&name),
+            force,
+        )?;
+        api.pool.delete_volume(&name)?;
+        api.clients.forget_volume(&name);
         Ok(StatusCode::NO_CONTENT)
     })
     .await
@@ -579,12 +658,13 @@ async fn resize_volume(
 }
 
 async fn clone_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
     req: Body<CloneRequest>,
 ) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     let req = body(req)?;
     blocking(move || {
+        let pool = &api.pool;
         pool.volume(&name)?;
         let source = match &req.snapshot {
             Some(s) => format!("{name}@{s}"),
@@ -603,7 +683,7 @@ async fn clone_volume(
                 return Err(e.into());
             }
         }
-        created(&pool, &req.name)
+        created(&api, &req.name)
     })
     .await
 }
@@ -611,14 +691,15 @@ async fn clone_volume(
 /// Converts a volume to `to` if its current format is one of `from`, answering with the
 /// volume; `verb` names the conversion in the error.
 async fn convert(
-    pool: Pool,
+    api: Api,
     name: String,
     from: &'static [VolumeFormat],
     to: VolumeFormat,
     verb: &'static str,
 ) -> ApiResult<Json<VolumeView>> {
     blocking(move || {
-        let current = volume_info(&pool, &name)?.format;
+        let pool = &api.pool;
+        let current = volume_info(pool, &name)?.format;
         if current != to && !from.contains(&current) {
             return Err(ApiError::conflict(
                 "wrong_format",
@@ -626,52 +707,42 @@ async fn convert(
             ));
         }
         pool.set_volume_format(&name, to)?;
-        Ok(Json(VolumeView::from(volume_info(&pool, &name)?)))
+        Ok(Json(VolumeView::new(
+            volume_info(pool, &name)?,
+            &api.clients,
+        )))
     })
     .await
 }
 
 async fn set_format(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
     req: Body<SetFormat>,
 ) -> ApiResult<Json<VolumeView>> {
     let to = parse_format(&body(req)?.format)?;
-    convert(pool, name, &VolumeFormat::ALL, to, "format").await
+    convert(api, name, &VolumeFormat::ALL, to, "format").await
 }
 
 /// `vmkfstools --inflatedisk`: thin to eager-zeroed thick.
-async fn inflate(
-    State(pool): State<Pool>,
-    Path(name): Path<String>,
-) -> ApiResult<Json<VolumeView>> {
+async fn inflate(State(api): State<Api>, Path(name): Path<String>) -> ApiResult<Json<VolumeView>> {
     let from = &[VolumeFormat::Thin];
-    convert(pool, name, from, VolumeFormat::EagerZeroedThick, "inflate").await
+    convert(api, name, from, VolumeFormat::EagerZeroedThick, "inflate").await
 }
 
 /// `vmkfstools -k`: lazy- to eager-zeroed thick.
 async fn eagerzero(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<VolumeView>> {
     let from = &[VolumeFormat::LazyZeroedThick];
-    convert(
-        pool,
-        name,
-        from,
-        VolumeFormat::EagerZeroedThick,
-        "eagerzero",
-    )
-    .await
+    convert(api, name, from, VolumeFormat::EagerZeroedThick, "eagerzero").await
 }
 
 /// Reserves space for a thin volume: thin to lazy-zeroed thick.
-async fn reserve(
-    State(pool): State<Pool>,
-    Path(name): Path<String>,
-) -> ApiResult<Json<VolumeView>> {
+async fn reserve(State(api): State<Api>, Path(name): Path<String>) -> ApiResult<Json<VolumeView>> {
     let from = &[VolumeFormat::Thin];
-    convert(pool, name, from, VolumeFormat::LazyZeroedThick, "reserve").await
+    convert(api, name, from, VolumeFormat::LazyZeroedThick, "reserve").await
 }
 
 /// Opens a volume or a `VOLUME@SNAPSHOT` for reading.
@@ -752,13 +823,24 @@ async fn create_snapshot(
 }
 
 async fn delete_snapshot(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path((name, snapshot)): Path<(String, String)>,
+    query: Result<Query<DeleteQuery>, QueryRejection>,
 ) -> ApiResult<StatusCode> {
+    let force = delete_query(query)?;
     blocking(move || {
+        let Api { pool, clients } = api;
         // A missing volume is named as such, not as a missing snapshot of it.
         pool.volume(&name)?;
+        pool.snapshot(&name, &snapshot)?;
+        let export = format!("{name}@{snapshot}");
+        check_unused(
+            &format!("snapshot {export:?}"),
+            &clients.of_export(&export),
+            force,
+        )?;
         pool.delete_snapshot(&name, &snapshot)?;
+        clients.forget_export(&export);
         Ok(StatusCode::NO_CONTENT)
     })
     .await

@@ -3,6 +3,7 @@
 
 mod api;
 mod cli;
+mod clients;
 mod iscsi_luns;
 mod metrics;
 mod nbd_exports;

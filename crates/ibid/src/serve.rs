@@ -221,6 +221,7 @@ async fn serve(pool: Pool, opts: &ServeOptions, listeners: Listeners) -> anyhow:
     let signalled = shutdown_signal();
     print_banner(&pool, opts, nbd_addr, iscsi_addr, http_addr);
     let metrics = Arc::new(Metrics::default());
+    let clients = Arc::new(crate::clients::Clients::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         signalled.await;
@@ -232,7 +233,11 @@ async fn serve(pool: Pool, opts: &ServeOptions, listeners: Listeners) -> anyhow:
     let iscsi = async {
         match iscsi_listener {
             Some(listener) => {
-                let luns = Arc::new(PoolLuns::new(pool.clone(), metrics.clone()));
+                let luns = Arc::new(PoolLuns::new(
+                    pool.clone(),
+                    metrics.clone(),
+                    clients.clone(),
+                ));
                 let config = ibid_iscsi::TargetConfig::new(opts.iqn.clone());
                 ibid_iscsi::serve_until(listener, luns, config, stopped(stop_rx.clone()))
                     .await
@@ -241,7 +246,11 @@ async fn serve(pool: Pool, opts: &ServeOptions, listeners: Listeners) -> anyhow:
             None => Ok(()),
         }
     };
-    let exports = Arc::new(PoolExports::new(pool.clone(), metrics.clone()));
+    let exports = Arc::new(PoolExports::new(
+        pool.clone(),
+        metrics.clone(),
+        clients.clone(),
+    ));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
         workers: opts.nbd_workers,
@@ -260,8 +269,9 @@ async fn serve(pool: Pool, opts: &ServeOptions, listeners: Listeners) -> anyhow:
     let http = async {
         match http_listener {
             Some(listener) => {
-                let app = crate::api::router(pool.clone(), access, opts.http_timeout)
-                    .layer(axum::Extension(metrics.clone()));
+                let app =
+                    crate::api::router(pool.clone(), clients.clone(), access, opts.http_timeout)
+                        .layer(axum::Extension(metrics.clone()));
                 serve_http(listener, app, opts.http_timeout, stop_rx.clone()).await;
                 Ok(())
             }

@@ -718,3 +718,144 @@ fn errors_speak_of_snapshots_in_binary_units_and_as_json_with_json() {
     assert_eq!(names(&list), ["v", "w"]);
     assert_eq!(list[0]["size_bytes"], 16u64 << 20);
 }
+
+/// A real client holding its connection open until dropped: a child process that waits for
+/// its stdin to close.
+struct Held(std::process::Child);
+
+impl Held {
+    fn start(cmd: &str, args: &[&str]) -> Held {
+        common::require(cmd);
+        // /usr/bin first, as common::output does: nbdsh needs the system Python's libnbd.
+        let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+        let child = Command::new(cmd)
+            .args(args)
+            .env("PATH", path)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {cmd}: {e}"));
+        Held(child)
+    }
+
+    /// nbdsh connected to `url`, running `python` and then waiting.
+    fn nbdsh(url: &str, python: &str) -> Held {
+        let script = format!("import sys\n{python}\nsys.stdin.read()");
+        Held::start("nbdsh", &["-u", url, "-c", &script])
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        drop(self.0.stdin.take());
+        for _ in 0..200 {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Waits (10 s at most) until the API lists `n` clients of `volume`; returns its description.
+fn wait_for_clients(srv: &Server, volume: &str, n: usize) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..200 {
+        let (status, d) = common::api_call(srv, "GET", &format!("/api/v1/volumes/{volume}"), None);
+        assert_eq!(status, 200, "{d}");
+        if d["clients"].as_array().map(Vec::len) == Some(n) {
+            return d;
+        }
+        last = d;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("{volume} never had {n} clients: {last}");
+}
+
+#[test]
+fn volumes_with_connected_clients_are_not_deleted_without_force() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--volume",
+        "vm1=16M",
+        "--volume",
+        "vm2=16M",
+        "--volume",
+        "vm3=16M",
+    ]);
+    // An NBD client (libnbd's nbdsh) that wrote a sector and holds its connection.
+    let held = Held::nbdsh(&srv.url("vm1"), "h.pwrite(b'x' * 512, 0)");
+    let d = wait_for_clients(&srv, "vm1", 1);
+    let client = &d["clients"][0];
+    assert_eq!(
+        (client["protocol"].as_str(), client["export"].as_str()),
+        (Some("nbd"), Some("vm1")),
+        "{d}"
+    );
+    let remote = client["remote"].as_str().expect("remote").to_string();
+    assert!(remote.starts_with("127.0.0.1:"), "{d}");
+    let out = ok(&srv, &["volume", "describe", "vm1"]);
+    assert!(out.contains(&format!("clients:   nbd {remote}")), "{out}");
+    let list = json(&srv, &["volume", "list"]);
+    let clients_of = |name: &str| {
+        list.as_array()
+            .expect("array")
+            .iter()
+            .find(|v| v["name"] == name)
+            .and_then(|v| v["clients"].as_array())
+            .map(Vec::len)
+    };
+    assert_eq!((clients_of("vm1"), clients_of("vm2")), (Some(1), Some(0)));
+    // Deleting it is refused, by the CLI (exit 4) and the API (409), naming the client.
+    let err = fails(&srv, &["volume", "delete", "vm1"], 4, "in_use");
+    assert!(err.contains(&format!("nbd {remote}")), "{err}");
+    assert!(err.contains("--force"), "{err}");
+    let (status, v) = common::api_call(&srv, "DELETE", "/api/v1/volumes/vm1", None);
+    assert_eq!((status, v["code"].as_str()), (409, Some("in_use")), "{v}");
+    let (status, v) = common::api_call(&srv, "DELETE", "/api/v1/volumes/vm1?force=maybe", None);
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (400, Some("bad_request")),
+        "{v}"
+    );
+    // Once the client has gone, the volume (with its data) deletes without --force.
+    drop(held);
+    wait_for_clients(&srv, "vm1", 0);
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0x78 0 512", &srv.url("vm1")],
+    );
+    wait_for_clients(&srv, "vm1", 0);
+    assert!(ok(&srv, &["volume", "delete", "vm1"]).contains("deleted volume vm1"));
+    // A client of a snapshot holds the snapshot, and the volume it would go with.
+    ok(&srv, &["snapshot", "create", "vm2@s"]);
+    let held = Held::nbdsh(&srv.url("vm2@s"), "h.pread(512, 0)");
+    let d = wait_for_clients(&srv, "vm2", 1);
+    assert_eq!(d["clients"][0]["export"], "vm2@s", "{d}");
+    assert!(ok(&srv, &["volume", "describe", "vm2"]).contains("on vm2@s"));
+    fails(&srv, &["snapshot", "delete", "vm2@s"], 4, "in_use");
+    fails(&srv, &["volume", "delete", "vm2"], 4, "in_use");
+    ok(&srv, &["snapshot", "delete", "vm2@s", "--force"]);
+    wait_for_clients(&srv, "vm2", 0);
+    ok(&srv, &["volume", "delete", "vm2"]);
+    drop(held);
+    // An iSCSI session (qemu-io through libiscsi) that has opened vm3's LUN.
+    let _held = Held::start("qemu-io", &["-f", "raw", &srv.iscsi_url(2)]);
+    let d = wait_for_clients(&srv, "vm3", 1);
+    let client = &d["clients"][0];
+    assert_eq!(client["protocol"], "iscsi", "{d}");
+    assert!(
+        client["initiator"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("iqn.")),
+        "{d}"
+    );
+    let err = fails(&srv, &["volume", "delete", "vm3"], 4, "in_use");
+    assert!(err.contains("iscsi 127.0.0.1:"), "{err}");
+    // --force deletes it under the connected client.
+    let v = json(&srv, &["volume", "delete", "vm3", "--force"]);
+    assert_eq!(v["deleted"], "vm3");
+    assert_eq!(names(&json(&srv, &["volume", "list"])), Vec::<&str>::new());
+}

@@ -18,7 +18,7 @@ pub enum Exit {
     /// No such volume or snapshot (`not_found`).
     NotFound = 3,
     /// The name is taken or the state forbids it (`already_exists`, `cannot_reserve`,
-    /// `wrong_format`, `read_only`).
+    /// `wrong_format`, `read_only`, `in_use`).
     Conflict = 4,
     /// The pool is out of space (`no_space`).
     NoSpace = 5,
@@ -36,7 +36,8 @@ Exit codes (client commands):
   2  usage error: bad arguments (bad_request, invalid_argument, out_of_range)
   3  not found: no such volume or snapshot (not_found)
   4  conflict: name taken, or the volume's state forbids it
-     (already_exists, cannot_reserve, wrong_format, read_only)
+     (already_exists, cannot_reserve, wrong_format, read_only; in_use: clients
+     are connected, see delete --force)
   5  the pool is out of space (no_space)
   6  cannot connect to the server
   7  unauthorized: missing or wrong --token / IBID_API_TOKEN (unauthorized)
@@ -52,7 +53,9 @@ impl Exit {
     pub fn from_api(code: &str, status: u16) -> Exit {
         match code {
             "not_found" => Exit::NotFound,
-            "already_exists" | "cannot_reserve" | "wrong_format" | "read_only" => Exit::Conflict,
+            "already_exists" | "cannot_reserve" | "wrong_format" | "read_only" | "in_use" => {
+                Exit::Conflict
+            }
             "no_space" => Exit::NoSpace,
             "unauthorized" => Exit::Unauthorized,
             "bad_request" | "invalid_argument" | "out_of_range" => Exit::Usage,
@@ -136,6 +139,7 @@ mod tests {
             ("cannot_reserve", 409, Exit::Conflict),
             ("wrong_format", 409, Exit::Conflict),
             ("read_only", 409, Exit::Conflict),
+            ("in_use", 409, Exit::Conflict),
             ("no_space", 507, Exit::NoSpace),
             ("unauthorized", 401, Exit::Unauthorized),
             ("invalid_argument", 400, Exit::Usage),
