@@ -77,10 +77,19 @@ impl From<Error> for ApiError {
             Error::ReadOnly(_) => (StatusCode::CONFLICT, "read_only"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
+        let mut message = e.to_string();
+        if let Error::CannotReserve { .. } = e {
+            message.push_str(&format!(
+                " (a thick volume reserves {}; the pool keeps up to {} more as overwrite \
+                 headroom for its thick volumes)",
+                crate::units::reservation_rule(),
+                crate::units::format_size(crate::units::overwrite_headroom_max())
+            ));
+        }
         ApiError {
             status,
             code,
-            message: e.to_string(),
+            message,
         }
     }
 }

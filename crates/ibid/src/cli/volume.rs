@@ -8,7 +8,7 @@ use super::output::{
     BLOCK_BYTES,
 };
 use super::{parse_format, split_snapshot, Ctx};
-use crate::units::parse_size;
+use crate::units::{overwrite_headroom_max, parse_size, reservation_rule};
 use clap::Subcommand;
 use serde_json::{json, Map, Value};
 
@@ -366,12 +366,36 @@ fn show_volume(ctx: &Ctx, v: &Value) -> Result<(), CliError> {
         print_json(v);
         return Ok(());
     }
+    let format = str_field(v, "format")?;
+    let reserved = u64_field(v, "reserved_bytes")?;
+    let thick = format != "thin";
     print_fields(&[
         ("name", str_field(v, "name")?.to_string()),
-        ("format", str_field(v, "format")?.to_string()),
+        ("format", format.to_string()),
         ("size", size(u64_field(v, "size_bytes")?)),
-        ("reserved", size(u64_field(v, "reserved_bytes")?)),
+        (
+            "reserved",
+            if thick {
+                format!("{} ({})", size(reserved), reservation_rule())
+            } else {
+                size(reserved)
+            },
+        ),
         ("mapped", blocks(u64_field(v, "mapped_blocks")?)),
     ]);
+    if thick {
+        println!("{}", headroom_note());
+    }
     Ok(())
+}
+
+/// The pool-wide overwrite headroom thick volumes add to their reservations.
+fn headroom_note() -> String {
+    let headroom = overwrite_headroom_max();
+    format!(
+        "note: the pool also keeps overwrite headroom for its thick volumes (a block's reservation \
+         per block of theirs, {} at most; `ibid pool stats` shows it): new data is stored before \
+         the commit that frees what it replaces",
+        size(headroom)
+    )
 }
