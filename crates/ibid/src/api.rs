@@ -468,6 +468,7 @@ pub fn router(
         .route("/metrics", get(crate::metrics::scrape))
         .route("/api/v1/openapi.json", get(openapi))
         .route("/api/v1/pool", get(pool_stats).patch(update_pool))
+        .route("/api/v1/pool/verify", post(verify_pool))
         .route("/api/v1/volumes", get(list_volumes).post(create_volume))
         .route(
             "/api/v1/volumes/{name}",
@@ -503,6 +504,44 @@ async fn pool_stats(State(pool): State<Pool>) -> ApiResult<Json<Value>> {
     blocking(move || {
         pool.sync()?;
         Ok(Json(stats_json(&pool.stats())))
+    })
+    .await
+}
+
+/// The answer of a pool check that ran: `{"ok": true, volumes, map_entries, chunks,
+/// physical_bytes, orphans, seconds}`, or `{"ok": false, "problem", "seconds"}` when it found
+/// damage (a chunk whose content fails its checksum or fingerprint, a count that does not add
+/// up). Other failures (I/O, a failed pool) are errors, not findings.
+pub fn verify_answer(
+    result: ibid_engine::Result<ibid_engine::VerifyReport>,
+    took: Duration,
+) -> Result<Value, Error> {
+    match result {
+        Ok(r) => Ok(json!({
+            "ok": true,
+            "volumes": r.volumes,
+            "map_entries": r.map_entries,
+            "chunks": r.chunks,
+            "physical_bytes": r.physical_bytes,
+            "orphans": r.orphans,
+            "seconds": took.as_secs_f64(),
+        })),
+        Err(Error::Corrupt(problem)) => Ok(json!({
+            "ok": false,
+            "problem": problem,
+            "seconds": took.as_secs_f64(),
+        })),
+        Err(e) => Err(e),
+    }
+}
+
+/// Checks the whole pool (`Pool::verify`): every count recomputed, every live chunk read back
+/// against its fingerprint. Commits wait while it runs.
+async fn verify_pool(State(pool): State<Pool>) -> ApiResult<Json<Value>> {
+    blocking(move || {
+        let started = std::time::Instant::now();
+        let result = pool.verify();
+        Ok(Json(verify_answer(result, started.elapsed())?))
     })
     .await
 }

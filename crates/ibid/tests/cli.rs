@@ -920,3 +920,119 @@ fn the_readme_eager_example_fits_and_thick_volumes_explain_their_reservation() {
         "{out}"
     );
 }
+
+/// Segment files (`*.seg`) under `dir`, sorted by name (the oldest first).
+fn segment_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).expect("read dir") {
+            let path = e.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|x| x == "seg") {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Reads each 4 KiB block of `url` with libnbd (nbdsh) and compares it with `image`: one line
+/// per block, `ok`, `WRONG` or `error ERRNO` (the name, e.g. `EIO`).
+fn read_blocks_with_nbdsh(url: &str, image: &std::path::Path, blocks: usize) -> Vec<String> {
+    let script = format!(
+        "import nbd\n\
+         exp = open({image:?}, 'rb').read()\n\
+         for i in range({blocks}):\n\
+         \x20   try:\n\
+         \x20       got = h.pread(4096, i * 4096)\n\
+         \x20       print('ok' if got == exp[i * 4096:(i + 1) * 4096] else 'WRONG')\n\
+         \x20   except nbd.Error as e:\n\
+         \x20       print('error', e.errno)\n",
+        image = image.display().to_string()
+    );
+    run("nbdsh", &["-u", url, "-c", &script])
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn pool_verify_finds_flipped_bytes_online_and_offline_and_the_block_reads_as_eio() {
+    let srv = Server::start(&["--no-default-volume", "--volume", "v=1M"]);
+    // 8 blocks of incompressible data, written through NBD.
+    let image = srv.dir.path().join("data.img");
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let data: Vec<u8> = (0..8 * 4096)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect();
+    std::fs::write(&image, data).expect("write image");
+    let image_arg = format!("write -s {} 0 32k", image.display());
+    run("qemu-io", &["-f", "raw", "-c", &image_arg, &srv.url("v")]);
+    let out = ok(&srv, &["pool", "verify"]);
+    assert!(out.contains("no problems found"), "{out}");
+    let report = json(&srv, &["pool", "verify"]);
+    assert_eq!(
+        (report["ok"].as_bool(), report["chunks"].as_u64()),
+        (Some(true), Some(8)),
+        "{report}"
+    );
+    // Offline, on the stopped pool: the same verdict.
+    let dir = srv.stop();
+    let pool_dir = dir.path().join("pool");
+    let pool_arg = pool_dir.display().to_string();
+    let out = ibid_env(&["pool", "verify", "--data", &pool_arg], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("offline"));
+    // Flip one byte inside the first record's payload (after the 64-byte segment header and
+    // the 24-byte record header).
+    let segment = segment_files(&pool_dir)
+        .into_iter()
+        .next()
+        .expect("a segment file");
+    let mut bytes = std::fs::read(&segment).expect("read segment");
+    bytes[64 + 24 + 100] ^= 0x40;
+    std::fs::write(&segment, bytes).expect("write segment");
+    let out = ibid_env(&["pool", "verify", "--data", &pool_arg], &[]);
+    let args = ["pool", "verify", "--data", &pool_arg];
+    let err = check_failure(&out, &args, 8, "damaged");
+    assert!(
+        err.contains("found damage") && err.contains("checksum"),
+        "{err}"
+    );
+    // Online, on the restarted server: the CLI (exit 8, JSON error with --json) and the API.
+    let srv = Server::start_in(dir, &[]);
+    let err = fails(&srv, &["pool", "verify"], 8, "damaged");
+    assert!(err.contains("online") && err.contains("checksum"), "{err}");
+    let e = fails_json(&srv, &["pool", "verify"], 8, "damaged");
+    assert!(
+        e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("checksum")),
+        "{e}"
+    );
+    let (status, v) = common::api_call(&srv, "POST", "/api/v1/pool/verify", None);
+    assert_eq!((status, v["ok"].as_bool()), (200, Some(false)), "{v}");
+    // Offline verify of a pool a server has open is refused, naming the way to do it.
+    let out = ibid_env(&["pool", "verify", "--data", &pool_arg], &[]);
+    let err = check_failure(&out, &args, 4, "in_use");
+    assert!(err.contains("verify it online"), "{err}");
+    // A reader of the damaged block gets EIO; every other block reads back exactly.
+    let reads = read_blocks_with_nbdsh(&srv.url("v"), &image, 8);
+    assert_eq!(reads.len(), 8, "{reads:?}");
+    assert_eq!(
+        reads.iter().filter(|r| *r == "error EIO").count(),
+        1,
+        "exactly one block fails, with EIO: {reads:?}"
+    );
+    assert_eq!(reads.iter().filter(|r| *r == "ok").count(), 7, "{reads:?}");
+    // The server is still up and the damage is still reported.
+    fails(&srv, &["pool", "verify"], 8, "damaged");
+}

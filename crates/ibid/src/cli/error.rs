@@ -26,6 +26,8 @@ pub enum Exit {
     CannotConnect = 6,
     /// The server wants a (different) bearer token (`unauthorized`).
     Unauthorized = 7,
+    /// `pool verify` found damage (`damaged`).
+    Damaged = 8,
 }
 
 /// The exit codes, for `ibid --help`.
@@ -41,6 +43,7 @@ Exit codes (client commands):
   5  the pool is out of space (no_space)
   6  cannot connect to the server
   7  unauthorized: missing or wrong --token / IBID_API_TOKEN (unauthorized)
+  8  pool verify found damage (damaged)
 
 Client commands talk to --server (env IBID_SERVER, default http://127.0.0.1:7800);
 --json prints the API's JSON for scripts, and errors as JSON on stderr:
