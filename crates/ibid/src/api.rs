@@ -430,6 +430,30 @@ fn closing(e: ApiError) -> Response {
     r
 }
 
+/// Refuses a `VOLUME@SNAPSHOT` where a volume route expects a volume name (volume names
+/// cannot hold `@`): without this, `DELETE /api/v1/volumes/vm1@s` would answer that no snapshot
+/// `s` exists when it does.
+async fn volume_not_snapshot(req: Request, next: Next) -> Response {
+    let segment = req
+        .uri()
+        .path()
+        .strip_prefix("/api/v1/volumes/")
+        .and_then(|rest| rest.split('/').next())
+        .map(|s| s.replace("%40", "@"));
+    if let Some((volume, snapshot)) = segment.as_deref().and_then(|s| s.split_once('@')) {
+        return ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_argument",
+            format!(
+                "{volume}@{snapshot} is a snapshot, not a volume: snapshots are under \
+                 /api/v1/volumes/{volume}/snapshots/{snapshot} (CLI: ibid snapshot ...)"
+            ),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
 /// Any path the API does not have: a JSON 404, like every other error.
 async fn no_route(req: Request) -> ApiError {
     ApiError::new(
@@ -492,6 +516,7 @@ pub fn router(
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .with_state(Api { pool, clients })
+        .layer(middleware::from_fn(volume_not_snapshot))
         .layer(middleware::from_fn_with_state(request_timeout, read_body))
         .layer(middleware::from_fn_with_state(access, authorize))
 }

@@ -642,6 +642,25 @@ fn errors_speak_of_snapshots_in_binary_units_and_as_json_with_json() {
     assert!(err.contains(r#"no snapshot "nope" of volume "v""#), "{err}");
     let err = fails(&srv, &["volume", "copy", "nope@x", "w"], 3, "not_found");
     assert!(err.contains(r#"no volume named "nope""#), "{err}");
+    // A snapshot given where a volume is expected is named as such, and stays.
+    let err = fails(
+        &srv,
+        &["volume", "delete", "v@golden"],
+        2,
+        "invalid_argument",
+    );
+    assert!(
+        err.contains("v@golden is a snapshot, not a volume"),
+        "{err}"
+    );
+    let err = fails(
+        &srv,
+        &["volume", "describe", "v@golden"],
+        2,
+        "invalid_argument",
+    );
+    assert!(err.contains("is a snapshot"), "{err}");
+    assert_eq!(names(&json(&srv, &["snapshot", "list", "v"])), ["golden"]);
     let err = fails(
         &srv,
         &["snapshot", "create", "v", "golden"],
