@@ -12,7 +12,7 @@
 //! Engine calls block (they may fsync), so every handler runs them on the blocking pool.
 
 use crate::clients::{ClientView, Clients};
-use crate::units::parse_size;
+use crate::units::{format_exact, parse_size};
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
@@ -575,11 +575,28 @@ async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiRe
     let req = body(req)?;
     let capacity = req.capacity.as_ref().map(Size::bytes).transpose()?;
     blocking(move || {
-        if let Some(pct) = req.soft_threshold_pct {
-            pool.set_soft_threshold(pct)?;
+        // Checked before anything changes: a refused capacity must not leave a new threshold.
+        if let Some(pct) = req.soft_threshold_pct.filter(|p| !(1..=100).contains(p)) {
+            return Err(Error::InvalidArgument(format!(
+                "soft threshold {pct}: must be 1 to 100 percent"
+            ))
+            .into());
         }
         if let Some(c) = capacity {
-            pool.set_capacity(c)?;
+            pool.set_capacity(c).map_err(|e| match e {
+                Error::CannotReserve { needed, .. } => ApiError::conflict(
+                    "cannot_reserve",
+                    format!(
+                        "capacity {} is below the {} the pool already uses and reserves",
+                        format_exact(c),
+                        format_exact(needed)
+                    ),
+                ),
+                e => e.into(),
+            })?;
+        }
+        if let Some(pct) = req.soft_threshold_pct {
+            pool.set_soft_threshold(pct)?;
         }
         pool.sync()?;
         Ok(Json(stats_json(&pool.stats())))

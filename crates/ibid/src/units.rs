@@ -40,7 +40,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
-pub use ibid_engine::units::format_size;
+pub use ibid_engine::units::{format_exact, format_size};
 
 /// How a thick volume's reservation is sized, in words: `4632 bytes per 4 KiB block without
 /// data: 13 % over its size, room for each block's record and metadata`.

@@ -704,6 +704,39 @@ fn errors_speak_of_snapshots_in_binary_units_and_as_json_with_json() {
         err.contains("volume size 1.0 GiB (1073849198 bytes): must be a positive multiple of 512"),
         "{err}"
     );
+    // A capacity below what the pool holds: refused with both figures, and nothing changes
+    // (not even the soft threshold given with it).
+    ok(
+        &srv,
+        &[
+            "volume",
+            "create",
+            "thick",
+            "--size",
+            "8M",
+            "--format",
+            "eagerzeroedthick",
+        ],
+    );
+    let before = json(&srv, &["pool", "stats"]);
+    let err = fails(
+        &srv,
+        &["pool", "set", "--capacity", "4M", "--soft-threshold", "85"],
+        4,
+        "cannot_reserve",
+    );
+    assert!(
+        err.contains("capacity 4 MiB is below the ")
+            && err.contains(" the pool already uses and reserves"),
+        "{err}"
+    );
+    let after = json(&srv, &["pool", "stats"]);
+    assert_eq!(
+        (&after["capacity_bytes"], &after["soft_threshold_pct"]),
+        (&before["capacity_bytes"], &before["soft_threshold_pct"])
+    );
+    assert_ne!(after["soft_threshold_pct"], 85);
+    ok(&srv, &["volume", "delete", "thick"]);
     // With --json, the same errors are one JSON object on stderr.
     let e = fails_json(&srv, &["snapshot", "delete", "v@nope"], 3, "not_found");
     assert_eq!(e["message"], r#"no snapshot "nope" of volume "v""#);
