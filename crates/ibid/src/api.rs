@@ -553,7 +553,7 @@ pub fn verify_answer(
         })),
         Err(Error::Corrupt(problem)) => Ok(json!({
             "ok": false,
-            "problem": problem,
+            "problem": problem.strip_prefix("verify: ").unwrap_or(&problem),
             "seconds": took.as_secs_f64(),
         })),
         Err(e) => Err(e),

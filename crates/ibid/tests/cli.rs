@@ -1063,6 +1063,7 @@ fn pool_verify_finds_flipped_bytes_online_and_offline_and_the_block_reads_as_eio
     let srv = Server::start_in(dir, &[]);
     let err = fails(&srv, &["pool", "verify"], 8, "damaged");
     assert!(err.contains("online") && err.contains("checksum"), "{err}");
+    let online_err = err;
     let e = fails_json(&srv, &["pool", "verify"], 8, "damaged");
     assert!(
         e["message"]
@@ -1085,6 +1086,16 @@ fn pool_verify_finds_flipped_bytes_online_and_offline_and_the_block_reads_as_eio
         "exactly one block fails, with EIO: {reads:?}"
     );
     assert_eq!(reads.iter().filter(|r| *r == "ok").count(), 7, "{reads:?}");
+    // Verify named that very block as what the damaged chunk holds.
+    let bad = reads
+        .iter()
+        .position(|r| r == "error EIO")
+        .expect("the bad block");
+    assert!(
+        online_err.contains("1 damaged chunk: chunk ")
+            && online_err.contains(&format!(") is block {bad} of \"v\"")),
+        "{online_err}"
+    );
     // The server is still up and the damage is still reported.
     fails(&srv, &["pool", "verify"], 8, "damaged");
 }
