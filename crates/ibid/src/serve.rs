@@ -129,9 +129,10 @@ struct NewPoolDir {
 }
 
 impl NewPoolDir {
-    /// `Some` if `dir` holds no pool, noting what it holds.
+    /// `Some` if `dir` holds no pool, noting what it holds (`None` too if `dir` is something
+    /// other than a directory: opening the pool fails on it, and it is not ours to remove).
     fn note(dir: &Path) -> Option<NewPoolDir> {
-        if ibid_engine::store::exists(dir) {
+        if ibid_engine::store::exists(dir) || (dir.exists() && !dir.is_dir()) {
             return None;
         }
         let entries = std::fs::read_dir(dir).ok().map(|entries| {

@@ -59,6 +59,16 @@ fn a_start_that_fails_leaves_no_new_pool_behind() {
         .collect();
     assert_eq!(left, ["notes.txt"]);
     std::fs::remove_dir_all(&pool).expect("clean up");
+    // A file where the pool directory should be: the start fails and the file stays.
+    std::fs::write(&pool, "not a pool").expect("write");
+    let err = serve_fails(&pool, &[]);
+    assert!(err.contains("open pool in"), "{err}");
+    assert!(!err.contains("could not remove"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(&pool).expect("still there"),
+        "not a pool"
+    );
+    std::fs::remove_file(&pool).expect("clean up");
     // An existing pool is never removed: a failed start leaves it, and it serves again.
     let srv = Server::start(&["--no-default-volume", "--volume", "keep=1M"]);
     let kept = srv.stop();
