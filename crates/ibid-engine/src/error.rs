@@ -1,5 +1,6 @@
 //! The engine's error type.
 
+use crate::units::{format_exact, format_with_bytes};
 use std::io;
 
 /// Every way an engine operation can fail.
@@ -15,24 +16,33 @@ pub enum Error {
     NoSpace,
     /// A thick volume's reservation (creation, growth or conversion) does not fit in the
     /// pool's unreserved free space.
-    #[error("the pool cannot reserve {needed} bytes: {available} bytes are free and unreserved")]
+    #[error(
+        "the pool cannot reserve {}: {} is free and unreserved",
+        format_exact(*needed),
+        format_exact(*available)
+    )]
     CannotReserve {
         /// Bytes the operation would reserve.
         needed: u64,
         /// Bytes free and not reserved by other thick volumes.
         available: u64,
     },
-    /// No volume has this name.
-    #[error("no volume named {0:?}")]
+    /// No volume has this name (or, for a `VOLUME@SNAPSHOT` name, no such snapshot).
+    #[error("{}", not_found(.0))]
     NotFound(String),
-    /// A volume with this name already exists.
-    #[error("a volume named {0:?} already exists")]
+    /// A volume (or, for a `VOLUME@SNAPSHOT` name, a snapshot) with this name already exists.
+    #[error("{}", already_exists(.0))]
     AlreadyExists(String),
     /// An argument is malformed: unaligned offset, bad size, bad name.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// The request reaches beyond the end of the volume.
-    #[error("offset {offset} + length {len} is beyond the volume size {size}")]
+    #[error(
+        "offset {} + length {} is beyond the volume size {}",
+        format_with_bytes(*offset),
+        format_with_bytes(*len),
+        format_exact(*size)
+    )]
     OutOfRange {
         /// First byte of the request.
         offset: u64,
@@ -65,6 +75,25 @@ pub enum Error {
     /// Another process holds this pool open.
     #[error("the pool at {0} is in use by another process")]
     Locked(String),
+}
+
+/// "no volume named ..", or for a snapshot's `VOLUME@SNAPSHOT` key "no snapshot .. of volume ..".
+/// (Volume names cannot contain `@`, so the key says which it is.)
+fn not_found(name: &str) -> String {
+    match name.split_once('@') {
+        Some((volume, snapshot)) => format!("no snapshot {snapshot:?} of volume {volume:?}"),
+        None => format!("no volume named {name:?}"),
+    }
+}
+
+/// "a volume named .. already exists", or the same of a snapshot's `VOLUME@SNAPSHOT` key.
+fn already_exists(name: &str) -> String {
+    match name.split_once('@') {
+        Some((volume, snapshot)) => {
+            format!("volume {volume:?} already has a snapshot named {snapshot:?}")
+        }
+        None => format!("a volume named {name:?} already exists"),
+    }
 }
 
 /// Result alias for engine operations.

@@ -44,6 +44,7 @@ mod snapshot;
 mod stack;
 pub mod stats;
 pub mod store;
+pub mod units;
 pub mod verify;
 mod volume;
 

@@ -293,7 +293,8 @@ pub fn validate_volume_name(name: &str) -> Result<()> {
 pub fn validate_volume_size(size: u64) -> Result<()> {
     if size == 0 || !size.is_multiple_of(SECTOR_BYTES) || size > VOLUME_BYTES_MAX {
         return Err(Error::InvalidArgument(format!(
-            "volume size {size}: must be a positive multiple of 512 bytes, at most 1 PiB"
+            "volume size {}: must be a positive multiple of 512 bytes, at most 1 PiB",
+            crate::units::format_exact(size)
         )));
     }
     Ok(())
@@ -751,8 +752,9 @@ impl Pool {
             let mut map = state.map.lock();
             if new_size_bytes < map.size {
                 return Err(Error::InvalidArgument(format!(
-                    "volume {name:?} is {} bytes; shrinking to {new_size_bytes} would discard data",
-                    map.size
+                    "volume {name:?} is {}; shrinking it to {} would discard data",
+                    crate::units::format_exact(map.size),
+                    crate::units::format_exact(new_size_bytes)
                 )));
             }
             if state.format().is_thick() {

@@ -1,5 +1,6 @@
 //! Corruption: bytes flipped in a segment file make the read of the affected block fail with
 //! `Error::Corrupt`; every other block still reads back exactly. Never silently wrong data.
+//! `Pool::verify` reports the damage, naming the chunk and the block that reads it.
 
 use ibid_engine::{Error, Pool, PoolConfig};
 use std::os::unix::fs::FileExt;
@@ -56,6 +57,7 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
     let pool = Pool::open(&path, config).expect("reopen");
     let vol = pool.volume("v").expect("volume");
     let mut corrupt = 0;
+    let mut bad_block = None;
     for i in 0..BLOCKS {
         let mut buf = vec![0u8; 4096];
         match vol.read(i * 4096, &mut buf) {
@@ -67,6 +69,7 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
             Err(Error::Corrupt(msg)) => {
                 assert!(msg.contains("checksum") || msg.contains("magic"), "{msg}");
                 corrupt += 1;
+                bad_block = Some(i);
             }
             Err(e) => panic!("block {i}: unexpected error {e}"),
         }
@@ -79,6 +82,14 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
     assert!(
         matches!(verify, Err(Error::Corrupt(_))),
         "verify must report the damage: {verify:?}"
+    );
+    // It names the damaged chunk and the block that reads it.
+    let message = verify.expect_err("damage").to_string();
+    let bad_block = bad_block.expect("a damaged block");
+    assert!(
+        message.contains("1 damaged chunk: chunk ")
+            && message.contains(&format!(") is block {bad_block} of \"v\"")),
+        "{message}"
     );
 }
 

@@ -38,6 +38,16 @@ pub struct LunInfo {
     pub name: String,
 }
 
+/// The initiator end of one logged-in (normal session) connection, handed to
+/// [`Luns::connected`]. The target holds it exactly as long as the connection is open.
+#[derive(Debug)]
+pub struct Initiator {
+    /// The initiator's address (`None` if the socket could not tell).
+    pub peer: Option<std::net::SocketAddr>,
+    /// Its iSCSI name (`InitiatorName`).
+    pub name: String,
+}
+
 /// A run of blocks with one allocation state, as [`Lun::block_status`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Extent {
@@ -107,4 +117,9 @@ pub trait Luns: Send + Sync + 'static {
     fn generation(&self) -> u64 {
         0
     }
+    /// A normal session's connection sent its first command addressed to `lun` (REPORT LUNS
+    /// aside, which every initiator sends to LUN 0 whatever it uses). `initiator` lives as
+    /// long as that connection: a backend that keeps a `Weak` of it knows which connections
+    /// still use the LUN (to list a volume's clients, or refuse to delete it). Default: nothing.
+    fn connected(&self, _lun: u64, _initiator: &Arc<Initiator>) {}
 }

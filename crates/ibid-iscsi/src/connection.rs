@@ -137,6 +137,9 @@ async fn read_pdu(
     Ok(Pdu { bhs, ahs, data })
 }
 
+/// REPORT LUNS: addressed to LUN 0 by every initiator, it does not use that LUN.
+const REPORT_LUNS: u8 = 0xA0;
+
 /// Serve one TCP connection until it closes.
 pub async fn run(sock: TcpStream, shared: Arc<Shared>) {
     let _ = sock.set_nodelay(true);
@@ -171,6 +174,11 @@ pub async fn run(sock: TcpStream, shared: Arc<Shared>) {
         running: Arc::new(Mutex::new(HashMap::new())),
         next_ttt: 1,
         local,
+        initiator: Arc::new(crate::backend::Initiator {
+            peer,
+            name: outcome.initiator_name.clone(),
+        }),
+        used_luns: Mutex::new(std::collections::HashSet::new()),
     };
     let last_rx = Arc::new(Mutex::new(tokio::time::Instant::now()));
     if let Some(every) = shared.cfg.nop_in_interval {
@@ -330,6 +338,10 @@ struct Conn {
     running: Arc<Mutex<HashMap<u32, Running>>>,
     next_ttt: u32,
     local: Option<SocketAddr>,
+    /// This connection's initiator, as the backend sees it ([`crate::Luns::connected`]).
+    initiator: Arc<crate::backend::Initiator>,
+    /// LUNs this connection has sent commands to (the backend was told of each once).
+    used_luns: Mutex<std::collections::HashSet<u64>>,
 }
 
 impl Conn {
@@ -579,6 +591,9 @@ impl Conn {
     fn execute(&self, task: TaskInfo, cdb: [u8; 16], data: Vec<u8>) {
         let abort = Arc::new(AtomicU8::new(ABORT_NONE));
         let (itt, lun) = (task.itt, lun_from_wire(task.lun_raw));
+        if !self.discovery && cdb[0] != REPORT_LUNS && self.used_luns.lock().insert(lun) {
+            self.shared.target.luns.connected(lun, &self.initiator);
+        }
         self.running.lock().insert(
             itt,
             Running {

@@ -39,6 +39,14 @@ pub struct Extent {
     pub hole: bool,
 }
 
+/// The far end of one NBD connection, handed to [`Exports::connected`]. The server holds it
+/// exactly as long as the connection is open.
+#[derive(Debug)]
+pub struct Client {
+    /// The client's address.
+    pub peer: std::net::SocketAddr,
+}
+
 /// A backend failure, mapped to an NBD error number by the server.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
@@ -64,6 +72,10 @@ pub trait Exports: Send + Sync + 'static {
     /// Opens the export called `name` (`None`: no such export). Called once per connection
     /// and for `NBD_OPT_INFO`; the returned handle lives as long as the connection.
     fn open(&self, name: &str) -> Option<Arc<dyn Export>>;
+    /// A connection entered transmission on export `name`. `client` lives as long as that
+    /// connection: a backend that keeps a `Weak` of it knows which connections are still open
+    /// (to list a volume's clients, or refuse to delete it). Default: nothing.
+    fn connected(&self, _name: &str, _client: &Arc<Client>) {}
 }
 
 /// One export (a volume). Offsets and lengths are bytes, multiples of [`BLOCK_SIZE_MIN`], and

@@ -129,7 +129,7 @@ pub async fn serve_until(
                 let timeout = config.handshake_timeout;
                 let span = tracing::info_span!("nbd", %peer);
                 tasks.spawn(async move {
-                    connection(Box::new(sock), ctx, &workers, timeout).await;
+                    connection(Box::new(sock), peer, ctx, &workers, timeout).await;
                     drop(slot);
                 }.instrument(span));
             }
@@ -155,6 +155,7 @@ pub async fn serve_until(
 /// One client connection from accept to close. Every error ends only this connection.
 async fn connection(
     stream: BoxStream,
+    peer: std::net::SocketAddr,
     ctx: Arc<Context>,
     workers: &Workers,
     handshake_timeout: Duration,
@@ -184,6 +185,9 @@ async fn connection(
         Ok(Ok(Some(entered))) => entered,
     };
     info!(export = %session.name, mode = ?session.mode, flags = format_args!("{:#x}", session.flags), "NBD transmission started");
+    // Held until the connection ends: the backend sees it as connected while it lives.
+    let client = Arc::new(crate::export::Client { peer });
+    ctx.exports.connected(&session.name, &client);
     match transmission::run(stream, session, workers, ctx.stop.clone()).await {
         Ok(()) => debug!("NBD connection closed"),
         Err(e) => warn!("closing NBD connection: {e}"),

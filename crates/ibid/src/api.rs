@@ -3,14 +3,18 @@
 //! (statistics, capacity, soft threshold), volumes (create in a format, list, describe, resize,
 //! delete, format conversions, clone, range copy) and snapshots (create, list, delete). Errors
 //! are JSON `{"code": ..., "message": ...}` with a 4xx status for bad requests and a stable
-//! `code` scripts can match on. With a token configured, every route requires
-//! `Authorization: Bearer TOKEN`.
+//! `code` scripts can match on; an unknown route is a JSON 404 (`not_found`), a known route
+//! with another method a JSON 405 (`method_not_allowed`). With a token configured, every route
+//! requires `Authorization: Bearer TOKEN`. Request bodies are read whole before a handler runs,
+//! at most [`BODY_BYTES_MAX`] of them (else 413, `too_large`) and within the server's request
+//! timeout (else 408, `timeout`), so a client that stops sending cannot hold a request open.
 //!
 //! Engine calls block (they may fsync), so every handler runs them on the blocking pool.
 
-use crate::units::parse_size;
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, Request, State};
+use crate::clients::{ClientView, Clients};
+use crate::units::{format_exact, parse_size};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -20,6 +24,13 @@ use ibid_engine::{Error, Pool, PoolStats, SnapshotInfo, Volume, VolumeFormat, Vo
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// Largest request body the API reads: its requests are small JSON documents.
+pub const BODY_BYTES_MAX: usize = 64 << 10;
+/// How much of an oversized body is read (and dropped) before the 413 answer: a client still
+/// sending gets to read the answer instead of a reset connection.
+const DRAIN_BYTES_MAX: u64 = 4 << 20;
 
 /// An API error: HTTP status, stable code, message.
 pub struct ApiError {
@@ -33,6 +44,14 @@ impl ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             code: "bad_request",
+            message: message.into(),
+        }
+    }
+
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
             message: message.into(),
         }
     }
@@ -58,10 +77,19 @@ impl From<Error> for ApiError {
             Error::ReadOnly(_) => (StatusCode::CONFLICT, "read_only"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
+        let mut message = e.to_string();
+        if let Error::CannotReserve { .. } = e {
+            message.push_str(&format!(
+                " (a thick volume reserves {}; the pool keeps up to {} more as overwrite \
+                 headroom for its thick volumes)",
+                crate::units::reservation_rule(),
+                crate::units::format_size(crate::units::overwrite_headroom_max())
+            ));
+        }
         ApiError {
             status,
             code,
-            message: e.to_string(),
+            message,
         }
     }
 }
@@ -191,6 +219,19 @@ struct CloneRequest {
     format: Option<String>,
 }
 
+/// The router's state: the pool and who is connected to its volumes.
+#[derive(Clone)]
+struct Api {
+    pool: Pool,
+    clients: Arc<Clients>,
+}
+
+impl axum::extract::FromRef<Api> for Pool {
+    fn from_ref(api: &Api) -> Pool {
+        api.pool.clone()
+    }
+}
+
 #[derive(Serialize)]
 struct VolumeView {
     name: String,
@@ -202,11 +243,15 @@ struct VolumeView {
     tbz_blocks: u64,
     reserved_bytes: u64,
     created_unix_s: u64,
+    /// Open connections using the volume or its snapshots (NBD, iSCSI): what deleting it would
+    /// cut off.
+    clients: Vec<ClientView>,
 }
 
-impl From<VolumeInfo> for VolumeView {
-    fn from(v: VolumeInfo) -> Self {
+impl VolumeView {
+    fn new(v: VolumeInfo, clients: &Clients) -> Self {
         VolumeView {
+            clients: clients.of_volume_and_snapshots(&v.name),
             name: v.name,
             id: v.id,
             format: v.format.as_str(),
@@ -315,12 +360,139 @@ async fn authorize(State(access): State<Access>, req: Request, next: Next) -> Re
     next.run(req).await
 }
 
-/// The API's routes over `pool`, guarded by `access`.
-pub fn router(pool: Pool, access: Access) -> Router {
+/// Reads the request's body whole, at most [`BODY_BYTES_MAX`] bytes within `timeout`, before
+/// the handler runs: 413 (`too_large`) above the limit, 408 (`timeout`) if the client stops
+/// sending, both as JSON errors. An oversized body is read on (and dropped) up to
+/// [`DRAIN_BYTES_MAX`] before the answer, so that the client, still sending, gets to read it.
+async fn read_body(State(timeout): State<Duration>, req: Request, next: Next) -> Response {
+    use http_body_util::BodyExt;
+    let (parts, mut body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let mut bytes = Vec::new();
+    let mut seen = declared.unwrap_or(0);
+    if declared.is_none_or(|n| n <= DRAIN_BYTES_MAX) {
+        seen = 0;
+        let read = async {
+            while let Some(frame) = body.frame().await {
+                if let Ok(data) = frame?.into_data() {
+                    seen += data.len() as u64;
+                    if seen <= BODY_BYTES_MAX as u64 {
+                        bytes.extend_from_slice(&data);
+                    } else if seen > DRAIN_BYTES_MAX {
+                        break;
+                    }
+                }
+            }
+            Ok::<(), axum::Error>(())
+        };
+        match tokio::time::timeout(timeout, read).await {
+            Err(_) => {
+                return closing(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "timeout",
+                    format!(
+                        "the request body did not arrive within {} s",
+                        timeout.as_secs_f64()
+                    ),
+                ))
+            }
+            Ok(Err(e)) => {
+                return closing(ApiError::bad_request(format!(
+                    "cannot read the request body: {e}"
+                )))
+            }
+            Ok(Ok(())) => {}
+        }
+    }
+    if seen > BODY_BYTES_MAX as u64 {
+        return closing(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the request body is larger than {BODY_BYTES_MAX} bytes, the API's limit"),
+        ));
+    }
+    next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+        .await
+}
+
+/// An error answer after which the server closes the connection (the rest of the request was
+/// not read).
+fn closing(e: ApiError) -> Response {
+    let mut r = e.into_response();
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
+}
+
+/// Refuses a `VOLUME@SNAPSHOT` where a volume route expects a volume name (volume names
+/// cannot hold `@`): without this, `DELETE /api/v1/volumes/vm1@s` would answer that no snapshot
+/// `s` exists when it does.
+async fn volume_not_snapshot(req: Request, next: Next) -> Response {
+    let segment = req
+        .uri()
+        .path()
+        .strip_prefix("/api/v1/volumes/")
+        .and_then(|rest| rest.split('/').next())
+        .map(|s| s.replace("%40", "@"));
+    if let Some((volume, snapshot)) = segment.as_deref().and_then(|s| s.split_once('@')) {
+        return ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_argument",
+            format!(
+                "{volume}@{snapshot} is a snapshot, not a volume: snapshots are under \
+                 /api/v1/volumes/{volume}/snapshots/{snapshot} (CLI: ibid snapshot ...)"
+            ),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// Any path the API does not have: a JSON 404, like every other error.
+async fn no_route(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!(
+            "no API route {} {} (the routes are in /api/v1/openapi.json)",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+/// A known path with a method it does not take: a JSON 405.
+async fn wrong_method(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!(
+            "{} does not take {} (see /api/v1/openapi.json)",
+            req.uri().path(),
+            req.method()
+        ),
+    )
+}
+
+/// The API's routes over `pool`, guarded by `access`, listing (and protecting) the volumes'
+/// `clients`; a request's body must arrive within `request_timeout`.
+pub fn router(
+    pool: Pool,
+    clients: Arc<Clients>,
+    access: Access,
+    request_timeout: Duration,
+) -> Router {
     Router::new()
         .route("/metrics", get(crate::metrics::scrape))
         .route("/api/v1/openapi.json", get(openapi))
         .route("/api/v1/pool", get(pool_stats).patch(update_pool))
+        .route("/api/v1/pool/verify", post(verify_pool))
         .route("/api/v1/volumes", get(list_volumes).post(create_volume))
         .route(
             "/api/v1/volumes/{name}",
@@ -341,7 +513,11 @@ pub fn router(pool: Pool, access: Access) -> Router {
             "/api/v1/volumes/{name}/snapshots/{snapshot}",
             axum::routing::delete(delete_snapshot),
         )
-        .with_state(pool)
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
+        .with_state(Api { pool, clients })
+        .layer(middleware::from_fn(volume_not_snapshot))
+        .layer(middleware::from_fn_with_state(request_timeout, read_body))
         .layer(middleware::from_fn_with_state(access, authorize))
 }
 
@@ -357,15 +533,70 @@ async fn pool_stats(State(pool): State<Pool>) -> ApiResult<Json<Value>> {
     .await
 }
 
+/// The answer of a pool check that ran: `{"ok": true, volumes, map_entries, chunks,
+/// physical_bytes, orphans, seconds}`, or `{"ok": false, "problem", "seconds"}` when it found
+/// damage (a chunk whose content fails its checksum or fingerprint, a count that does not add
+/// up). Other failures (I/O, a failed pool) are errors, not findings.
+pub fn verify_answer(
+    result: ibid_engine::Result<ibid_engine::VerifyReport>,
+    took: Duration,
+) -> Result<Value, Error> {
+    match result {
+        Ok(r) => Ok(json!({
+            "ok": true,
+            "volumes": r.volumes,
+            "map_entries": r.map_entries,
+            "chunks": r.chunks,
+            "physical_bytes": r.physical_bytes,
+            "orphans": r.orphans,
+            "seconds": took.as_secs_f64(),
+        })),
+        Err(Error::Corrupt(problem)) => Ok(json!({
+            "ok": false,
+            "problem": problem.strip_prefix("verify: ").unwrap_or(&problem),
+            "seconds": took.as_secs_f64(),
+        })),
+        Err(e) => Err(e),
+    }
+}
+
+/// Checks the whole pool (`Pool::verify`): every count recomputed, every live chunk read back
+/// against its fingerprint. Commits wait while it runs.
+async fn verify_pool(State(pool): State<Pool>) -> ApiResult<Json<Value>> {
+    blocking(move || {
+        let started = std::time::Instant::now();
+        let result = pool.verify();
+        Ok(Json(verify_answer(result, started.elapsed())?))
+    })
+    .await
+}
+
 async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiResult<Json<Value>> {
     let req = body(req)?;
     let capacity = req.capacity.as_ref().map(Size::bytes).transpose()?;
     blocking(move || {
-        if let Some(pct) = req.soft_threshold_pct {
-            pool.set_soft_threshold(pct)?;
+        // Checked before anything changes: a refused capacity must not leave a new threshold.
+        if let Some(pct) = req.soft_threshold_pct.filter(|p| !(1..=100).contains(p)) {
+            return Err(Error::InvalidArgument(format!(
+                "soft threshold {pct}: must be 1 to 100 percent"
+            ))
+            .into());
         }
         if let Some(c) = capacity {
-            pool.set_capacity(c)?;
+            pool.set_capacity(c).map_err(|e| match e {
+                Error::CannotReserve { needed, .. } => ApiError::conflict(
+                    "cannot_reserve",
+                    format!(
+                        "capacity {} is below the {} the pool already uses and reserves",
+                        format_exact(c),
+                        format_exact(needed)
+                    ),
+                ),
+                e => e.into(),
+            })?;
+        }
+        if let Some(pct) = req.soft_threshold_pct {
+            pool.set_soft_threshold(pct)?;
         }
         pool.sync()?;
         Ok(Json(stats_json(&pool.stats())))
@@ -373,42 +604,45 @@ async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiRe
     .await
 }
 
-async fn list_volumes(State(pool): State<Pool>) -> Json<Vec<VolumeView>> {
+async fn list_volumes(State(api): State<Api>) -> Json<Vec<VolumeView>> {
     Json(
-        pool.list_volumes()
+        api.pool
+            .list_volumes()
             .into_iter()
-            .map(VolumeView::from)
+            .map(|v| VolumeView::new(v, &api.clients))
             .collect(),
     )
 }
 
 /// The `201 Created` answer describing a volume just made.
-fn created(pool: &Pool, name: &str) -> ApiResult<(StatusCode, Json<VolumeView>)> {
+fn created(api: &Api, name: &str) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     Ok((
         StatusCode::CREATED,
-        Json(VolumeView::from(volume_info(pool, name)?)),
+        Json(VolumeView::new(volume_info(&api.pool, name)?, &api.clients)),
     ))
 }
 
 async fn create_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     req: Body<CreateVolume>,
 ) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     let req = body(req)?;
     let size = req.size.bytes()?;
     let format = req.format.as_deref().map(parse_format).transpose()?;
     blocking(move || {
-        pool.create_volume_with_format(&req.name, size, format.unwrap_or_default())?;
-        created(&pool, &req.name)
+        api.pool
+            .create_volume_with_format(&req.name, size, format.unwrap_or_default())?;
+        created(&api, &req.name)
     })
     .await
 }
 
 async fn describe_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<Value>> {
     blocking(move || {
+        let Api { pool, clients } = api;
         let volume = pool.volume(&name)?;
         let space = volume.space()?;
         let info = volume_info(&pool, &name)?;
@@ -430,17 +664,70 @@ async fn describe_volume(
             "exclusive_physical_bytes": space.exclusive_physical_bytes,
             "shared_physical_bytes": space.shared_physical_bytes,
             "snapshots": pool.list_snapshots(Some(&name)).iter().map(snapshot_json).collect::<Vec<_>>(),
+            "clients": clients.of_volume_and_snapshots(&name),
         })))
     })
     .await
 }
 
+/// `?force=true` on a delete: go ahead even with clients connected.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeleteQuery {
+    #[serde(default)]
+    force: bool,
+}
+
+/// The query of a delete, or the precise reason it is not one.
+fn delete_query(q: Result<Query<DeleteQuery>, QueryRejection>) -> ApiResult<bool> {
+    q.map(|Query(q)| q.force).map_err(|e| ApiError {
+        status: e.status(),
+        code: "bad_request",
+        message: e.body_text(),
+    })
+}
+
+/// Refuses (409 `in_use`) to cut `clients` off `what`, unless forced.
+fn check_unused(what: &str, clients: &[ClientView], force: bool) -> ApiResult<()> {
+    if force || clients.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = clients
+        .iter()
+        .map(|c| match &c.initiator {
+            Some(i) => format!("{} {} ({i})", c.protocol, c.remote),
+            None => format!("{} {}", c.protocol, c.remote),
+        })
+        .collect();
+    Err(ApiError::conflict(
+        "in_use",
+        format!(
+            "{what} has {} connected client{}: {}; disconnect {} first, or force the delete \
+             (CLI --force, API ?force=true) and {} I/O will fail",
+            clients.len(),
+            if clients.len() == 1 { "" } else { "s" },
+            list.join(", "),
+            if clients.len() == 1 { "it" } else { "them" },
+            if clients.len() == 1 { "its" } else { "their" },
+        ),
+    ))
+}
+
 async fn delete_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
+    query: Result<Query<DeleteQuery>, QueryRejection>,
 ) -> ApiResult<StatusCode> {
+    let force = delete_query(query)?;
     blocking(move || {
-        pool.delete_volume(&name)?;
+        api.pool.volume(&name)?;
+        check_unused(
+            &format!("volume {name:?} (with its snapshots)"),
+            &api.clients.of_volume_and_snapshots(&name),
+            force,
+        )?;
+        api.pool.delete_volume(&name)?;
+        api.clients.forget_volume(&name);
         Ok(StatusCode::NO_CONTENT)
     })
     .await
@@ -461,12 +748,14 @@ async fn resize_volume(
 }
 
 async fn clone_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
     req: Body<CloneRequest>,
 ) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     let req = body(req)?;
     blocking(move || {
+        let pool = &api.pool;
+        pool.volume(&name)?;
         let source = match &req.snapshot {
             Some(s) => format!("{name}@{s}"),
             None => name.clone(),
@@ -484,7 +773,7 @@ async fn clone_volume(
                 return Err(e.into());
             }
         }
-        created(&pool, &req.name)
+        created(&api, &req.name)
     })
     .await
 }
@@ -492,14 +781,15 @@ async fn clone_volume(
 /// Converts a volume to `to` if its current format is one of `from`, answering with the
 /// volume; `verb` names the conversion in the error.
 async fn convert(
-    pool: Pool,
+    api: Api,
     name: String,
     from: &'static [VolumeFormat],
     to: VolumeFormat,
     verb: &'static str,
 ) -> ApiResult<Json<VolumeView>> {
     blocking(move || {
-        let current = volume_info(&pool, &name)?.format;
+        let pool = &api.pool;
+        let current = volume_info(pool, &name)?.format;
         if current != to && !from.contains(&current) {
             return Err(ApiError::conflict(
                 "wrong_format",
@@ -507,58 +797,51 @@ async fn convert(
             ));
         }
         pool.set_volume_format(&name, to)?;
-        Ok(Json(VolumeView::from(volume_info(&pool, &name)?)))
+        Ok(Json(VolumeView::new(
+            volume_info(pool, &name)?,
+            &api.clients,
+        )))
     })
     .await
 }
 
 async fn set_format(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
     req: Body<SetFormat>,
 ) -> ApiResult<Json<VolumeView>> {
     let to = parse_format(&body(req)?.format)?;
-    convert(pool, name, &VolumeFormat::ALL, to, "format").await
+    convert(api, name, &VolumeFormat::ALL, to, "format").await
 }
 
 /// `vmkfstools --inflatedisk`: thin to eager-zeroed thick.
-async fn inflate(
-    State(pool): State<Pool>,
-    Path(name): Path<String>,
-) -> ApiResult<Json<VolumeView>> {
+async fn inflate(State(api): State<Api>, Path(name): Path<String>) -> ApiResult<Json<VolumeView>> {
     let from = &[VolumeFormat::Thin];
-    convert(pool, name, from, VolumeFormat::EagerZeroedThick, "inflate").await
+    convert(api, name, from, VolumeFormat::EagerZeroedThick, "inflate").await
 }
 
 /// `vmkfstools -k`: lazy- to eager-zeroed thick.
 async fn eagerzero(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<VolumeView>> {
     let from = &[VolumeFormat::LazyZeroedThick];
-    convert(
-        pool,
-        name,
-        from,
-        VolumeFormat::EagerZeroedThick,
-        "eagerzero",
-    )
-    .await
+    convert(api, name, from, VolumeFormat::EagerZeroedThick, "eagerzero").await
 }
 
 /// Reserves space for a thin volume: thin to lazy-zeroed thick.
-async fn reserve(
-    State(pool): State<Pool>,
-    Path(name): Path<String>,
-) -> ApiResult<Json<VolumeView>> {
+async fn reserve(State(api): State<Api>, Path(name): Path<String>) -> ApiResult<Json<VolumeView>> {
     let from = &[VolumeFormat::Thin];
-    convert(pool, name, from, VolumeFormat::LazyZeroedThick, "reserve").await
+    convert(api, name, from, VolumeFormat::LazyZeroedThick, "reserve").await
 }
 
 /// Opens a volume or a `VOLUME@SNAPSHOT` for reading.
 fn open_source(pool: &Pool, source: &str) -> ApiResult<Volume> {
     Ok(match source.split_once('@') {
-        Some((v, s)) => pool.snapshot(v, s)?,
+        Some((v, s)) => {
+            pool.volume(v)?;
+            pool.snapshot(v, s)?
+        }
         None => pool.volume(source)?,
     })
 }
@@ -630,11 +913,24 @@ async fn create_snapshot(
 }
 
 async fn delete_snapshot(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path((name, snapshot)): Path<(String, String)>,
+    query: Result<Query<DeleteQuery>, QueryRejection>,
 ) -> ApiResult<StatusCode> {
+    let force = delete_query(query)?;
     blocking(move || {
+        let Api { pool, clients } = api;
+        // A missing volume is named as such, not as a missing snapshot of it.
+        pool.volume(&name)?;
+        pool.snapshot(&name, &snapshot)?;
+        let export = format!("{name}@{snapshot}");
+        check_unused(
+            &format!("snapshot {export:?}"),
+            &clients.of_export(&export),
+            force,
+        )?;
         pool.delete_snapshot(&name, &snapshot)?;
+        clients.forget_export(&export);
         Ok(StatusCode::NO_CONTENT)
     })
     .await

@@ -2,6 +2,7 @@
 //! volume id minus one, so it never changes while the volume exists and is never reused.
 //! Every command that reaches a volume is counted in its [`VolumeIo`] (`protocol="iscsi"`).
 
+use crate::clients::Clients;
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
 use ibid_iscsi::{Extent, Lun, LunError, LunInfo, Luns};
@@ -18,17 +19,19 @@ pub struct PoolLuns {
     /// Mixed into every LUN's identity so two pools never report the same NAA designator.
     pool_identity: [u8; 32],
     metrics: Arc<Metrics>,
+    clients: Arc<Clients>,
 }
 
 impl PoolLuns {
-    /// Exports every volume of `pool`, counting I/O in `metrics`.
-    pub fn new(pool: Pool, metrics: Arc<Metrics>) -> Self {
+    /// Exports every volume of `pool`, counting I/O in `metrics` and sessions in `clients`.
+    pub fn new(pool: Pool, metrics: Arc<Metrics>, clients: Arc<Clients>) -> Self {
         let dir = std::fs::canonicalize(pool.dir()).unwrap_or_else(|_| pool.dir().to_path_buf());
         let pool_identity = *blake3::hash(dir.as_os_str().as_encoded_bytes()).as_bytes();
         PoolLuns {
             pool,
             pool_identity,
             metrics,
+            clients,
         }
     }
 
@@ -98,6 +101,20 @@ impl Luns for PoolLuns {
 
     fn generation(&self) -> u64 {
         self.pool.catalog_generation()
+    }
+
+    fn connected(&self, lun: u64, initiator: &Arc<ibid_iscsi::Initiator>) {
+        if let Some(volume) = self.volume_by_lun(lun) {
+            let weak = Arc::downgrade(initiator);
+            let alive: std::sync::Weak<dyn std::any::Any + Send + Sync> = weak;
+            self.clients.add(
+                volume.name(),
+                "iscsi",
+                initiator.peer,
+                Some(initiator.name.clone()),
+                alive,
+            );
+        }
     }
 }
 

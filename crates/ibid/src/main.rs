@@ -3,6 +3,7 @@
 
 mod api;
 mod cli;
+mod clients;
 mod iscsi_luns;
 mod metrics;
 mod nbd_exports;
@@ -13,7 +14,8 @@ mod units;
 #[global_allocator]
 static GLOBAL: ibid_engine::allocator::Allocator = ibid_engine::allocator::Allocator;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,6 +24,8 @@ use std::process::ExitCode;
 #[derive(Parser)]
 #[command(version, about, after_help = cli::error::EXIT_CODES_HELP)]
 struct Cli {
+    #[command(flatten)]
+    client: cli::ClientOpts,
     #[command(subcommand)]
     command: Command,
 }
@@ -29,7 +33,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve a pool's volumes over NBD (creating the pool if needed).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     #[command(flatten)]
     Client(cli::ClientCommand),
 }
@@ -91,6 +95,10 @@ struct ServeArgs {
     /// hand-offs; this switch is for comparing the two).
     #[arg(long)]
     nbd_no_inline_writes: bool,
+    /// Seconds the HTTP API waits for a request's headers, and again for its body, before it
+    /// gives up on the request (a stalled client cannot hold a connection open).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    http_timeout: u64,
 }
 
 /// A listen address, or `off`.
@@ -114,17 +122,64 @@ fn parse_volume_arg(s: &str) -> Result<(String, u64), String> {
     Ok((name.to_string(), units::parse_size(size)?))
 }
 
+/// Parses the command line. With `--json`, a usage error is printed as the client commands'
+/// JSON error (`code` `usage`, exit 2); help and version print as usual.
+fn parse() -> (Cli, clap::ArgMatches) {
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    parsed.unwrap_or_else(|e| {
+        use clap::error::ErrorKind;
+        let json = std::env::args_os()
+            .take_while(|a| a != "--")
+            .any(|a| a == "--json");
+        let informational = matches!(
+            e.kind(),
+            ErrorKind::DisplayHelp
+                | ErrorKind::DisplayVersion
+                | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        );
+        if json && !informational {
+            let text = e.render().to_string();
+            let message = text.trim().trim_start_matches("error: ");
+            cli::print_error(&cli::error::CliError::usage(message), true);
+            std::process::exit(e.exit_code());
+        }
+        e.exit()
+    })
+}
+
 fn main() -> ExitCode {
     ibid_engine::allocator::tune();
-    match Cli::parse().command {
-        Command::Client(command) => cli::run(command),
-        Command::Serve(args) => match run_serve(args) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("Error: {e:?}");
-                ExitCode::FAILURE
+    let (cli, matches) = parse();
+    match cli.command {
+        Command::Client(command) => cli::run(&cli.client, command),
+        Command::Serve(args) => {
+            let misplaced = cli::CLIENT_OPTION_IDS.iter().find(|id| {
+                matches!(
+                    matches.value_source(id),
+                    Some(clap::parser::ValueSource::CommandLine)
+                )
+            });
+            if let Some(id) = misplaced {
+                eprintln!(
+                    "Error: --{id} is an option of the client commands (volume, snapshot, pool), \
+                     not of serve"
+                );
+                return ExitCode::from(2);
             }
-        },
+            serve_main(*args)
+        }
+    }
+}
+
+fn serve_main(args: ServeArgs) -> ExitCode {
+    match run_serve(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -135,6 +190,8 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, never into a log file or journal.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let ServeArgs {
         data,
@@ -153,6 +210,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_workers,
         io_threads,
         nbd_no_inline_writes,
+        http_timeout,
     } = args;
     let credentials = match (nbd_tls_cert, nbd_tls_key, nbd_tls_psk) {
         (Some(cert), Some(key), None) => Some(ibid_nbd::TlsCredentials::X509 {
@@ -186,5 +244,6 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_workers: usize::from(nbd_workers),
         nbd_inline_writes: !nbd_no_inline_writes,
         io_threads: io_threads.map_or_else(serve::io_threads_default, usize::from),
+        http_timeout: std::time::Duration::from_secs(http_timeout),
     })
 }

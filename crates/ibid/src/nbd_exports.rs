@@ -1,6 +1,7 @@
 //! The NBD server's view of the pool: every volume is an export named after it. Every request
 //! is counted in the volume's [`VolumeIo`] (`protocol="nbd"`).
 
+use crate::clients::Clients;
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
 use ibid_nbd::{Export, ExportError, ExportInfo, Exports, Extent};
@@ -14,12 +15,17 @@ const BLOCK_STATUS_EXTENTS_MAX: usize = 64;
 pub struct PoolExports {
     pool: Pool,
     metrics: Arc<Metrics>,
+    clients: Arc<Clients>,
 }
 
 impl PoolExports {
-    /// Exports every volume of `pool`, counting I/O in `metrics`.
-    pub fn new(pool: Pool, metrics: Arc<Metrics>) -> Self {
-        PoolExports { pool, metrics }
+    /// Exports every volume of `pool`, counting I/O in `metrics` and connections in `clients`.
+    pub fn new(pool: Pool, metrics: Arc<Metrics>, clients: Arc<Clients>) -> Self {
+        PoolExports {
+            pool,
+            metrics,
+            clients,
+        }
     }
 }
 
@@ -42,6 +48,13 @@ impl Exports for PoolExports {
             })
             .chain(snapshots)
             .collect()
+    }
+
+    fn connected(&self, name: &str, client: &Arc<ibid_nbd::Client>) {
+        let weak = Arc::downgrade(client);
+        let alive: std::sync::Weak<dyn std::any::Any + Send + Sync> = weak;
+        self.clients
+            .add(name, "nbd", Some(client.peer), None, alive);
     }
 
     /// A volume by name, or a snapshot as `VOLUME@SNAPSHOT` (read-only).

@@ -6,9 +6,13 @@ use crate::nbd_exports::PoolExports;
 use crate::units::format_size;
 use anyhow::Context;
 use ibid_engine::{Pool, PoolConfig};
+use std::collections::HashSet;
+use std::ffi::OsString;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
 
 /// What `ibid serve` needs to start.
 pub struct ServeOptions {
@@ -38,6 +42,8 @@ pub struct ServeOptions {
     pub nbd_inline_writes: bool,
     /// Threads of the async runtime (sockets of every protocol; see [`io_threads_default`]).
     pub io_threads: usize,
+    /// How long the API waits for a request's headers, and then for its body.
+    pub http_timeout: Duration,
 }
 
 /// The async runtime's default size: a quarter of the cores, at least one. Its threads move
@@ -55,9 +61,44 @@ pub fn io_threads_default() -> usize {
 /// Name and size of the volume a fresh pool gets so that the first run is usable at once.
 pub const DEFAULT_VOLUME: (&str, u64) = ("disk0", 16 << 30);
 
-/// Runs the server until a shutdown signal, then closes the pool cleanly.
+/// Runs the server until a shutdown signal, then closes the pool cleanly. Everything that can
+/// be checked before the pool is touched is: the listen addresses are bound first, so a port in
+/// use fails the start before the pool is opened or created, and a start that fails after
+/// creating a new pool removes it again.
 pub fn run(opts: ServeOptions) -> anyhow::Result<()> {
-    let fresh = !ibid_engine::store::exists(&opts.data);
+    if let Some(addr) = opts.http {
+        if !addr.ip().is_loopback() && opts.api_token.is_none() {
+            anyhow::bail!(
+                "the API on {addr} would be reachable from other hosts: give it a bearer \
+                 token (--api-token or IBID_API_TOKEN), or listen on a loopback address"
+            );
+        }
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(opts.io_threads.max(1))
+        .enable_all()
+        .thread_name("ibid-io")
+        .build()?;
+    let listeners = runtime.block_on(Listeners::bind(&opts))?;
+    let new_dir = NewPoolDir::note(&opts.data);
+    let pool = match open_pool(&opts, new_dir.is_some()) {
+        Ok(pool) => pool,
+        Err(e) => {
+            if let Some(new_dir) = new_dir {
+                new_dir.remove();
+            }
+            return Err(e);
+        }
+    };
+    let result = runtime.block_on(serve(pool.clone(), &opts, listeners));
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    pool.close().context("close pool")?;
+    result
+}
+
+/// Opens (or creates) the pool and creates the volumes asked for; on failure a pool created
+/// here is closed again.
+fn open_pool(opts: &ServeOptions, fresh: bool) -> anyhow::Result<Pool> {
     let config = PoolConfig {
         capacity_bytes: opts.capacity,
         ..PoolConfig::default()
@@ -70,60 +111,121 @@ pub fn run(opts: ServeOptions) -> anyhow::Result<()> {
     }
     for (name, size) in &volumes {
         if pool.volume(name).is_err() {
-            pool.create_volume(name, *size)
-                .with_context(|| format!("create volume {name}"))?;
+            if let Err(e) = pool.create_volume(name, *size) {
+                let _ = pool.close();
+                return Err(anyhow::Error::new(e).context(format!("create volume {name}")));
+            }
         }
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(opts.io_threads.max(1))
-        .enable_all()
-        .thread_name("ibid-io")
-        .build()?;
-    let result = runtime.block_on(serve(pool.clone(), &opts));
-    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
-    pool.close().context("close pool")?;
-    result
+    Ok(pool)
 }
 
-async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
-    let nbd_listener = tokio::net::TcpListener::bind(opts.nbd)
-        .await
-        .with_context(|| format!("listen for NBD on {}", opts.nbd))?;
+/// A pool directory holding no pool yet, as it was before `serve` created one in it: removed
+/// again if the start fails.
+struct NewPoolDir {
+    dir: PathBuf,
+    /// What the directory held before (`None`: it did not exist).
+    entries: Option<HashSet<OsString>>,
+}
+
+impl NewPoolDir {
+    /// `Some` if `dir` holds no pool, noting what it holds (`None` too if `dir` is something
+    /// other than a directory: opening the pool fails on it, and it is not ours to remove).
+    fn note(dir: &Path) -> Option<NewPoolDir> {
+        if ibid_engine::store::exists(dir) || (dir.exists() && !dir.is_dir()) {
+            return None;
+        }
+        let entries = std::fs::read_dir(dir).ok().map(|entries| {
+            entries
+                .filter_map(|e| e.ok().map(|e| e.file_name()))
+                .collect()
+        });
+        Some(NewPoolDir {
+            dir: dir.to_path_buf(),
+            entries,
+        })
+    }
+
+    /// Removes what the failed start created: the directory, or the files added to it.
+    fn remove(self) {
+        let removed = match &self.entries {
+            None => std::fs::remove_dir_all(&self.dir),
+            Some(before) => std::fs::read_dir(&self.dir).and_then(|entries| {
+                for e in entries.flatten() {
+                    if !before.contains(&e.file_name()) {
+                        let path = e.path();
+                        if path.is_dir() {
+                            std::fs::remove_dir_all(&path)?;
+                        } else {
+                            std::fs::remove_file(&path)?;
+                        }
+                    }
+                }
+                Ok(())
+            }),
+        };
+        if let Err(e) = removed {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                eprintln!(
+                    "ibid: could not remove the new pool in {}: {e}",
+                    self.dir.display()
+                );
+            }
+        }
+    }
+}
+
+/// The sockets `serve` listens on, bound before the pool is opened.
+struct Listeners {
+    nbd: TcpListener,
+    iscsi: Option<TcpListener>,
+    http: Option<TcpListener>,
+}
+
+impl Listeners {
+    async fn bind(opts: &ServeOptions) -> anyhow::Result<Listeners> {
+        let nbd = TcpListener::bind(opts.nbd)
+            .await
+            .with_context(|| format!("listen for NBD on {}", opts.nbd))?;
+        let iscsi = match opts.iscsi {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("listen for iSCSI on {addr}"))?,
+            ),
+            None => None,
+        };
+        let http = match opts.http {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("listen for HTTP on {addr}"))?,
+            ),
+            None => None,
+        };
+        Ok(Listeners { nbd, iscsi, http })
+    }
+}
+
+async fn serve(pool: Pool, opts: &ServeOptions, listeners: Listeners) -> anyhow::Result<()> {
+    let Listeners {
+        nbd: nbd_listener,
+        iscsi: iscsi_listener,
+        http: http_listener,
+    } = listeners;
     let nbd_addr = nbd_listener.local_addr()?;
-    let iscsi_listener = match opts.iscsi {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("listen for iSCSI on {addr}"))?,
-        ),
-        None => None,
-    };
     let iscsi_addr = iscsi_listener
         .as_ref()
         .map(|l| l.local_addr())
         .transpose()?;
-    let http_listener = match opts.http {
-        Some(addr) => {
-            if !addr.ip().is_loopback() && opts.api_token.is_none() {
-                anyhow::bail!(
-                    "the API on {addr} would be reachable from other hosts: give it a bearer \
-                     token (--api-token or IBID_API_TOKEN), or listen on a loopback address"
-                );
-            }
-            Some(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("listen for HTTP on {addr}"))?,
-            )
-        }
-        None => None,
-    };
     let http_addr = http_listener.as_ref().map(|l| l.local_addr()).transpose()?;
+    let signalled = shutdown_signal();
     print_banner(&pool, opts, nbd_addr, iscsi_addr, http_addr);
     let metrics = Arc::new(Metrics::default());
+    let clients = Arc::new(crate::clients::Clients::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        shutdown_signal().await;
+        signalled.await;
         let _ = stop_tx.send(true);
     });
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -132,7 +234,11 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
     let iscsi = async {
         match iscsi_listener {
             Some(listener) => {
-                let luns = Arc::new(PoolLuns::new(pool.clone(), metrics.clone()));
+                let luns = Arc::new(PoolLuns::new(
+                    pool.clone(),
+                    metrics.clone(),
+                    clients.clone(),
+                ));
                 let config = ibid_iscsi::TargetConfig::new(opts.iqn.clone());
                 ibid_iscsi::serve_until(listener, luns, config, stopped(stop_rx.clone()))
                     .await
@@ -141,7 +247,11 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
             None => Ok(()),
         }
     };
-    let exports = Arc::new(PoolExports::new(pool.clone(), metrics.clone()));
+    let exports = Arc::new(PoolExports::new(
+        pool.clone(),
+        metrics.clone(),
+        clients.clone(),
+    ));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
         workers: opts.nbd_workers,
@@ -160,12 +270,11 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
     let http = async {
         match http_listener {
             Some(listener) => {
-                let app = crate::api::router(pool.clone(), access)
-                    .layer(axum::Extension(metrics.clone()));
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(stopped(stop_rx.clone()))
-                    .await
-                    .context("HTTP API")
+                let app =
+                    crate::api::router(pool.clone(), clients.clone(), access, opts.http_timeout)
+                        .layer(axum::Extension(metrics.clone()));
+                serve_http(listener, app, opts.http_timeout, stop_rx.clone()).await;
+                Ok(())
             }
             None => Ok(()),
         }
@@ -176,18 +285,92 @@ async fn serve(pool: Pool, opts: &ServeOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Serves the API over HTTP/1.1 until `stop`: a client gets `timeout` to send a request's
+/// headers (hyper closes the connection after that) and again for its body
+/// ([`crate::api`] answers 408), so stalled clients cannot pile up. At stop, requests in flight
+/// get a few seconds to finish.
+async fn serve_http(
+    listener: TcpListener,
+    app: axum::Router,
+    timeout: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            () = stopped(&mut stop) => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = listener.accept() => {
+                let (sock, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!("accept HTTP connection: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let service = hyper_util::service::TowerToHyperService::new(app.clone());
+                let mut stop = stop.clone();
+                connections.spawn(async move {
+                    let mut builder = hyper::server::conn::http1::Builder::new();
+                    builder
+                        .timer(hyper_util::rt::TokioTimer::new())
+                        .header_read_timeout(timeout);
+                    let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(sock), service);
+                    tokio::pin!(conn);
+                    tokio::select! {
+                        r = conn.as_mut() => {
+                            if let Err(e) = r {
+                                tracing::debug!(%peer, "HTTP connection: {e}");
+                            }
+                        }
+                        () = stopped(&mut stop) => {
+                            conn.as_mut().graceful_shutdown();
+                            let _ = conn.await;
+                        }
+                    }
+                });
+            }
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+}
+
+/// Completes once `stop` is set (holding no borrow of it).
+async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|&s| s).await;
+}
+
+/// Waits for SIGINT (Ctrl-C) or SIGTERM. The handlers are installed when this is called, not
+/// when the future first runs: call it before announcing the server, so that a signal sent as
+/// soon as the banner appears stops it cleanly instead of killing it.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
+    let install = |kind: SignalKind, name: &str| match signal(kind) {
+        Ok(s) => Some(s),
         Err(e) => {
-            tracing::error!("install SIGTERM handler: {e}");
-            return std::future::pending().await;
+            tracing::error!("install {name} handler: {e}");
+            None
         }
     };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    let term = install(SignalKind::terminate(), "SIGTERM");
+    let int = install(SignalKind::interrupt(), "SIGINT");
+    async move {
+        let wait = |s: Option<tokio::signal::unix::Signal>| async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = wait(int) => {}
+            () = wait(term) => {}
+        }
     }
 }
 

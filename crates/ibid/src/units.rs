@@ -40,22 +40,23 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
-/// Formats bytes with a binary unit: `1.5 GiB`, `512 B`.
-pub fn format_size(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i < UNITS.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{bytes} B")
-    } else if v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[i])
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
+pub use ibid_engine::units::{format_exact, format_size};
+
+/// How a thick volume's reservation is sized, in words: `4632 bytes per 4 KiB block without
+/// data: 13 % over its size, room for each block's record and metadata`.
+pub fn reservation_rule() -> String {
+    let per_block = ibid_engine::RESERVED_BYTES_PER_BLOCK;
+    let block = 4096;
+    format!(
+        "{per_block} bytes per 4 KiB block without data: {:.0} % over its size, room for each \
+         block's record and metadata",
+        (per_block - block) as f64 * 100.0 / block as f64
+    )
+}
+
+/// The most space the pool keeps as overwrite headroom for its thick volumes, in bytes.
+pub fn overwrite_headroom_max() -> u64 {
+    ibid_engine::OVERWRITE_HEADROOM_BLOCKS_MAX * ibid_engine::RESERVED_BYTES_PER_BLOCK
 }
 
 #[cfg(test)]

@@ -189,3 +189,93 @@ fn bad_requests_get_precise_json_errors_and_change_nothing() {
     assert_eq!(list.as_array().map(Vec::len), Some(1));
     assert_eq!(list[0]["size_bytes"], 1u64 << 20);
 }
+
+/// Sends raw bytes to the API, then reads until the server closes the connection (at most 15 s);
+/// returns what it answered and how long that took.
+fn raw_http(srv: &Server, request: &[u8]) -> (String, std::time::Duration) {
+    use std::io::{Read, Write};
+    let mut conn =
+        std::net::TcpStream::connect(srv.http.as_deref().expect("API running")).expect("connect");
+    conn.set_read_timeout(Some(std::time::Duration::from_secs(15)))
+        .expect("timeout");
+    let started = std::time::Instant::now();
+    conn.write_all(request).expect("send");
+    let mut answer = Vec::new();
+    let _ = conn.read_to_end(&mut answer);
+    (
+        String::from_utf8_lossy(&answer).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// The JSON body of a raw HTTP answer.
+fn raw_json(answer: &str) -> Value {
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {answer:?}"))
+}
+
+#[test]
+fn unknown_routes_oversized_bodies_and_stalled_requests_get_json_errors() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--volume",
+        "v=1M",
+        "--http-timeout",
+        "2",
+    ]);
+    // Unknown routes and methods: the API's JSON error shape, not an empty 404.
+    for path in ["/api/v1/nope", "/api/v2/volumes", "/"] {
+        let (status, v) = call(&srv, "GET", path, None);
+        assert_eq!(
+            (status, v["code"].as_str()),
+            (404, Some("not_found")),
+            "{v}"
+        );
+        assert!(
+            v["message"].as_str().is_some_and(|m| m.contains(path)),
+            "{v}"
+        );
+    }
+    let (status, v) = call(&srv, "PUT", "/api/v1/volumes", Some("{}"));
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (405, Some("method_not_allowed")),
+        "{v}"
+    );
+    // A body above 64 KiB: 413 with the JSON error, and nothing created.
+    let padding = "x".repeat(80 << 10);
+    let body = format!(r#"{{"name":"big","size":"1M","pad":"{padding}"}}"#);
+    let (status, v) = call(&srv, "POST", "/api/v1/volumes", Some(&body));
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (413, Some("too_large")),
+        "{v}"
+    );
+    // Declared far above the limit: refused at once, before any of it is read.
+    let (answer, _) = raw_http(
+        &srv,
+        b"POST /api/v1/volumes HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+          content-length: 1000000000\r\n\r\n{",
+    );
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer:?}");
+    assert_eq!(raw_json(&answer)["code"], "too_large");
+    // A body that stops arriving: 408 after the request timeout (2 s here), JSON.
+    let (answer, took) = raw_http(
+        &srv,
+        b"POST /api/v1/volumes HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"name\":",
+    );
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert_eq!(raw_json(&answer)["code"], "timeout");
+    assert!(took >= std::time::Duration::from_millis(1900), "{took:?}");
+    assert!(took < std::time::Duration::from_secs(10), "{took:?}");
+    // Headers that stop arriving: the connection is closed after the timeout.
+    let (answer, took) = raw_http(&srv, b"GET /api/v1/pool HTTP/1.1\r\nhost: x\r\n");
+    assert!(!answer.contains("200 OK"), "{answer:?}");
+    assert!(took >= std::time::Duration::from_millis(1900), "{took:?}");
+    assert!(took < std::time::Duration::from_secs(10), "{took:?}");
+    // Nothing above changed the pool, and the API still answers.
+    let (status, list) = call(&srv, "GET", "/api/v1/volumes", None);
+    assert_eq!(status, 200);
+    assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+}

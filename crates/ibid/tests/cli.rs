@@ -423,7 +423,10 @@ fn a_server_with_a_token_refuses_clients_without_it() {
     let out = ibid_env(&args, &[("IBID_API_TOKEN", "s3cret")]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let out = ibid_env(&args, &[("IBID_API_TOKEN", "nope")]);
-    check_failure(&out, &args, 7, "unauthorized");
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
+    // With --json the error is JSON too.
+    let e: Value = serde_json::from_slice(&out.stderr).expect("a JSON error");
+    assert_eq!(e["code"], "unauthorized", "{e}");
 }
 
 #[test]
@@ -559,4 +562,540 @@ fn a_full_pool_exits_5() {
         5,
         "no_space",
     );
+}
+
+#[test]
+fn client_options_go_before_or_after_the_group() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--volume",
+        "v=1M",
+        "--api-token",
+        "s3cret",
+    ]);
+    let url = server_url(&srv);
+    for args in [
+        &[
+            "--server", &url, "--token", "s3cret", "--json", "volume", "list",
+        ][..],
+        &[
+            "--json", "volume", "--server", &url, "list", "--token", "s3cret",
+        ],
+        &[
+            "volume", "list", "--server", &url, "--token", "s3cret", "--json",
+        ],
+    ] {
+        let out = ibid_env(args, &[]);
+        assert_eq!(out.status.code(), Some(0), "ibid {args:?}: {}", text(&out));
+        let list: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(names(&list), ["v"], "ibid {args:?}");
+    }
+    // They are the client commands' options: serve refuses them rather than ignoring them.
+    let out = ibid_env(&["--json", "serve", "--data", "/nonexistent/pool"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--json is an option of the client"),
+        "{}",
+        text(&out)
+    );
+    assert!(!std::path::Path::new("/nonexistent/pool").exists());
+}
+
+/// Runs `ibid ARGS --json` that must fail with `exit` and `code`; returns the JSON error it
+/// printed on stderr (stdout stays empty).
+fn fails_json(srv: &Server, args: &[&str], exit: i32, code: &str) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = ibid(srv, &all);
+    assert_eq!(
+        out.status.code(),
+        Some(exit),
+        "ibid {all:?}: {}",
+        text(&out)
+    );
+    assert!(out.stdout.is_empty(), "ibid {all:?}: {}", text(&out));
+    let e: Value = serde_json::from_slice(&out.stderr)
+        .unwrap_or_else(|e| panic!("ibid {all:?}: stderr is not JSON ({e}): {}", text(&out)));
+    assert_eq!(
+        (e["code"].as_str(), e["exit"].as_i64()),
+        (Some(code), Some(i64::from(exit))),
+        "{e}"
+    );
+    e
+}
+
+#[test]
+fn errors_speak_of_snapshots_in_binary_units_and_as_json_with_json() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--volume",
+        "v=16M",
+        "--volume",
+        "w=1M",
+    ]);
+    ok(&srv, &["snapshot", "create", "v@golden"]);
+    let err = fails(&srv, &["snapshot", "delete", "v@nope"], 3, "not_found");
+    assert!(err.contains(r#"no snapshot "nope" of volume "v""#), "{err}");
+    let err = fails(&srv, &["snapshot", "delete", "nope@golden"], 3, "not_found");
+    assert!(err.contains(r#"no volume named "nope""#), "{err}");
+    let err = fails(&srv, &["volume", "clone", "v@nope", "c"], 3, "not_found");
+    assert!(err.contains(r#"no snapshot "nope" of volume "v""#), "{err}");
+    let err = fails(&srv, &["volume", "copy", "nope@x", "w"], 3, "not_found");
+    assert!(err.contains(r#"no volume named "nope""#), "{err}");
+    // A snapshot given where a volume is expected is named as such, and stays.
+    let err = fails(
+        &srv,
+        &["volume", "delete", "v@golden"],
+        2,
+        "invalid_argument",
+    );
+    assert!(
+        err.contains("v@golden is a snapshot, not a volume"),
+        "{err}"
+    );
+    let err = fails(
+        &srv,
+        &["volume", "describe", "v@golden"],
+        2,
+        "invalid_argument",
+    );
+    assert!(err.contains("is a snapshot"), "{err}");
+    assert_eq!(names(&json(&srv, &["snapshot", "list", "v"])), ["golden"]);
+    let err = fails(
+        &srv,
+        &["snapshot", "create", "v", "golden"],
+        4,
+        "already_exists",
+    );
+    assert!(
+        err.contains(r#"volume "v" already has a snapshot named "golden""#),
+        "{err}"
+    );
+    // Sizes and offsets in binary units, with the exact bytes where they matter.
+    let err = fails(
+        &srv,
+        &["volume", "copy", "v", "w", "--length", "17G"],
+        2,
+        "out_of_range",
+    );
+    assert!(
+        err.contains(
+            "offset 0 bytes + length 17 GiB (18253611008 bytes) is beyond the volume size 16 MiB"
+        ),
+        "{err}"
+    );
+    let err = fails(
+        &srv,
+        &["volume", "resize", "v", "--size", "8M"],
+        2,
+        "invalid_argument",
+    );
+    assert!(
+        err.contains(r#"volume "v" is 16 MiB; shrinking it to 8 MiB would discard data"#),
+        "{err}"
+    );
+    let err = fails(
+        &srv,
+        &["volume", "create", "x", "--size", "1.0001G"],
+        2,
+        "invalid_argument",
+    );
+    assert!(
+        err.contains("volume size 1.0 GiB (1073849198 bytes): must be a positive multiple of 512"),
+        "{err}"
+    );
+    // A capacity below what the pool holds: refused with both figures, and nothing changes
+    // (not even the soft threshold given with it).
+    ok(
+        &srv,
+        &[
+            "volume",
+            "create",
+            "thick",
+            "--size",
+            "8M",
+            "--format",
+            "eagerzeroedthick",
+        ],
+    );
+    let before = json(&srv, &["pool", "stats"]);
+    let err = fails(
+        &srv,
+        &["pool", "set", "--capacity", "4M", "--soft-threshold", "85"],
+        4,
+        "cannot_reserve",
+    );
+    assert!(
+        err.contains("capacity 4 MiB is below the ")
+            && err.contains(" the pool already uses and reserves"),
+        "{err}"
+    );
+    let after = json(&srv, &["pool", "stats"]);
+    assert_eq!(
+        (&after["capacity_bytes"], &after["soft_threshold_pct"]),
+        (&before["capacity_bytes"], &before["soft_threshold_pct"])
+    );
+    assert_ne!(after["soft_threshold_pct"], 85);
+    ok(&srv, &["volume", "delete", "thick"]);
+    // With --json, the same errors are one JSON object on stderr.
+    let e = fails_json(&srv, &["snapshot", "delete", "v@nope"], 3, "not_found");
+    assert_eq!(e["message"], r#"no snapshot "nope" of volume "v""#);
+    fails_json(&srv, &["snapshot", "create", "v"], 2, "usage");
+    // Usage errors found by the argument parser too.
+    let e = fails_json(
+        &srv,
+        &["volume", "create", "x", "--size", "10Q"],
+        2,
+        "usage",
+    );
+    assert!(
+        e["message"].as_str().is_some_and(|m| m.contains("10Q")),
+        "{e}"
+    );
+    fails_json(&srv, &["volume", "frobnicate"], 2, "usage");
+    // Unreachable server.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let down = format!("http://{}", free.local_addr().expect("addr"));
+    drop(free);
+    let out = ibid_env(&["volume", "list", "--json", "--server", &down], &[]);
+    assert_eq!(out.status.code(), Some(6), "{}", text(&out));
+    let e: Value = serde_json::from_slice(&out.stderr).expect("JSON error");
+    assert_eq!(e["code"], "cannot_connect");
+    // --help still prints help, not a JSON error.
+    let out = ibid_env(&["volume", "--help", "--json"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
+    // Nothing above changed the pool.
+    let list = json(&srv, &["volume", "list"]);
+    assert_eq!(names(&list), ["v", "w"]);
+    assert_eq!(list[0]["size_bytes"], 16u64 << 20);
+}
+
+/// A real client holding its connection open until dropped: a child process that waits for
+/// its stdin to close.
+struct Held(std::process::Child);
+
+impl Held {
+    fn start(cmd: &str, args: &[&str]) -> Held {
+        common::require(cmd);
+        // /usr/bin first, as common::output does: nbdsh needs the system Python's libnbd.
+        let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+        let child = Command::new(cmd)
+            .args(args)
+            .env("PATH", path)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {cmd}: {e}"));
+        Held(child)
+    }
+
+    /// nbdsh connected to `url`, running `python` and then waiting.
+    fn nbdsh(url: &str, python: &str) -> Held {
+        let script = format!("import sys\n{python}\nsys.stdin.read()");
+        Held::start("nbdsh", &["-u", url, "-c", &script])
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        drop(self.0.stdin.take());
+        for _ in 0..200 {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Waits (10 s at most) until the API lists `n` clients of `volume`; returns its description.
+fn wait_for_clients(srv: &Server, volume: &str, n: usize) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..200 {
+        let (status, d) = common::api_call(srv, "GET", &format!("/api/v1/volumes/{volume}"), None);
+        assert_eq!(status, 200, "{d}");
+        if d["clients"].as_array().map(Vec::len) == Some(n) {
+            return d;
+        }
+        last = d;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("{volume} never had {n} clients: {last}");
+}
+
+#[test]
+fn volumes_with_connected_clients_are_not_deleted_without_force() {
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--volume",
+        "vm1=16M",
+        "--volume",
+        "vm2=16M",
+        "--volume",
+        "vm3=16M",
+    ]);
+    // An NBD client (libnbd's nbdsh) that wrote a sector and holds its connection.
+    let held = Held::nbdsh(&srv.url("vm1"), "h.pwrite(b'x' * 512, 0)");
+    let d = wait_for_clients(&srv, "vm1", 1);
+    let client = &d["clients"][0];
+    assert_eq!(
+        (client["protocol"].as_str(), client["export"].as_str()),
+        (Some("nbd"), Some("vm1")),
+        "{d}"
+    );
+    let remote = client["remote"].as_str().expect("remote").to_string();
+    assert!(remote.starts_with("127.0.0.1:"), "{d}");
+    let out = ok(&srv, &["volume", "describe", "vm1"]);
+    assert!(out.contains(&format!("clients:   nbd {remote}")), "{out}");
+    let list = json(&srv, &["volume", "list"]);
+    let clients_of = |name: &str| {
+        list.as_array()
+            .expect("array")
+            .iter()
+            .find(|v| v["name"] == name)
+            .and_then(|v| v["clients"].as_array())
+            .map(Vec::len)
+    };
+    assert_eq!((clients_of("vm1"), clients_of("vm2")), (Some(1), Some(0)));
+    // Deleting it is refused, by the CLI (exit 4) and the API (409), naming the client.
+    let err = fails(&srv, &["volume", "delete", "vm1"], 4, "in_use");
+    assert!(err.contains(&format!("nbd {remote}")), "{err}");
+    assert!(err.contains("--force"), "{err}");
+    let (status, v) = common::api_call(&srv, "DELETE", "/api/v1/volumes/vm1", None);
+    assert_eq!((status, v["code"].as_str()), (409, Some("in_use")), "{v}");
+    let (status, v) = common::api_call(&srv, "DELETE", "/api/v1/volumes/vm1?force=maybe", None);
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (400, Some("bad_request")),
+        "{v}"
+    );
+    // Once the client has gone, the volume (with its data) deletes without --force.
+    drop(held);
+    wait_for_clients(&srv, "vm1", 0);
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0x78 0 512", &srv.url("vm1")],
+    );
+    wait_for_clients(&srv, "vm1", 0);
+    assert!(ok(&srv, &["volume", "delete", "vm1"]).contains("deleted volume vm1"));
+    // A client of a snapshot holds the snapshot, and the volume it would go with.
+    ok(&srv, &["snapshot", "create", "vm2@s"]);
+    let held = Held::nbdsh(&srv.url("vm2@s"), "h.pread(512, 0)");
+    let d = wait_for_clients(&srv, "vm2", 1);
+    assert_eq!(d["clients"][0]["export"], "vm2@s", "{d}");
+    assert!(ok(&srv, &["volume", "describe", "vm2"]).contains("on vm2@s"));
+    fails(&srv, &["snapshot", "delete", "vm2@s"], 4, "in_use");
+    fails(&srv, &["volume", "delete", "vm2"], 4, "in_use");
+    ok(&srv, &["snapshot", "delete", "vm2@s", "--force"]);
+    wait_for_clients(&srv, "vm2", 0);
+    ok(&srv, &["volume", "delete", "vm2"]);
+    drop(held);
+    // An iSCSI session (qemu-io through libiscsi) that has opened vm3's LUN.
+    let _held = Held::start("qemu-io", &["-f", "raw", &srv.iscsi_url(2)]);
+    let d = wait_for_clients(&srv, "vm3", 1);
+    let client = &d["clients"][0];
+    assert_eq!(client["protocol"], "iscsi", "{d}");
+    assert!(
+        client["initiator"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("iqn.")),
+        "{d}"
+    );
+    let err = fails(&srv, &["volume", "delete", "vm3"], 4, "in_use");
+    assert!(err.contains("iscsi 127.0.0.1:"), "{err}");
+    // --force deletes it under the connected client.
+    let v = json(&srv, &["volume", "delete", "vm3", "--force"]);
+    assert_eq!(v["deleted"], "vm3");
+    assert_eq!(names(&json(&srv, &["volume", "list"])), Vec::<&str>::new());
+}
+
+/// The README's eager-zeroed example fits a pool made on a machine with ~60 GiB free once the
+/// release build has taken its share (55 GiB here), and creating a thick volume says what it
+/// reserves and why; the example's old size is refused with the reason.
+#[test]
+fn the_readme_eager_example_fits_and_thick_volumes_explain_their_reservation() {
+    let readme = include_str!("../../../README.md");
+    let example = "ibid volume create vm1 --size 40G --format eagerzeroedthick";
+    assert!(readme.contains(example), "the README's example changed");
+    assert!(readme.contains(r#""size":"40G","format":"eagerzeroedthick""#));
+    let srv = Server::start(&["--no-default-volume", "--capacity", "55G"]);
+    let args: Vec<&str> = example.split(' ').skip(1).collect();
+    let out = ok(&srv, &args);
+    for want in [
+        "reserved: 45.2 GiB (4632 bytes per 4 KiB block without data: 13 % over its size",
+        "overwrite headroom",
+        "72.4 MiB at most",
+    ] {
+        assert!(out.contains(want), "{want:?} missing from:\n{out}");
+    }
+    // The pool's view: the volume's reservation plus the headroom.
+    let s = json(&srv, &["pool", "stats"]);
+    assert_eq!(
+        s["reserved_bytes"].as_u64(),
+        Some(((40u64 << 30) / 4096 + 16384) * 4632),
+        "{s}"
+    );
+    assert_eq!(
+        s["overwrite_headroom_bytes"].as_u64(),
+        Some(16384 * 4632),
+        "{s}"
+    );
+    // 50 GiB eager needs 56.6 GiB: refused, and the message says how reservations are sized.
+    ok(&srv, &["volume", "delete", "vm1"]);
+    let err = fails(
+        &srv,
+        &[
+            "volume",
+            "create",
+            "vm1",
+            "--size",
+            "50G",
+            "--format",
+            "eagerzeroedthick",
+        ],
+        4,
+        "cannot_reserve",
+    );
+    for want in [
+        "the pool cannot reserve 56.6 GiB (60788441088 bytes)",
+        "4632 bytes per 4 KiB block without data",
+    ] {
+        assert!(err.contains(want), "{want:?} missing from {err}");
+    }
+    // A thin volume reserves nothing and says nothing of it.
+    let out = ok(&srv, &["volume", "create", "t", "--size", "50G"]);
+    assert!(
+        out.contains("reserved: 0 B") && !out.contains("headroom"),
+        "{out}"
+    );
+}
+
+/// Segment files (`*.seg`) under `dir`, sorted by name (the oldest first).
+fn segment_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).expect("read dir") {
+            let path = e.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|x| x == "seg") {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Reads each 4 KiB block of `url` with libnbd (nbdsh) and compares it with `image`: one line
+/// per block, `ok`, `WRONG` or `error ERRNO` (the name, e.g. `EIO`).
+fn read_blocks_with_nbdsh(url: &str, image: &std::path::Path, blocks: usize) -> Vec<String> {
+    let script = format!(
+        "import nbd\n\
+         exp = open({image:?}, 'rb').read()\n\
+         for i in range({blocks}):\n\
+         \x20   try:\n\
+         \x20       got = h.pread(4096, i * 4096)\n\
+         \x20       print('ok' if got == exp[i * 4096:(i + 1) * 4096] else 'WRONG')\n\
+         \x20   except nbd.Error as e:\n\
+         \x20       print('error', e.errno)\n",
+        image = image.display().to_string()
+    );
+    run("nbdsh", &["-u", url, "-c", &script])
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn pool_verify_finds_flipped_bytes_online_and_offline_and_the_block_reads_as_eio() {
+    let srv = Server::start(&["--no-default-volume", "--volume", "v=1M"]);
+    // 8 blocks of incompressible data, written through NBD.
+    let image = srv.dir.path().join("data.img");
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let data: Vec<u8> = (0..8 * 4096)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect();
+    std::fs::write(&image, data).expect("write image");
+    let image_arg = format!("write -s {} 0 32k", image.display());
+    run("qemu-io", &["-f", "raw", "-c", &image_arg, &srv.url("v")]);
+    let out = ok(&srv, &["pool", "verify"]);
+    assert!(out.contains("no problems found"), "{out}");
+    let report = json(&srv, &["pool", "verify"]);
+    assert_eq!(
+        (report["ok"].as_bool(), report["chunks"].as_u64()),
+        (Some(true), Some(8)),
+        "{report}"
+    );
+    // Offline, on the stopped pool: the same verdict.
+    let dir = srv.stop();
+    let pool_dir = dir.path().join("pool");
+    let pool_arg = pool_dir.display().to_string();
+    let out = ibid_env(&["pool", "verify", "--data", &pool_arg], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("offline"));
+    // Flip one byte inside the first record's payload (after the 64-byte segment header and
+    // the 24-byte record header).
+    let segment = segment_files(&pool_dir)
+        .into_iter()
+        .next()
+        .expect("a segment file");
+    let mut bytes = std::fs::read(&segment).expect("read segment");
+    bytes[64 + 24 + 100] ^= 0x40;
+    std::fs::write(&segment, bytes).expect("write segment");
+    let out = ibid_env(&["pool", "verify", "--data", &pool_arg], &[]);
+    let args = ["pool", "verify", "--data", &pool_arg];
+    let err = check_failure(&out, &args, 8, "damaged");
+    assert!(
+        err.contains("found damage") && err.contains("checksum"),
+        "{err}"
+    );
+    // Online, on the restarted server: the CLI (exit 8, JSON error with --json) and the API.
+    let srv = Server::start_in(dir, &[]);
+    let err = fails(&srv, &["pool", "verify"], 8, "damaged");
+    assert!(err.contains("online") && err.contains("checksum"), "{err}");
+    let online_err = err;
+    let e = fails_json(&srv, &["pool", "verify"], 8, "damaged");
+    assert!(
+        e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("checksum")),
+        "{e}"
+    );
+    let (status, v) = common::api_call(&srv, "POST", "/api/v1/pool/verify", None);
+    assert_eq!((status, v["ok"].as_bool()), (200, Some(false)), "{v}");
+    // Offline verify of a pool a server has open is refused, naming the way to do it.
+    let out = ibid_env(&["pool", "verify", "--data", &pool_arg], &[]);
+    let err = check_failure(&out, &args, 4, "in_use");
+    assert!(err.contains("verify it online"), "{err}");
+    // A reader of the damaged block gets EIO; every other block reads back exactly.
+    let reads = read_blocks_with_nbdsh(&srv.url("v"), &image, 8);
+    assert_eq!(reads.len(), 8, "{reads:?}");
+    assert_eq!(
+        reads.iter().filter(|r| *r == "error EIO").count(),
+        1,
+        "exactly one block fails, with EIO: {reads:?}"
+    );
+    assert_eq!(reads.iter().filter(|r| *r == "ok").count(), 7, "{reads:?}");
+    // Verify named that very block as what the damaged chunk holds.
+    let bad = reads
+        .iter()
+        .position(|r| r == "error EIO")
+        .expect("the bad block");
+    assert!(
+        online_err.contains("1 damaged chunk: chunk ")
+            && online_err.contains(&format!(") is block {bad} of \"v\"")),
+        "{online_err}"
+    );
+    // The server is still up and the damage is still reported.
+    fails(&srv, &["pool", "verify"], 8, "damaged");
 }

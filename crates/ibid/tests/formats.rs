@@ -582,8 +582,8 @@ fn accounting_matches_the_data_written_to_the_block() {
     );
 }
 
-/// Every operation the OpenAPI document lists is routed (an unrouted path answers 404 or 405
-/// without a JSON error).
+/// Every operation the OpenAPI document lists is routed (an unrouted path answers the JSON
+/// error 404 `no API route ...`, a routed one with another method 405 `method_not_allowed`).
 #[test]
 fn openapi_document_describes_the_routes() {
     let srv = Server::start(&["--no-default-volume"]);
@@ -598,8 +598,13 @@ fn openapi_document_describes_the_routes() {
             let (status, v) = call(&srv, &method.to_uppercase(), &concrete, body);
             assert!(
                 v.is_object() || v.is_array(),
-                "{method} {path} answered {status} without a JSON body: not routed?"
+                "{method} {path} answered {status} without a JSON body"
             );
+            let unrouted = v["code"] == "method_not_allowed"
+                || v["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("no API route"));
+            assert!(!unrouted, "{method} {path} is not routed: {status} {v}");
             assert!(
                 op["summary"].is_string() && op["responses"].is_object(),
                 "{method} {path}"
@@ -614,8 +619,18 @@ fn openapi_document_describes_the_routes() {
         "/api/v1/pools",
         "/api/v2/pool",
     ] {
-        let (status, _) = call(&srv, "GET", path, None);
-        assert_eq!(status, 404, "{path}");
+        let (status, v) = call(&srv, "GET", path, None);
+        assert_eq!(
+            (status, v["code"].as_str()),
+            (404, Some("not_found")),
+            "{path}"
+        );
+        assert!(
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("no API route")),
+            "{path}: {v}"
+        );
     }
 }
 

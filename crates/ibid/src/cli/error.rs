@@ -18,7 +18,7 @@ pub enum Exit {
     /// No such volume or snapshot (`not_found`).
     NotFound = 3,
     /// The name is taken or the state forbids it (`already_exists`, `cannot_reserve`,
-    /// `wrong_format`, `read_only`).
+    /// `wrong_format`, `read_only`, `in_use`).
     Conflict = 4,
     /// The pool is out of space (`no_space`).
     NoSpace = 5,
@@ -26,6 +26,8 @@ pub enum Exit {
     CannotConnect = 6,
     /// The server wants a (different) bearer token (`unauthorized`).
     Unauthorized = 7,
+    /// `pool verify` found damage (`damaged`).
+    Damaged = 8,
 }
 
 /// The exit codes, for `ibid --help`.
@@ -36,13 +38,17 @@ Exit codes (client commands):
   2  usage error: bad arguments (bad_request, invalid_argument, out_of_range)
   3  not found: no such volume or snapshot (not_found)
   4  conflict: name taken, or the volume's state forbids it
-     (already_exists, cannot_reserve, wrong_format, read_only)
+     (already_exists, cannot_reserve, wrong_format, read_only; in_use: clients
+     are connected, see delete --force)
   5  the pool is out of space (no_space)
   6  cannot connect to the server
   7  unauthorized: missing or wrong --token / IBID_API_TOKEN (unauthorized)
+  8  pool verify found damage (damaged)
 
 Client commands talk to --server (env IBID_SERVER, default http://127.0.0.1:7800);
---json prints the API's JSON for scripts.";
+--json prints the API's JSON for scripts, and errors as JSON on stderr:
+{\"code\": CODE, \"message\": MESSAGE, \"exit\": EXIT}. --server, --token and --json go
+before or after the command group.";
 
 impl Exit {
     /// The exit code for an API error `code`; `status` decides for codes this CLI does not know
@@ -50,7 +56,9 @@ impl Exit {
     pub fn from_api(code: &str, status: u16) -> Exit {
         match code {
             "not_found" => Exit::NotFound,
-            "already_exists" | "cannot_reserve" | "wrong_format" | "read_only" => Exit::Conflict,
+            "already_exists" | "cannot_reserve" | "wrong_format" | "read_only" | "in_use" => {
+                Exit::Conflict
+            }
             "no_space" => Exit::NoSpace,
             "unauthorized" => Exit::Unauthorized,
             "bad_request" | "invalid_argument" | "out_of_range" => Exit::Usage,
@@ -134,6 +142,7 @@ mod tests {
             ("cannot_reserve", 409, Exit::Conflict),
             ("wrong_format", 409, Exit::Conflict),
             ("read_only", 409, Exit::Conflict),
+            ("in_use", 409, Exit::Conflict),
             ("no_space", 507, Exit::NoSpace),
             ("unauthorized", 401, Exit::Unauthorized),
             ("invalid_argument", 400, Exit::Usage),

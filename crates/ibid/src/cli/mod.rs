@@ -18,41 +18,40 @@ use std::process::ExitCode;
 /// Where `ibid serve`'s API listens by default.
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7800";
 
-/// How to reach the server and how to print; accepted anywhere after the command group.
+/// How to reach the server and how to print: options of `ibid` itself, accepted before or
+/// after the command group (`ibid --server URL volume list`, `ibid volume list --json`).
 #[derive(Args, Clone)]
 pub struct ClientOpts {
-    /// URL of the ibid HTTP API (`http://HOST:PORT` or `HOST:PORT`).
+    /// Client commands: URL of the ibid HTTP API (`http://HOST:PORT` or `HOST:PORT`).
     #[arg(long, global = true, env = "IBID_SERVER", default_value = DEFAULT_SERVER)]
     pub server: String,
-    /// Bearer token the API requires (`ibid serve --api-token`).
+    /// Client commands: bearer token the API requires (`ibid serve --api-token`).
     #[arg(long, global = true, env = "IBID_API_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
-    /// Print the API's JSON answer (pretty) for scripts instead of human output.
+    /// Client commands: print the API's JSON answer (pretty) for scripts instead of human
+    /// output; errors too, as JSON on stderr.
     #[arg(long, global = true)]
     pub json: bool,
 }
+
+/// The names of [`ClientOpts`]' options, which `ibid serve` refuses.
+pub const CLIENT_OPTION_IDS: [&str; 3] = ["server", "token", "json"];
 
 /// The client command groups, flattened into `ibid`'s command list.
 #[derive(Subcommand)]
 pub enum ClientCommand {
     /// Manage volumes: create, list, describe, resize, delete, convert, clone, copy.
     Volume {
-        #[command(flatten)]
-        opts: ClientOpts,
         #[command(subcommand)]
         cmd: volume::VolumeCmd,
     },
     /// Manage snapshots: create, list, delete.
     Snapshot {
-        #[command(flatten)]
-        opts: ClientOpts,
         #[command(subcommand)]
         cmd: snapshot::SnapshotCmd,
     },
     /// Pool statistics and settings.
     Pool {
-        #[command(flatten)]
-        opts: ClientOpts,
         #[command(subcommand)]
         cmd: pool::PoolCmd,
     },
@@ -66,19 +65,33 @@ pub struct Ctx {
     pub json: bool,
 }
 
-/// Runs a client command; errors are printed as `ibid: MESSAGE (CODE)` on stderr.
-pub fn run(command: ClientCommand) -> ExitCode {
+/// Runs a client command; errors are printed as `ibid: MESSAGE (CODE)` on stderr, or with
+/// `--json` as one JSON object `{"code", "message", "exit"}` on stderr.
+pub fn run(opts: &ClientOpts, command: ClientCommand) -> ExitCode {
+    let ctx = ctx(opts);
     let result = match command {
-        ClientCommand::Volume { opts, cmd } => volume::run(&ctx(&opts), cmd),
-        ClientCommand::Snapshot { opts, cmd } => snapshot::run(&ctx(&opts), cmd),
-        ClientCommand::Pool { opts, cmd } => pool::run(&ctx(&opts), cmd),
+        ClientCommand::Volume { cmd } => volume::run(&ctx, cmd),
+        ClientCommand::Snapshot { cmd } => snapshot::run(&ctx, cmd),
+        ClientCommand::Pool { cmd } => pool::run(&ctx, cmd),
     };
     match result {
         Ok(()) => ExitCode::from(Exit::Ok as u8),
         Err(e) => {
-            eprintln!("ibid: {e}");
+            print_error(&e, opts.json);
             ExitCode::from(e.exit as u8)
         }
+    }
+}
+
+/// Prints a failed command's error on stderr: `ibid: MESSAGE (CODE)`, or as JSON.
+pub fn print_error(e: &CliError, json: bool) {
+    if json {
+        eprintln!(
+            "{}",
+            serde_json::json!({ "code": e.code, "message": e.message, "exit": e.exit as u8 })
+        );
+    } else {
+        eprintln!("ibid: {e}");
     }
 }
 

@@ -1,11 +1,14 @@
-//! `ibid pool ...`: where every byte went (`stats`) and the pool's settings (`set`).
+//! `ibid pool ...`: where every byte went (`stats`), the pool's settings (`set`) and its
+//! consistency check (`verify`, online through the API or offline on a stopped pool's
+//! directory).
 
-use super::error::CliError;
+use super::error::{CliError, Exit};
 use super::output::{print_fields, print_json, size, u64_field};
 use super::Ctx;
 use crate::units::parse_size;
 use clap::Subcommand;
 use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
 
 /// Pool commands.
 #[derive(Subcommand)]
@@ -21,11 +24,30 @@ pub enum PoolCmd {
         #[arg(long, value_parser = clap::value_parser!(u8).range(1..=100))]
         soft_threshold: Option<u8>,
     },
+    /// Check the whole pool: every count recomputed, every live chunk read back against its
+    /// fingerprint. Online through the server (its commits wait meanwhile), or with --data on
+    /// a stopped pool's directory. Exit 8 if it finds damage.
+    Verify {
+        /// Verify the pool in this directory directly (the server must be stopped).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
+    },
 }
 
 /// Runs a pool command.
 pub fn run(ctx: &Ctx, cmd: PoolCmd) -> Result<(), CliError> {
     let stats = match cmd {
+        PoolCmd::Verify { data } => {
+            let (answer, how) = match &data {
+                Some(dir) => (verify_offline(dir)?, format!("offline, {}", dir.display())),
+                None => (
+                    ctx.client
+                        .post("/pool/verify", json!({}), "verifying the pool")?,
+                    "online".to_string(),
+                ),
+            };
+            return print_verify(ctx, &answer, &how);
+        }
         PoolCmd::Stats => ctx.client.get("/pool", "reading pool statistics")?,
         PoolCmd::Set {
             capacity,
@@ -51,6 +73,83 @@ pub fn run(ctx: &Ctx, cmd: PoolCmd) -> Result<(), CliError> {
         return Ok(());
     }
     print_stats(&stats)
+}
+
+/// Opens the pool in `dir` (no background work) and checks it; the answer has the API's shape.
+fn verify_offline(dir: &Path) -> Result<Value, CliError> {
+    use ibid_engine::{Error, Pool, PoolConfig};
+    let failed = |e: Error| CliError {
+        code: "internal".into(),
+        message: format!("pool in {}: {e}", dir.display()),
+        exit: Exit::Failed,
+    };
+    if !ibid_engine::store::exists(dir) {
+        return Err(CliError {
+            code: "not_found".into(),
+            message: format!("no pool in {}", dir.display()),
+            exit: Exit::NotFound,
+        });
+    }
+    let config = PoolConfig {
+        background: false,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::open(dir, config).map_err(|e| match e {
+        Error::Locked(_) => CliError {
+            code: "in_use".into(),
+            message: format!(
+                "the pool in {} is open in a running server: verify it online (ibid pool \
+                 verify, without --data), or stop the server first",
+                dir.display()
+            ),
+            exit: Exit::Conflict,
+        },
+        e => failed(e),
+    })?;
+    let started = std::time::Instant::now();
+    let result = pool.verify();
+    let answer = crate::api::verify_answer(result, started.elapsed()).map_err(failed);
+    pool.close().map_err(failed)?;
+    answer
+}
+
+/// Prints a verify answer; damage is an error (exit 8) naming the problem.
+fn print_verify(ctx: &Ctx, answer: &Value, how: &str) -> Result<(), CliError> {
+    if answer["ok"].as_bool() != Some(true) {
+        return Err(CliError {
+            code: "damaged".into(),
+            message: format!(
+                "pool verify ({how}) found damage: {}",
+                answer["problem"].as_str().unwrap_or("(no detail)")
+            ),
+            exit: Exit::Damaged,
+        });
+    }
+    if ctx.json {
+        print_json(answer);
+        return Ok(());
+    }
+    println!(
+        "pool verified ({how}) in {:.2} s: no problems found",
+        answer["seconds"].as_f64().unwrap_or(0.0)
+    );
+    print_fields(&[
+        (
+            "volumes and snapshots",
+            u64_field(answer, "volumes")?.to_string(),
+        ),
+        ("map entries", u64_field(answer, "map_entries")?.to_string()),
+        (
+            "chunks",
+            format!(
+                "{} ({} physical, each read back)",
+                u64_field(answer, "chunks")?,
+                size(u64_field(answer, "physical_bytes")?)
+            ),
+        ),
+        ("orphan chunks", u64_field(answer, "orphans")?.to_string()),
+    ]);
+    Ok(())
 }
 
 fn print_stats(s: &Value) -> Result<(), CliError> {

@@ -25,12 +25,16 @@ pub enum SnapshotCmd {
         /// Volume (default: all volumes).
         volume: Option<String>,
     },
-    /// Delete a snapshot: `ibid snapshot delete vm1 golden` (or `vm1@golden`).
+    /// Delete a snapshot: `ibid snapshot delete vm1 golden` (or `vm1@golden`). Refused while
+    /// NBD clients have it open (exit 4, `in_use`), unless --force.
     Delete {
         /// Volume (or VOLUME@SNAPSHOT).
         volume: String,
         /// Snapshot name.
         name: Option<String>,
+        /// Delete even with clients connected: their reads fail from then on.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -56,10 +60,19 @@ pub fn run(ctx: &Ctx, cmd: SnapshotCmd) -> Result<(), CliError> {
             };
             print_snapshots(ctx, &list, array(&list, "")?)
         }
-        SnapshotCmd::Delete { volume, name } => {
+        SnapshotCmd::Delete {
+            volume,
+            name,
+            force,
+        } => {
             let (volume, name) = names(&volume, name.as_deref())?;
+            let force = if force { "?force=true" } else { "" };
             ctx.client.delete(
-                &format!("/volumes/{}/snapshots/{}", segment(volume), segment(name)),
+                &format!(
+                    "/volumes/{}/snapshots/{}{force}",
+                    segment(volume),
+                    segment(name)
+                ),
                 &format!("deleting {volume}@{name}"),
             )?;
             if ctx.json {

@@ -8,7 +8,7 @@ use super::output::{
     BLOCK_BYTES,
 };
 use super::{parse_format, split_snapshot, Ctx};
-use crate::units::parse_size;
+use crate::units::{overwrite_headroom_max, parse_size, reservation_rule};
 use clap::Subcommand;
 use serde_json::{json, Map, Value};
 
@@ -42,10 +42,14 @@ pub enum VolumeCmd {
         #[arg(long, value_parser = parse_size)]
         size: u64,
     },
-    /// Delete a volume and its snapshots (clones keep their data).
+    /// Delete a volume and its snapshots (clones keep their data). Refused while clients are
+    /// connected to it or its snapshots (exit 4, `in_use`), unless --force.
     Delete {
         /// Volume name.
         name: String,
+        /// Delete even with clients connected: their I/O fails from then on.
+        #[arg(long)]
+        force: bool,
     },
     /// Convert a volume to another format (reserves or releases space).
     Format {
@@ -108,7 +112,7 @@ pub fn run(ctx: &Ctx, cmd: VolumeCmd) -> Result<(), CliError> {
         VolumeCmd::List => list(ctx),
         VolumeCmd::Describe { name } => describe(ctx, &name),
         VolumeCmd::Resize { name, size } => resize(ctx, &name, size),
-        VolumeCmd::Delete { name } => delete(ctx, &name),
+        VolumeCmd::Delete { name, force } => delete(ctx, &name, force),
         VolumeCmd::Format { name, format } => {
             let v = ctx.client.post(
                 &format!("/volumes/{}/format", segment(&name)),
@@ -193,6 +197,19 @@ fn describe(ctx: &Ctx, name: &str) -> Result<(), CliError> {
             ))
         })
         .collect::<Result<_, CliError>>()?;
+    let clients: Vec<String> = array(&d, "clients")?
+        .iter()
+        .map(|c| {
+            let mut line = format!("{} {}", str_field(c, "protocol")?, str_field(c, "remote")?);
+            if let Some(i) = c["initiator"].as_str() {
+                line.push_str(&format!(" ({i})"));
+            }
+            if let Some(e) = c["export"].as_str().filter(|e| e.contains('@')) {
+                line.push_str(&format!(" on {e}"));
+            }
+            Ok(line)
+        })
+        .collect::<Result<_, CliError>>()?;
     print_fields(&[
         ("name", str_field(&d, "name")?.to_string()),
         ("id", u64_field(&d, "id")?.to_string()),
@@ -223,6 +240,14 @@ fn describe(ctx: &Ctx, name: &str) -> Result<(), CliError> {
                 snapshots.join(", ")
             },
         ),
+        (
+            "clients",
+            if clients.is_empty() {
+                "none".to_string()
+            } else {
+                clients.join(", ")
+            },
+        ),
     ]);
     Ok(())
 }
@@ -238,9 +263,10 @@ fn resize(ctx: &Ctx, name: &str, size_bytes: u64) -> Result<(), CliError> {
     show_volume(ctx, &v)
 }
 
-fn delete(ctx: &Ctx, name: &str) -> Result<(), CliError> {
+fn delete(ctx: &Ctx, name: &str, force: bool) -> Result<(), CliError> {
+    let force = if force { "?force=true" } else { "" };
     ctx.client.delete(
-        &format!("/volumes/{}", segment(name)),
+        &format!("/volumes/{}{force}", segment(name)),
         &format!("deleting {name}"),
     )?;
     if ctx.json {
@@ -340,12 +366,36 @@ fn show_volume(ctx: &Ctx, v: &Value) -> Result<(), CliError> {
         print_json(v);
         return Ok(());
     }
+    let format = str_field(v, "format")?;
+    let reserved = u64_field(v, "reserved_bytes")?;
+    let thick = format != "thin";
     print_fields(&[
         ("name", str_field(v, "name")?.to_string()),
-        ("format", str_field(v, "format")?.to_string()),
+        ("format", format.to_string()),
         ("size", size(u64_field(v, "size_bytes")?)),
-        ("reserved", size(u64_field(v, "reserved_bytes")?)),
+        (
+            "reserved",
+            if thick {
+                format!("{} ({})", size(reserved), reservation_rule())
+            } else {
+                size(reserved)
+            },
+        ),
         ("mapped", blocks(u64_field(v, "mapped_blocks")?)),
     ]);
+    if thick {
+        println!("{}", headroom_note());
+    }
     Ok(())
+}
+
+/// The pool-wide overwrite headroom thick volumes add to their reservations.
+fn headroom_note() -> String {
+    let headroom = overwrite_headroom_max();
+    format!(
+        "note: the pool also keeps overwrite headroom for its thick volumes (a block's reservation \
+         per block of theirs, {} at most; `ibid pool stats` shows it): new data is stored before \
+         the commit that frees what it replaces",
+        size(headroom)
+    )
 }
