@@ -241,7 +241,7 @@ class Ibid:
         self.pool_dir = os.path.join(self.dir, "pool")
         self.logf = os.path.join(self.dir, "serve.log")
         self.proc = ctx.spawn([ctx.args.ibid, "serve", "--data", self.pool_dir,
-                               "--capacity", "8T", "--nbd", "127.0.0.1:0", "--iscsi", "off",
+                               "--capacity", "8T", "--capacity-force", "--nbd", "127.0.0.1:0", "--iscsi", "off",
                                "--http", "127.0.0.1:0", "--no-default-volume"], self.logf)
         self.nbd = self.http = None
         t_end = time.time() + 30

@@ -54,7 +54,7 @@ pub(crate) fn formats(a: &FormatsArgs) -> Result<()> {
     let base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
     println!("# ibid-bench formats: runs={runs} (load avg {})", uptime());
     let (_dir, pool) = fresh_pool(&base)?;
-    pool.set_capacity(4 * PIB)?;
+    pool.set_capacity_forced(4 * PIB)?;
     // Some data in the pool, so creation does not run on an empty metadata store.
     let seed = pool.create_volume("seed", GIB)?;
     let block: Vec<u8> = (0..64 * MIB).map(|i| (i * 7 + i / 4096) as u8).collect();

@@ -6,6 +6,9 @@ pub struct PoolConfig {
     /// Capacity in bytes. `None` at creation: the free space of the filesystem. Ignored at open
     /// (the capacity is stored in the pool).
     pub capacity_bytes: Option<u64>,
+    /// Accept a `capacity_bytes` larger than the filesystem has available (the pool then
+    /// promises space the filesystem may not have; writes get ENOSPC when it fills).
+    pub capacity_force: bool,
     /// Soft threshold in percent of capacity (default 80).
     pub soft_threshold_pct: u8,
     /// Largest segment file in bytes.
@@ -54,6 +57,7 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             capacity_bytes: None,
+            capacity_force: false,
             soft_threshold_pct: 80,
             segment_bytes_max: 32 << 20,
             dirty_blocks_commit: 64 << 10,

@@ -69,6 +69,15 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         if inner.check_failed().is_err() {
             return;
         }
+        match inner.fs_space.release_if_full() {
+            Ok(true) => tracing::warn!(
+                "pool {}: the filesystem is full; the pool's reserve file was released so that \
+                 commits go on (new data gets ENOSPC until space is freed)",
+                inner.dir.display()
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::warn!("pool reserve file: {e}"),
+        }
         if let Err(e) = inner.commit() {
             tracing::error!("background commit: {e}");
             continue;
@@ -83,6 +92,9 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             // Zeroed ranges left to settle and no I/O: the next part at once (under load,
             // each commit the writes cause settles a part).
             continue;
+        }
+        if let Err(e) = inner.fs_space.restore_reserve_file() {
+            tracing::warn!("pool reserve file: {e}");
         }
         if let Err(e) = inner.flatten_all(false, &stop) {
             tracing::error!("flatten volume layers: {e}");

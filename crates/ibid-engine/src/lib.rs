@@ -29,6 +29,7 @@ mod direct_io;
 pub mod error;
 mod fingerprint;
 pub mod format;
+mod fs_space;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gc;

@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::format::{
     ChunkRecord, Frame, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
 };
+use crate::fs_space::FsSpace;
 use crate::journal::{Change, Journal};
 use crate::layer_filter::LayerFilters;
 use crate::meta::{self, PoolRecord};
@@ -141,6 +142,8 @@ pub(crate) struct Inner {
     pub dedup_runs: RwLock<Arc<Runs>>,
     /// Which blocks each layer holds entries for (see `layer_filter.rs`).
     pub layer_filters: LayerFilters,
+    /// The filesystem under the pool: new data is admitted only while it keeps its reserve.
+    pub fs_space: FsSpace,
     pub shards: Vec<Mutex<ShardState>>,
     pub volumes: RwLock<BTreeMap<String, Arc<VolumeState>>>,
     /// Snapshots by `VOLUME@SNAPSHOT`.
@@ -243,21 +246,6 @@ fn now_unix_s() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn filesystem_free_bytes(dir: &Path) -> Result<u64> {
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
-        .map_err(|_| Error::InvalidArgument("pool path contains a NUL byte".into()))?;
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid out-pointer.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    if rc != 0 {
-        return Err(Error::io(
-            "statvfs pool directory",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
-}
-
 fn lock_pool_dir(dir: &Path) -> Result<File> {
     let f = OpenOptions::new()
         .create(true)
@@ -313,9 +301,19 @@ impl Pool {
                 "soft threshold must be 1 to 100 percent".into(),
             ));
         }
+        let (_, fs_avail) = crate::fs_space::statvfs(dir)?;
         let capacity = match config.capacity_bytes {
+            Some(c) if c > fs_avail && !config.capacity_force => {
+                return Err(Error::InvalidArgument(format!(
+                    "capacity {} is more than the filesystem under {} has available ({}); \
+                     force it to promise space the filesystem may not have",
+                    crate::units::format_size(c),
+                    dir.display(),
+                    crate::units::format_size(fs_avail)
+                )))
+            }
             Some(c) => c,
-            None => filesystem_free_bytes(dir)?,
+            None => fs_avail,
         };
         let lock = lock_pool_dir(dir)?;
         let db = Store::create(dir, config.meta_backend)?;
@@ -359,6 +357,14 @@ impl Pool {
     }
 
     fn open_locked(dir: &Path, config: PoolConfig, lock: File) -> Result<Pool> {
+        if FsSpace::release_reserve_file_if_full(dir)? {
+            tracing::warn!(
+                "pool {}: the filesystem is full; its reserve file was released so that the \
+                 pool can open (writes of new data get ENOSPC until space is freed)",
+                dir.display()
+            );
+        }
+        let fs_space = FsSpace::new(dir)?;
         let db = Store::open(dir)?;
         let (mut record, volumes, zeroing, snapshots, segment_ids, dedup_runs) = {
             let txn = db.read()?;
@@ -480,6 +486,7 @@ impl Pool {
             bloom: RwLock::new(Arc::new(bloom)),
             dedup_runs: RwLock::new(Arc::new(dedup_runs)),
             layer_filters,
+            fs_space,
             shards,
             volumes: RwLock::new(vols),
             snapshots: RwLock::new(
@@ -555,6 +562,9 @@ impl Pool {
         }
         pool.inner.check_soft_threshold();
         pool.rebuild_filters_async();
+        if let Err(e) = pool.inner.fs_space.restore_reserve_file() {
+            tracing::warn!("pool reserve file: {e}");
+        }
         if pool.inner.config.background {
             pool.start_background();
         }
@@ -1182,10 +1192,15 @@ impl Inner {
         let used = physical + meta_bytes;
         let logical = mapped * BLOCK_BYTES as u64;
         let soft_pct = self.soft_threshold_pct.load(Ordering::Relaxed);
+        let (fs_total, fs_avail) = self.fs_space.now();
         PoolStats {
             capacity_bytes: capacity,
             soft_threshold_pct: soft_pct as u8,
-            soft_threshold_exceeded: past_threshold(used + reserved, capacity, soft_pct),
+            soft_threshold_exceeded: past_threshold(used + reserved, capacity, soft_pct)
+                || self.fs_space.low(),
+            filesystem_bytes: fs_total,
+            filesystem_free_bytes: fs_avail,
+            filesystem_reserve_bytes: self.fs_space.reserve_bytes(),
             volumes: volumes.len() as u64,
             provisioned_bytes: provisioned,
             thick_provisioned_bytes: thick,
@@ -1244,12 +1259,24 @@ impl Inner {
             + self.meta_bytes.load(Ordering::Relaxed)
             + self.reserved_bytes();
         let pct = self.soft_threshold_pct.load(Ordering::Relaxed);
-        if past_threshold(used, capacity, pct) {
+        let fs_low = self.fs_space.low();
+        if past_threshold(used, capacity, pct) || fs_low {
             if !self.soft_warned.swap(true, Ordering::Relaxed) {
-                tracing::warn!(
-                    "pool {}: {used} of {capacity} bytes used or reserved, past the soft threshold of {pct} %",
-                    self.dir.display()
-                );
+                if fs_low {
+                    let (_, avail) = self.fs_space.now();
+                    tracing::warn!(
+                        "pool {}: the filesystem has {} available, under twice the {} kept \
+                         for metadata (new data is refused below it)",
+                        self.dir.display(),
+                        crate::units::format_size(avail),
+                        crate::units::format_size(self.fs_space.reserve_bytes())
+                    );
+                } else {
+                    tracing::warn!(
+                        "pool {}: {used} of {capacity} bytes used or reserved, past the soft threshold of {pct} %",
+                        self.dir.display()
+                    );
+                }
             }
         } else if self.soft_warned.swap(false, Ordering::Relaxed) {
             tracing::info!("pool {}: back under the soft threshold", self.dir.display());

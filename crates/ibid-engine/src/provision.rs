@@ -146,14 +146,14 @@ impl Inner {
         let capacity = self.capacity_bytes.load(Ordering::Relaxed);
         let thick = v.format().is_thick();
         let reserved = if thick { 0 } else { self.reserved_bytes() };
-        if used + reserved <= capacity {
+        let fits = used + reserved <= capacity
+            || (thick && {
+                let map = v.map.lock();
+                unwritten_blocks(map.size, map.mapped_blocks) > 0
+            });
+        // The filesystem is the hard limit, whatever the pool promised.
+        if fits && self.fs_space.admits(bytes) {
             return Ok(claim);
-        }
-        if thick {
-            let map = v.map.lock();
-            if unwritten_blocks(map.size, map.mapped_blocks) > 0 {
-                return Ok(claim);
-            }
         }
         Err(Error::NoSpace)
     }
@@ -256,7 +256,32 @@ impl Pool {
     /// Changes the pool's capacity. Refused with `CannotReserve` below what is used and
     /// reserved: the capacity is a promise to thick volumes.
     pub fn set_capacity(&self, capacity_bytes: u64) -> Result<()> {
+        self.set_capacity_checked(capacity_bytes, false)
+    }
+
+    /// [`Pool::set_capacity`], accepting a capacity larger than the filesystem can hold
+    /// (the pool then promises space the filesystem may not have; writes of new data get
+    /// ENOSPC when it fills).
+    pub fn set_capacity_forced(&self, capacity_bytes: u64) -> Result<()> {
+        self.set_capacity_checked(capacity_bytes, true)
+    }
+
+    fn set_capacity_checked(&self, capacity_bytes: u64, force: bool) -> Result<()> {
         self.inner.check_failed()?;
+        // What the filesystem can hold: what the pool's files take now and what is free.
+        let (_, fs_avail) = self.inner.fs_space.now();
+        let holdable = (self.inner.segment_file_bytes()
+            + self.inner.meta_bytes.load(Ordering::Relaxed))
+        .saturating_add(fs_avail);
+        if capacity_bytes > holdable && !force {
+            return Err(Error::InvalidArgument(format!(
+                "capacity {} is more than the filesystem under the pool can hold ({}: its \
+                 files and the space available); force it to promise space the filesystem may \
+                 not have",
+                crate::units::format_exact(capacity_bytes),
+                crate::units::format_exact(holdable)
+            )));
+        }
         let _reserving = self.inner.reserve_lock.lock();
         let needed = self.inner.used_now() + self.inner.reserved_bytes();
         if capacity_bytes < needed {

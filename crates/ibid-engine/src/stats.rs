@@ -11,8 +11,17 @@ pub struct PoolStats {
     pub capacity_bytes: u64,
     /// Soft threshold in percent of capacity.
     pub soft_threshold_pct: u8,
-    /// `used + reserved` has reached the soft threshold.
+    /// `used + reserved` has reached the soft threshold, or the filesystem under the pool
+    /// has less than twice `filesystem_reserve_bytes` available.
     pub soft_threshold_exceeded: bool,
+    /// Size of the filesystem under the pool.
+    pub filesystem_bytes: u64,
+    /// Bytes available on the filesystem under the pool (other files can take them too).
+    pub filesystem_free_bytes: u64,
+    /// Filesystem bytes kept free for metadata: new data is refused (ENOSPC) once the
+    /// filesystem's available space would fall under it, and the soft threshold counts as
+    /// exceeded under twice it.
+    pub filesystem_reserve_bytes: u64,
     /// Number of volumes.
     pub volumes: u64,
     /// Sum of the volumes' sizes (thin: may exceed capacity).

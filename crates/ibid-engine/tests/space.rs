@@ -8,17 +8,22 @@ use common::{quiet_config, random_block};
 use ibid_engine::{Error, ExtentKind, Pool, PoolConfig};
 use std::sync::Arc;
 
+/// A pool whose capacity leaves `room` bytes beyond its empty metadata, and its directory.
+fn pool_with_room(room: u64) -> (tempfile::TempDir, Pool) {
+    let probe = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(probe.path().join("p"), quiet_config(u64::MAX)).expect("create");
+    let meta = pool.stats().metadata_bytes;
+    drop(pool);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), quiet_config(meta + room)).expect("create");
+    (dir, pool)
+}
+
 /// A full pool fails only the writes that need new space; data stays readable; freeing space
 /// makes writes work again without a restart.
 #[test]
 fn full_pool_fails_new_data_only_and_recovers_after_delete() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pool = Pool::create(dir.path().join("p"), quiet_config(u64::MAX)).expect("create");
-    let meta = pool.stats().metadata_bytes;
-    drop(pool);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let capacity = meta + (8 << 20);
-    let pool = Pool::create(dir.path().join("p"), quiet_config(capacity)).expect("create");
+    let (_dir, pool) = pool_with_room(8 << 20);
     let a = pool.create_volume("a", 1 << 30).expect("a");
     let b = pool.create_volume("b", 1 << 30).expect("b");
     b.write(0, &random_block(999_999), false)
@@ -724,12 +729,7 @@ fn grouped_reads_stay_exact_while_the_cleaner_moves_their_records() {
 /// and deleting the volume frees them all.
 #[test]
 fn a_large_write_that_runs_out_of_space_leaves_no_stray_references() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pool = Pool::create(dir.path().join("p"), quiet_config(u64::MAX)).expect("create");
-    let meta = pool.stats().metadata_bytes;
-    drop(pool);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pool = Pool::create(dir.path().join("p"), quiet_config(meta + (2 << 20))).expect("create");
+    let (_dir, pool) = pool_with_room(2 << 20);
     let v = pool.create_volume("v", 64 << 20).expect("v");
     let blocks = 1024u64;
     let data: Vec<u8> = (0..blocks).flat_map(random_block).collect();
@@ -865,6 +865,41 @@ fn a_write_that_turns_compressible_stores_the_rest_compressed() {
         let mut back = vec![0u8; data.len()];
         v.read(at * 4096, &mut back).expect("read");
         assert!(back == data, "the data read back differs");
+    }
+    pool.verify().expect("verify");
+}
+
+/// Writes that failed for lack of space, written again once there is space, read back as
+/// written (a failed write must leave nothing behind that a later write of the same data
+/// would share).
+#[test]
+fn writes_that_failed_for_lack_of_space_succeed_in_full_once_space_returns() {
+    let (_dir, pool) = pool_with_room(8 << 20);
+    let v = pool.create_volume("v", 1 << 30).expect("v");
+    let chunk = |i: u64| -> Vec<u8> { (0..256).flat_map(|k| random_block(i * 256 + k)).collect() };
+    let mut n = 0u64;
+    while v.write(n << 20, &chunk(n), false).is_ok() {
+        n += 1;
+        assert!(n < 64, "the pool never filled");
+    }
+    v.flush().expect("flush");
+    // The next writes fail too; then the pool grows and they are written again.
+    for i in n..n + 4 {
+        assert!(matches!(
+            v.write(i << 20, &chunk(i), false),
+            Err(Error::NoSpace)
+        ));
+    }
+    pool.set_capacity(1 << 30).expect("grow");
+    for i in n..n + 8 {
+        v.write(i << 20, &chunk(i), false)
+            .expect("write after growing");
+    }
+    v.flush().expect("flush");
+    let mut buf = vec![0u8; 1 << 20];
+    for i in 0..n + 8 {
+        v.read(i << 20, &mut buf).expect("read");
+        assert!(buf == chunk(i), "MiB {i} (the pool filled at {n})");
     }
     pool.verify().expect("verify");
 }

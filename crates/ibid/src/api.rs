@@ -174,6 +174,9 @@ struct PoolSettings {
     capacity: Option<Size>,
     #[serde(default)]
     soft_threshold_pct: Option<u8>,
+    /// Accept a capacity larger than the filesystem under the pool can hold.
+    #[serde(default)]
+    force: bool,
 }
 
 #[derive(Deserialize)]
@@ -290,6 +293,9 @@ fn stats_json(s: &PoolStats) -> Value {
         "reserved_bytes": s.reserved_bytes,
         "overwrite_headroom_bytes": s.overwrite_headroom_bytes,
         "free_bytes": s.free_bytes,
+        "filesystem_bytes": s.filesystem_bytes,
+        "filesystem_free_bytes": s.filesystem_free_bytes,
+        "filesystem_reserve_bytes": s.filesystem_reserve_bytes,
         "segment_file_bytes": s.segment_file_bytes,
         "garbage_bytes": s.garbage_bytes,
         "data_reduction_ratio": s.data_reduction_ratio,
@@ -583,7 +589,12 @@ async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiRe
             .into());
         }
         if let Some(c) = capacity {
-            pool.set_capacity(c).map_err(|e| match e {
+            let set = if req.force {
+                pool.set_capacity_forced(c)
+            } else {
+                pool.set_capacity(c)
+            };
+            set.map_err(|e| match e {
                 Error::CannotReserve { needed, .. } => ApiError::conflict(
                     "cannot_reserve",
                     format!(

@@ -47,6 +47,10 @@ struct ServeArgs {
     /// Capacity of a new pool, e.g. 100G (default: the filesystem's free space).
     #[arg(long, value_parser = units::parse_size)]
     capacity: Option<u64>,
+    /// Accept a --capacity larger than the filesystem has available (the pool then promises
+    /// space the filesystem may not have; writes get ENOSPC when it fills).
+    #[arg(long, requires = "capacity")]
+    capacity_force: bool,
     /// NBD listen address.
     #[arg(long, default_value = "127.0.0.1:10809")]
     nbd: SocketAddr,
@@ -196,6 +200,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let ServeArgs {
         data,
         capacity,
+        capacity_force,
         nbd,
         iscsi,
         iqn,
@@ -233,6 +238,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     serve::run(serve::ServeOptions {
         data,
         capacity,
+        capacity_force,
         nbd,
         iscsi: iscsi.0,
         iqn,

@@ -271,7 +271,7 @@ impl Metrics {
 /// Pool-wide figures from [`Pool::stats`].
 fn render_pool(page: &mut Page, pool: &Pool) {
     let s = pool.stats();
-    let gauges: [(&str, &str, f64); 20] = [
+    let gauges: [(&str, &str, f64); 23] = [
         (
             "capacity_bytes",
             "Capacity of the pool.",
@@ -337,6 +337,21 @@ fn render_pool(page: &mut Page, pool: &Pool) {
             "overwrite_headroom_bytes",
             "Part of the reserved space that lets thick volumes overwrite their data on a full pool.",
             s.overwrite_headroom_bytes as f64,
+        ),
+        (
+            "filesystem_bytes",
+            "Size of the filesystem under the pool.",
+            s.filesystem_bytes as f64,
+        ),
+        (
+            "filesystem_free_bytes",
+            "Bytes available on the filesystem under the pool (other files can take them too).",
+            s.filesystem_free_bytes as f64,
+        ),
+        (
+            "filesystem_reserve_bytes",
+            "Filesystem bytes kept free for metadata: new data gets ENOSPC below it.",
+            s.filesystem_reserve_bytes as f64,
         ),
         (
             "data_reduction_ratio",

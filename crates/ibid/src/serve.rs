@@ -20,6 +20,8 @@ pub struct ServeOptions {
     pub data: PathBuf,
     /// Capacity of a new pool (default: the filesystem's free space).
     pub capacity: Option<u64>,
+    /// Accept a `capacity` larger than the filesystem has available.
+    pub capacity_force: bool,
     /// NBD listen address.
     pub nbd: SocketAddr,
     /// iSCSI listen address (`None`: no iSCSI target).
@@ -101,6 +103,7 @@ pub fn run(opts: ServeOptions) -> anyhow::Result<()> {
 fn open_pool(opts: &ServeOptions, fresh: bool) -> anyhow::Result<Pool> {
     let config = PoolConfig {
         capacity_bytes: opts.capacity,
+        capacity_force: opts.capacity_force,
         ..PoolConfig::default()
     };
     let pool = Pool::open_or_create(&opts.data, config)

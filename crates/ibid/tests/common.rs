@@ -110,6 +110,16 @@ impl Server {
         std::mem::replace(&mut self.dir, dir)
     }
 
+    /// Kills the server (SIGKILL: no clean close) and returns the directory.
+    pub fn kill(mut self) -> tempfile::TempDir {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::mem::replace(&mut self.dir, dir)
+    }
+
     fn terminate(&mut self) {
         if let Some(mut child) = self.child.take() {
             // SAFETY: sending a signal to our own child process.

@@ -55,7 +55,12 @@ fn expect_error(srv: &Server, method: &str, path: &str, body: Option<&str>, want
 
 #[test]
 fn formats_are_created_in_constant_time_and_converted_as_metadata() {
-    let srv = Server::start(&["--no-default-volume", "--capacity", "3T"]);
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--capacity",
+        "3T",
+        "--capacity-force",
+    ]);
     let tib_blocks = (1u64 << 40) / BLOCK;
     let v = ok(
         &srv,

@@ -21,6 +21,8 @@ pub fn random_block(seed: u64) -> Vec<u8> {
 pub fn quiet_config(capacity: u64) -> PoolConfig {
     PoolConfig {
         capacity_bytes: Some(capacity),
+        // Tests model pools of any capacity, whatever the filesystem under them holds.
+        capacity_force: true,
         background: false,
         segment_bytes_max: 1 << 20,
         // Most commits write their dedup index keys as a run, and every fourth merges the

@@ -23,6 +23,10 @@ pub enum PoolCmd {
         /// Use (percent of capacity) above which the pool warns.
         #[arg(long, value_parser = clap::value_parser!(u8).range(1..=100))]
         soft_threshold: Option<u8>,
+        /// Accept a capacity larger than the filesystem under the pool can hold (the pool then
+        /// promises space the filesystem may not have).
+        #[arg(long, requires = "capacity")]
+        force: bool,
     },
     /// Check the whole pool: every count recomputed, every live chunk read back against its
     /// fingerprint. Online through the server (its commits wait meanwhile), or with --data on
@@ -52,6 +56,7 @@ pub fn run(ctx: &Ctx, cmd: PoolCmd) -> Result<(), CliError> {
         PoolCmd::Set {
             capacity,
             soft_threshold,
+            force,
         } => {
             if capacity.is_none() && soft_threshold.is_none() {
                 return Err(CliError::usage(
@@ -64,6 +69,9 @@ pub fn run(ctx: &Ctx, cmd: PoolCmd) -> Result<(), CliError> {
             }
             if let Some(p) = soft_threshold {
                 body["soft_threshold_pct"] = p.into();
+            }
+            if force {
+                body["force"] = true.into();
             }
             ctx.client.patch("/pool", body, "changing pool settings")?
         }
@@ -176,6 +184,15 @@ fn print_stats(s: &Value) -> Result<(), CliError> {
         ("capacity", size(capacity)),
         ("used", format!("{} ({:.1}%)", size(used), pct(used))),
         ("free", bytes("free_bytes")?),
+        (
+            "filesystem",
+            format!(
+                "{} available of {} ({} kept for metadata)",
+                bytes("filesystem_free_bytes")?,
+                bytes("filesystem_bytes")?,
+                bytes("filesystem_reserve_bytes")?
+            ),
+        ),
         ("soft threshold", threshold),
         ("volumes", u64_field(s, "volumes")?.to_string()),
         ("provisioned", bytes("provisioned_bytes")?),
