@@ -131,6 +131,20 @@ pub fn range(txn: &ReadTxn, lo: u64, hi: u64) -> Result<Entries> {
     Ok(out)
 }
 
+/// The records of at most about `max` chunks with ids from `lo` on, ascending by id (whole
+/// pages: a few more than `max` at most).
+pub fn from(txn: &ReadTxn, lo: u64, max: usize) -> Result<Entries> {
+    let mut out = Vec::new();
+    for item in txn.range(meta::CHUNK_PAGES, page_of(lo)..=u64::MAX)? {
+        let (key, page) = item?;
+        out.extend(decode(key, &page)?.into_iter().filter(|&(id, _)| id >= lo));
+        if out.len() >= max {
+            break;
+        }
+    }
+    Ok(out)
+}
+
 /// Calls `f` with every chunk's id and record, ascending by id.
 pub fn for_each(txn: &ReadTxn, mut f: impl FnMut(u64, ChunkRecord) -> Result<()>) -> Result<()> {
     for item in txn.iter(meta::CHUNK_PAGES)? {

@@ -1,6 +1,7 @@
 //! Corruption: bytes flipped in a segment file make the read of the affected block fail with
 //! `Error::Corrupt`; every other block still reads back exactly. Never silently wrong data.
-//! `Pool::verify` reports the damage, naming the chunk and the block that reads it.
+//! `Pool::verify` and a scrub (`Pool::scrub_step`) report the damage, naming the chunk and the
+//! block that reads it.
 
 use ibid_engine::{Error, Pool, PoolConfig};
 use std::os::unix::fs::FileExt;
@@ -77,6 +78,27 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
     assert_eq!(
         corrupt, 1,
         "exactly the block whose record was damaged fails"
+    );
+    // A scrub in steps of 5 chunks finds the one damaged chunk and the block that reads it.
+    let (mut from, mut checked, mut damaged) = (0, 0, Vec::new());
+    loop {
+        let step = pool.scrub_step(from, 5).expect("scrub step");
+        checked += step.checked;
+        damaged.extend(step.damaged);
+        match step.next {
+            Some(next) => from = next,
+            None => break,
+        }
+    }
+    assert_eq!(
+        checked,
+        pool.stats().unique_chunks,
+        "a pass checks every live chunk"
+    );
+    assert_eq!(damaged.len(), 1, "{damaged:?}");
+    assert_eq!(
+        damaged[0].places,
+        vec![("v".to_string(), bad_block.expect("a damaged block"))]
     );
     let verify = pool.verify();
     assert!(

@@ -19,6 +19,7 @@ use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::Extension;
 use axum::{Json, Router};
 use ibid_engine::{Error, Pool, PoolStats, SnapshotInfo, Volume, VolumeFormat, VolumeInfo};
 use serde::{Deserialize, Serialize};
@@ -499,6 +500,7 @@ pub fn router(
         .route("/api/v1/openapi.json", get(openapi))
         .route("/api/v1/pool", get(pool_stats).patch(update_pool))
         .route("/api/v1/pool/verify", post(verify_pool))
+        .route("/api/v1/pool/scrub", get(scrub_status).post(start_scrub))
         .route("/api/v1/volumes", get(list_volumes).post(create_volume))
         .route(
             "/api/v1/volumes/{name}",
@@ -575,6 +577,25 @@ async fn verify_pool(State(pool): State<Pool>) -> ApiResult<Json<Value>> {
         Ok(Json(verify_answer(result, started.elapsed())?))
     })
     .await
+}
+
+async fn scrub_status(
+    Extension(scrubber): Extension<Arc<crate::scrub::Scrubber>>,
+) -> Json<crate::scrub::ScrubStatus> {
+    Json(scrubber.status())
+}
+
+/// Starts a scrub pass now: 202 with the status, or 409 `busy` while a pass runs.
+async fn start_scrub(
+    Extension(scrubber): Extension<Arc<crate::scrub::Scrubber>>,
+) -> ApiResult<(StatusCode, Json<crate::scrub::ScrubStatus>)> {
+    if !scrubber.request() {
+        return Err(ApiError::conflict(
+            "busy",
+            "a scrub pass is already running",
+        ));
+    }
+    Ok((StatusCode::ACCEPTED, Json(scrubber.status())))
 }
 
 async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiResult<Json<Value>> {

@@ -7,6 +7,7 @@ mod clients;
 mod iscsi_luns;
 mod metrics;
 mod nbd_exports;
+mod scrub;
 mod serve;
 mod units;
 
@@ -103,6 +104,33 @@ struct ServeArgs {
     /// gives up on the request (a stalled client cannot hold a connection open).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     http_timeout: u64,
+    /// Most bytes per second the background scrub reads (it checks every stored chunk against
+    /// its checksum and fingerprint), e.g. 32M.
+    #[arg(long, default_value = "32M", value_parser = units::parse_size)]
+    scrub_rate: u64,
+    /// Time between the starts of scrub passes, e.g. 12h, 7d (s, m, h, d); 0 runs them only
+    /// when asked (`ibid pool scrub`).
+    #[arg(long, default_value = "7d", value_parser = parse_duration)]
+    scrub_every: std::time::Duration,
+}
+
+/// Parses `30s`, `10m`, `12h`, `7d` or plain seconds.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number with s, m, h or d, e.g. 12h"))?;
+    let secs = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        _ => return Err(format!("{s:?}: unit must be s, m, h or d")),
+    };
+    n.checked_mul(secs)
+        .map(std::time::Duration::from_secs)
+        .ok_or_else(|| format!("{s:?} is too long"))
 }
 
 /// A listen address, or `off`.
@@ -216,6 +244,8 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         io_threads,
         nbd_no_inline_writes,
         http_timeout,
+        scrub_rate,
+        scrub_every,
     } = args;
     let credentials = match (nbd_tls_cert, nbd_tls_key, nbd_tls_psk) {
         (Some(cert), Some(key), None) => Some(ibid_nbd::TlsCredentials::X509 {
@@ -251,5 +281,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_inline_writes: !nbd_no_inline_writes,
         io_threads: io_threads.map_or_else(serve::io_threads_default, usize::from),
         http_timeout: std::time::Duration::from_secs(http_timeout),
+        scrub_rate,
+        scrub_every: (!scrub_every.is_zero()).then_some(scrub_every),
     })
 }

@@ -268,6 +268,64 @@ impl Metrics {
     }
 }
 
+/// The background scrub's figures.
+pub fn render_scrub(st: &crate::scrub::ScrubStatus) -> String {
+    let mut page = Page::default();
+    let families: [(&str, &str, &str, f64); 7] = [
+        (
+            "ibid_scrub_running",
+            "gauge",
+            "1 while a scrub pass runs.",
+            f64::from(u8::from(st.running)),
+        ),
+        (
+            "ibid_scrub_passes_total",
+            "counter",
+            "Scrub passes completed since the server started.",
+            st.passes as f64,
+        ),
+        (
+            "ibid_scrub_checked_chunks_total",
+            "counter",
+            "Chunks the scrub read back and checked since the server started.",
+            st.checked_chunks_total as f64,
+        ),
+        (
+            "ibid_scrub_checked_bytes_total",
+            "counter",
+            "Bytes the scrub read since the server started.",
+            st.checked_bytes_total as f64,
+        ),
+        (
+            "ibid_scrub_damaged_chunks",
+            "gauge",
+            "Damaged chunks the current (or last) scrub pass found.",
+            st.damaged.len() as f64,
+        ),
+        (
+            "ibid_scrub_progress_ratio",
+            "gauge",
+            "Part of the current (or last) pass done: chunks checked / chunks at its start.",
+            if st.total_chunks == 0 {
+                f64::from(u8::from(st.passes > 0))
+            } else {
+                (st.checked_chunks as f64 / st.total_chunks as f64).min(1.0)
+            },
+        ),
+        (
+            "ibid_scrub_last_pass_finished_seconds",
+            "gauge",
+            "When the last complete scrub pass ended, Unix time (0: none yet).",
+            st.last_pass_finished_unix_s.unwrap_or(0) as f64,
+        ),
+    ];
+    for (name, kind, help, value) in families {
+        page.family(name, kind, help);
+        page.sample(name, &[], value);
+    }
+    page.text
+}
+
 /// Pool-wide figures from [`Pool::stats`].
 fn render_pool(page: &mut Page, pool: &Pool) {
     let s = pool.stats();
@@ -525,9 +583,11 @@ fn escape_label(v: &str) -> String {
 pub async fn scrape(
     State(pool): State<Pool>,
     Extension(metrics): Extension<Arc<Metrics>>,
+    Extension(scrubber): Extension<Arc<crate::scrub::Scrubber>>,
 ) -> Response {
     // Engine calls may wait on the pool's locks: keep them off the async workers.
-    match tokio::task::spawn_blocking(move || metrics.render(&pool)).await {
+    let page = move || metrics.render(&pool) + &render_scrub(&scrubber.status());
+    match tokio::task::spawn_blocking(page).await {
         Ok(page) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], page).into_response(),
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,

@@ -46,6 +46,10 @@ pub struct ServeOptions {
     pub io_threads: usize,
     /// How long the API waits for a request's headers, and then for its body.
     pub http_timeout: Duration,
+    /// Most bytes per second the background scrub reads.
+    pub scrub_rate: u64,
+    /// Time between the starts of scrub passes (`None`: only when asked).
+    pub scrub_every: Option<Duration>,
 }
 
 /// The async runtime's default size: a quarter of the cores, at least one. Its threads move
@@ -92,8 +96,10 @@ pub fn run(opts: ServeOptions) -> anyhow::Result<()> {
             return Err(e);
         }
     };
-    let result = runtime.block_on(serve(pool.clone(), &opts, listeners));
+    let scrubber = crate::scrub::Scrubber::start(pool.clone(), opts.scrub_rate, opts.scrub_every);
+    let result = runtime.block_on(serve(pool.clone(), &opts, listeners, scrubber.clone()));
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    scrubber.stop();
     pool.close().context("close pool")?;
     result
 }
@@ -210,7 +216,12 @@ impl Listeners {
     }
 }
 
-async fn serve(pool: Pool, opts: &ServeOptions, listeners: Listeners) -> anyhow::Result<()> {
+async fn serve(
+    pool: Pool,
+    opts: &ServeOptions,
+    listeners: Listeners,
+    scrubber: Arc<crate::scrub::Scrubber>,
+) -> anyhow::Result<()> {
     let Listeners {
         nbd: nbd_listener,
         iscsi: iscsi_listener,
@@ -275,7 +286,8 @@ async fn serve(pool: Pool, opts: &ServeOptions, listeners: Listeners) -> anyhow:
             Some(listener) => {
                 let app =
                     crate::api::router(pool.clone(), clients.clone(), access, opts.http_timeout)
-                        .layer(axum::Extension(metrics.clone()));
+                        .layer(axum::Extension(metrics.clone()))
+                        .layer(axum::Extension(scrubber.clone()));
                 serve_http(listener, app, opts.http_timeout, stop_rx.clone()).await;
                 Ok(())
             }

@@ -1098,4 +1098,40 @@ fn pool_verify_finds_flipped_bytes_online_and_offline_and_the_block_reads_as_eio
     );
     // The server is still up and the damage is still reported.
     fails(&srv, &["pool", "verify"], 8, "damaged");
+    // The background scrub, asked for a pass now, finds the same damage and names the block.
+    let out = ok(&srv, &["pool", "scrub"]);
+    assert!(out.contains("scrub pass started"), "{out}");
+    let mut st = Value::Null;
+    for _ in 0..100 {
+        let (status, s) = common::api_call(&srv, "GET", "/api/v1/pool/scrub", None);
+        assert_eq!(status, 200, "{s}");
+        if s["passes"].as_u64() >= Some(1) {
+            st = s;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(st["checked_chunks"].as_u64(), Some(8), "{st}");
+    assert_eq!(st["damaged"].as_array().map(Vec::len), Some(1), "{st}");
+    let place = &st["damaged"][0]["places"][0];
+    assert_eq!(
+        (place["volume"].as_str(), place["block"].as_u64()),
+        (Some("v"), Some(bad as u64)),
+        "{st}"
+    );
+    let err = fails(&srv, &["pool", "scrub", "--status"], 8, "damaged");
+    assert!(err.contains(&format!("block {bad} of \"v\"")), "{err}");
+    let metrics = run(
+        "curl",
+        &[
+            "-s",
+            &format!("http://{}/metrics", srv.http.as_deref().expect("API")),
+        ],
+    );
+    assert!(
+        metrics.contains("ibid_scrub_damaged_chunks 1")
+            && metrics.contains("ibid_scrub_passes_total 1")
+            && metrics.contains("ibid_scrub_checked_chunks_total 8"),
+        "{metrics}"
+    );
 }
