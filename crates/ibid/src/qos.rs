@@ -544,4 +544,35 @@ mod tests {
         );
         assert_eq!(v.throttled_requests(), 20);
     }
+
+    /// A MB/s limit charges bytes: at 1 MiB/s total, 256 KiB requests, reads and writes alike,
+    /// pass at four a second once the 100 ms burst is spent; zeroing (0 bytes) passes.
+    #[test]
+    fn bytes_rate() {
+        let qos = Qos::in_memory();
+        let limits = Limits {
+            total_mbps: Some(1),
+            ..Limits::default()
+        };
+        assert!(qos.update(1, "v", |_| Ok(limits)).is_ok());
+        let v = qos.get(1).expect("entry");
+        let waits: Vec<f64> = (0..8)
+            .map(|i| {
+                let d = if i % 2 == 0 {
+                    Direction::Read
+                } else {
+                    Direction::Write
+                };
+                v.charge(d, 256 << 10).as_secs_f64()
+            })
+            .collect();
+        assert_eq!(v.charge(Direction::Write, 0), Duration::ZERO);
+        // 8 × 256 KiB = 2 MiB against a 0.1 MiB burst: the last waits ~1.9 s.
+        assert!((waits[7] - 1.9).abs() < 0.05, "{waits:?}");
+        assert!(
+            waits.windows(2).all(|w| (w[1] - w[0] - 0.25).abs() < 0.01),
+            "{waits:?}"
+        );
+        assert!(v.throttled_seconds() > 7.0, "{}", v.throttled_seconds());
+    }
 }

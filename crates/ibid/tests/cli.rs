@@ -1100,9 +1100,9 @@ fn pool_verify_finds_flipped_bytes_online_and_offline_and_the_block_reads_as_eio
     fails(&srv, &["pool", "verify"], 8, "damaged");
 }
 
-/// fio's nbd engine: random 4 KiB writes at queue depth 8 on `volume`, two jobs (two NBD
+/// fio's nbd engine: random 4 KiB writes at queue depth 8 on `volume`, `jobs` jobs (as many NBD
 /// connections), for `seconds`; started now, joined by [`fio_write_iops`].
-fn fio_random_writes(srv: &Server, volume: &str, seconds: u32) -> std::process::Child {
+fn fio_random_writes(srv: &Server, volume: &str, jobs: u32, seconds: u32) -> std::process::Child {
     common::require("fio");
     Command::new("fio")
         .args([
@@ -1112,7 +1112,7 @@ fn fio_random_writes(srv: &Server, volume: &str, seconds: u32) -> std::process::
             "--rw=randwrite",
             "--bs=4k",
             "--iodepth=8",
-            "--numjobs=2",
+            &format!("--numjobs={jobs}"),
             "--group_reporting",
             "--size=64M",
             "--time_based",
@@ -1167,8 +1167,8 @@ fn qos_limits_a_volume_across_connections_and_protocols_and_survive_a_restart() 
     // Both at once, two connections each: the limit holds for the volume as a whole, and
     // the unlimited volume runs at its own pace.
     let (slow_fio, fast_fio) = (
-        fio_random_writes(&srv, "slow", 4),
-        fio_random_writes(&srv, "fast", 4),
+        fio_random_writes(&srv, "slow", 2, 4),
+        fio_random_writes(&srv, "fast", 2, 4),
     );
     let (slow_iops, fast_iops) = (fio_write_iops(slow_fio), fio_write_iops(fast_fio));
     eprintln!("fio write IOPS: slow (limit 200) {slow_iops:.0}, fast (no limit) {fast_iops:.0}");
@@ -1195,6 +1195,26 @@ fn qos_limits_a_volume_across_connections_and_protocols_and_survive_a_restart() 
             r#"ibid_volume_qos_limit_iops{volume="slow",op="write"}"#
         ),
         Some(200.0)
+    );
+
+    // NBD and iSCSI share the volume's limit: with fio's four connections keeping `slow` at
+    // its 200 writes a second, 100 iSCSI writes one at a time (alone, 20 of them pass in the
+    // burst and the rest at 200 a second: ~0.5 s) get a share of the limit only, and together
+    // they stay within it.
+    let fio = fio_random_writes(&srv, "slow", 4, 4);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let iscsi = iscsi_writes(&srv, "slow", 100);
+    let nbd_iops = fio_write_iops(fio);
+    eprintln!(
+        "slow (limit 200): fio {nbd_iops:.0} write IOPS while 100 iSCSI writes took {iscsi:?}"
+    );
+    assert!(
+        iscsi > std::time::Duration::from_millis(900),
+        "100 iSCSI writes took {iscsi:?} next to fio on a volume limited to 200 IOPS"
+    );
+    assert!(
+        nbd_iops + 100.0 / 4.0 <= 230.0,
+        "fio {nbd_iops} write IOPS and 100 iSCSI writes in 4 s under a limit of 200"
     );
 
     // A limit set at run time reaches a connection already open (libnbd, one write at a
@@ -1243,18 +1263,7 @@ fn qos_limits_a_volume_across_connections_and_protocols_and_survive_a_restart() 
     );
 
     // The same limit holds over iSCSI: 30 writes at 20 a second take over a second.
-    let lun = u64_of(&json(&srv, &["volume", "describe", "rt"]), "id") - 1;
-    let mut writes = Vec::new();
-    for i in 0..30 {
-        writes.extend(["-c".to_string(), format!("write -P 7 {}k 4k", i * 4)]);
-    }
-    let mut args: Vec<&str> = vec!["-f", "raw"];
-    args.extend(writes.iter().map(String::as_str));
-    let url = srv.iscsi_url(lun);
-    args.push(&url);
-    let start = std::time::Instant::now();
-    run("qemu-io", &args);
-    let iscsi = start.elapsed();
+    let iscsi = iscsi_writes(&srv, "rt", 30);
     eprintln!("30 iSCSI writes at 20 IOPS: {iscsi:?}");
     assert!(
         iscsi > std::time::Duration::from_millis(1200),
@@ -1346,6 +1355,28 @@ fn qos_limits_a_volume_across_connections_and_protocols_and_survive_a_restart() 
         ),
         Some(100.0 * 1048576.0)
     );
+    let capped = json(
+        &srv,
+        &[
+            "volume",
+            "create",
+            "capped",
+            "--size",
+            "16M",
+            "--max-iops",
+            "500",
+            "--max-mbps",
+            "100",
+        ],
+    );
+    assert_eq!(
+        (
+            capped["qos"]["total_iops"].as_u64(),
+            capped["qos"]["total_mbps"].as_u64()
+        ),
+        (Some(500), Some(100)),
+        "{capped}"
+    );
     let cleared = json(
         &srv,
         &["volume", "qos", "fast", "--clear", "--write-iops", "1000"],
@@ -1359,6 +1390,21 @@ fn qos_limits_a_volume_across_connections_and_protocols_and_survive_a_restart() 
     ok(&srv, &["volume", "delete", "slow"]);
     let again = json(&srv, &["volume", "create", "slow", "--size", "1G"]);
     assert_eq!(again["qos"]["write_iops"], Value::Null, "{again}");
+}
+
+/// Writes `count` 4 KiB blocks, one at a time, to `volume` over iSCSI (qemu-io, one login);
+/// returns how long that took.
+fn iscsi_writes(srv: &Server, volume: &str, count: u64) -> std::time::Duration {
+    let lun = u64_of(&json(srv, &["volume", "describe", volume]), "id") - 1;
+    let mut args: Vec<String> = vec!["-f".into(), "raw".into()];
+    for i in 0..count {
+        args.extend(["-c".to_string(), format!("write -P 7 {}k 4k", i * 4)]);
+    }
+    args.push(srv.iscsi_url(lun));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let start = std::time::Instant::now();
+    run("qemu-io", &args);
+    start.elapsed()
 }
 
 /// A field of `v` that must be an unsigned number.
