@@ -1321,8 +1321,20 @@ fn qos_limits_a_volume_across_connections_and_protocols_and_survive_a_restart() 
         2,
         "invalid_argument",
     );
+    // Nothing changed, not even the valid half of a refused patch.
     let shown = ok(&srv, &["volume", "qos", "slow"]);
-    assert!(shown.contains("write 200 IOPS"), "{shown}");
+    assert!(
+        shown.contains("qos:") && shown.contains(" write 200 IOPS\n"),
+        "{shown}"
+    );
+    let d = json(&srv, &["volume", "describe", "slow"]);
+    assert_eq!(
+        d["qos"],
+        serde_json::json!({"read_iops": null, "write_iops": 200, "total_iops": null,
+            "read_mbps": null, "write_mbps": null, "total_mbps": null}),
+        "{d}"
+    );
+    assert!(d["qos_throttled_requests"].as_u64() > Some(0), "{d}");
 
     // Limits are kept with the pool: a restart finds them, and they can be cleared.
     ok(
