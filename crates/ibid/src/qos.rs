@@ -9,7 +9,7 @@
 //! async task (NBD: the connection's reader; iSCSI: the command's task), never on a thread
 //! shared with other volumes, and a throttled request waits, it never fails.
 //!
-//! What counts (docs/METRICS.md, "QoS"): reads and writes their bytes; write-zeroes, trim,
+//! What counts (README, "The CLI"): reads and writes their bytes; write-zeroes, trim,
 //! WRITE SAME and UNMAP one write I/O and no bytes (they are metadata operations); flush,
 //! block status, EXTENDED COPY nothing. Snapshots (`VOLUME@SNAPSHOT` exports) are not limited.
 //!
