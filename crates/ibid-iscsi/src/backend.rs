@@ -122,4 +122,22 @@ pub trait Luns: Send + Sync + 'static {
     /// long as that connection: a backend that keeps a `Weak` of it knows which connections
     /// still use the LUN (to list a volume's clients, or refuse to delete it). Default: nothing.
     fn connected(&self, _lun: u64, _initiator: &Arc<Initiator>) {}
+    /// How long a command to `lun` should wait before it runs, for a rate limit: asked once
+    /// per READ (`Read`, its transfer length), WRITE and WRITE AND VERIFY (`Write`, their
+    /// transfer length), COMPARE AND WRITE (`Write`, the length written), WRITE SAME and
+    /// UNMAP (`Write`, 0 bytes); the command's task then waits asynchronously, holding no
+    /// thread. The call itself must not block; what it returns is the command's share of the
+    /// limit, taken now. Default: no wait.
+    fn throttle(&self, _lun: u64, _direction: Direction, _bytes: u64) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
+}
+
+/// Which way a command moves data, as far as a rate limit cares ([`Luns::throttle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// A read.
+    Read,
+    /// A write of data or zeroes.
+    Write,
 }

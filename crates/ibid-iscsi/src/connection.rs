@@ -6,6 +6,7 @@
 //! Data-In/Response through a single writer task, which assigns StatSN and
 //! stamps ExpCmdSN/MaxCmdSN in send order.
 
+use crate::backend::Direction;
 use crate::config::TargetConfig;
 use crate::login::{Login, LoginOutcome, LoginStep, Params, SessionType, STATUS_NO_SESSION};
 use crate::pdu::{
@@ -610,7 +611,16 @@ impl Conn {
             mrdsl: self.params.initiator_max_recv_dsl,
             max_burst: self.params.max_burst,
         };
+        let delay = match throttle_charge(&cdb, task.edtl) {
+            Some((direction, bytes)) if !self.discovery => {
+                self.shared.target.luns.throttle(lun, direction, bytes)
+            }
+            _ => Duration::ZERO,
+        };
         tokio::spawn(async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             let job = tokio::task::spawn_blocking(move || {
                 shared.target.execute(&nexus, lun, &cdb, &data)
             });
@@ -946,6 +956,23 @@ fn residual(spdtl: u64, edtl: u64) -> (u8, u32) {
         (FLAG_UNDERFLOW, (edtl - spdtl) as u32)
     } else {
         (0, 0)
+    }
+}
+
+/// What a command costs against its LUN's rate limit ([`crate::Luns::throttle`]): reads and
+/// writes their transfer length (`edtl`; COMPARE AND WRITE half of it, the half written),
+/// WRITE SAME and UNMAP no bytes; other commands nothing.
+fn throttle_charge(cdb: &[u8; 16], edtl: u32) -> Option<(Direction, u64)> {
+    use crate::scsi::cdb::*;
+    let edtl = u64::from(edtl);
+    match cdb[0] {
+        READ6 | READ10 | READ12 | READ16 => Some((Direction::Read, edtl)),
+        WRITE6 | WRITE10 | WRITE12 | WRITE16 | WRITE_VERIFY10 | WRITE_VERIFY12 | WRITE_VERIFY16 => {
+            Some((Direction::Write, edtl))
+        }
+        COMPARE_AND_WRITE => Some((Direction::Write, edtl / 2)),
+        WRITE_SAME10 | WRITE_SAME16 | UNMAP => Some((Direction::Write, 0)),
+        _ => None,
     }
 }
 

@@ -22,7 +22,7 @@ pub mod sense;
 pub mod session;
 pub mod text;
 
-pub use backend::{Extent, Initiator, Lun, LunError, LunInfo, Luns};
+pub use backend::{Direction, Extent, Initiator, Lun, LunError, LunInfo, Luns};
 pub use config::{ChapConfig, ConfigError, TargetConfig};
 pub use scsi::BLOCK_SIZE;
 

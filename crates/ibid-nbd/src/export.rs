@@ -19,6 +19,15 @@ pub const PAYLOAD_LEN_MAX: u32 = 32 * 1024 * 1024;
 const _: () =
     assert!(BLOCK_SIZE_MIN.is_power_of_two() && PAYLOAD_LEN_MAX & (BLOCK_SIZE_MIN - 1) == 0);
 
+/// Which way a request moves data, as far as a rate limit cares ([`Export::throttle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// A read.
+    Read,
+    /// A write, write-zeroes or trim.
+    Write,
+}
+
 /// One export as listed by `NBD_OPT_LIST`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportInfo {
@@ -101,6 +110,14 @@ pub trait Export: Send + Sync + 'static {
     /// would stall the connection's other requests. Default: never.
     fn write_is_quick(&self, _offset: u64, _len: u64) -> bool {
         false
+    }
+    /// How long a request should wait before it runs, for a rate limit: asked once per
+    /// read (`Read`, its length), write (`Write`, its length), write-zeroes and trim (`Write`,
+    /// 0 bytes), on the connection's task, which then waits without holding a worker thread
+    /// (and reads no further request of this connection meanwhile). The call itself must not
+    /// block; what it returns is the request's share of the limit, taken now. Default: no wait.
+    fn throttle(&self, _direction: Direction, _bytes: u64) -> std::time::Duration {
+        std::time::Duration::ZERO
     }
     /// Makes the range read as zeroes. Metadata-only and fast at any length, which is why the
     /// server advertises `NBD_FLAG_SEND_FAST_ZERO` and never refuses a fast-zero request.

@@ -28,8 +28,8 @@ pub mod wire;
 mod workers;
 
 pub use export::{
-    Client, Export, ExportError, ExportInfo, Exports, Extent, BLOCK_SIZE_MIN, BLOCK_SIZE_PREFERRED,
-    PAYLOAD_LEN_MAX,
+    Client, Direction, Export, ExportError, ExportInfo, Exports, Extent, BLOCK_SIZE_MIN,
+    BLOCK_SIZE_PREFERRED, PAYLOAD_LEN_MAX,
 };
 pub use handshake::{OPTIONS_PER_HANDSHAKE_MAX, OPTION_DATA_LEN_MAX};
 pub use server::{

@@ -12,7 +12,7 @@
 //! truncated header) ends the connection.
 
 use crate::buffers::Buffers;
-use crate::export::{Export, ExportError, Extent, BLOCK_SIZE_MIN, PAYLOAD_LEN_MAX};
+use crate::export::{Direction, Export, ExportError, Extent, BLOCK_SIZE_MIN, PAYLOAD_LEN_MAX};
 use crate::wire::{self, Errno, ReplyMode, RequestHeader, StatusDescriptor, WireError};
 use crate::workers::Workers;
 use crate::BoxStream;
@@ -308,7 +308,16 @@ pub(crate) async fn run(
             () = tx.closed() => break Err(ConnError::Protocol("replies could not be sent (socket failed or client stopped reading)".into())),
         };
         match step {
-            Ok(Some(request)) => dispatch(request, &session, workers, &tx, &buffers),
+            Ok(Some(request)) => {
+                let delay = throttle(&session.export, &request);
+                if !delay.is_zero() {
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        _ = stop.wait_for(|stopped| *stopped) => break Ok(()),
+                    }
+                }
+                dispatch(request, &session, workers, &tx, &buffers)
+            }
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
         }
@@ -418,6 +427,21 @@ async fn next_request<R: AsyncRead + Unpin>(
         verdict,
         permits: (request_permit, byte_permit),
     }))
+}
+
+/// How long `request` waits for its export's rate limit ([`Export::throttle`]): reads,
+/// writes, write-zeroes and trims the validation let through are charged; nothing else is.
+fn throttle(export: &Arc<dyn Export>, request: &Request) -> Duration {
+    if request.verdict.is_err() {
+        return Duration::ZERO;
+    }
+    let h = &request.header;
+    match h.kind {
+        wire::CMD_READ => export.throttle(Direction::Read, h.len),
+        wire::CMD_WRITE => export.throttle(Direction::Write, h.len),
+        wire::CMD_WRITE_ZEROES | wire::CMD_TRIM => export.throttle(Direction::Write, 0),
+        _ => Duration::ZERO,
+    }
 }
 
 /// Hands one request to the worker pool, which runs it and queues its reply. A request the

@@ -1,17 +1,19 @@
 //! The HTTP/JSON management API, versioned under `/api/v1` and described by the OpenAPI
 //! document it serves at `/api/v1/openapi.json` (`openapi.json` next to this file): the pool
 //! (statistics, capacity, soft threshold), volumes (create in a format, list, describe, resize,
-//! delete, format conversions, clone, range copy) and snapshots (create, list, delete). Errors
-//! are JSON `{"code": ..., "message": ...}` with a 4xx status for bad requests and a stable
-//! `code` scripts can match on; an unknown route is a JSON 404 (`not_found`), a known route
-//! with another method a JSON 405 (`method_not_allowed`). With a token configured, every route
-//! requires `Authorization: Bearer TOKEN`. Request bodies are read whole before a handler runs,
-//! at most [`BODY_BYTES_MAX`] of them (else 413, `too_large`) and within the server's request
-//! timeout (else 408, `timeout`), so a client that stops sending cannot hold a request open.
+//! delete, format conversions, clone, range copy, QoS limits) and snapshots (create, list,
+//! delete). Errors are JSON `{"code": ..., "message": ...}` with a 4xx status for bad requests
+//! and a stable `code` scripts can match on; an unknown route is a JSON 404 (`not_found`), a
+//! known route with another method a JSON 405 (`method_not_allowed`). With a token configured,
+//! every route requires `Authorization: Bearer TOKEN`. Request bodies are read whole before a
+//! handler runs, at most [`BODY_BYTES_MAX`] of them (else 413, `too_large`) and within the
+//! server's request timeout (else 408, `timeout`), so a client that stops sending cannot hold a
+//! request open.
 //!
 //! Engine calls block (they may fsync), so every handler runs them on the blocking pool.
 
 use crate::clients::{ClientView, Clients};
+use crate::qos::{Limits, Qos};
 use crate::units::{format_exact, parse_size};
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Path, Query, Request, State};
@@ -55,6 +57,15 @@ impl ApiError {
             code,
             message: message.into(),
         }
+    }
+
+    /// A 500 `internal` for a failure of the server's own (`{e:#}`).
+    pub fn internal(e: anyhow::Error) -> Self {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("{e:#}"),
+        )
     }
 
     fn conflict(code: &'static str, message: impl Into<String>) -> Self {
@@ -160,6 +171,9 @@ struct CreateVolume {
     /// `thin` (default), `lazyzeroedthick` or `eagerzeroedthick`.
     #[serde(default)]
     format: Option<String>,
+    /// QoS limits, as `PATCH .../qos` takes them (null or absent: no limit).
+    #[serde(default)]
+    qos: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -228,6 +242,7 @@ struct CloneRequest {
 struct Api {
     pool: Pool,
     clients: Arc<Clients>,
+    qos: Arc<Qos>,
 }
 
 impl axum::extract::FromRef<Api> for Pool {
@@ -247,15 +262,18 @@ struct VolumeView {
     tbz_blocks: u64,
     reserved_bytes: u64,
     created_unix_s: u64,
+    /// QoS limits (null: none), shared by all the volume's connections.
+    qos: Limits,
     /// Open connections using the volume or its snapshots (NBD, iSCSI): what deleting it would
     /// cut off.
     clients: Vec<ClientView>,
 }
 
 impl VolumeView {
-    fn new(v: VolumeInfo, clients: &Clients) -> Self {
+    fn new(v: VolumeInfo, api: &Api) -> Self {
         VolumeView {
-            clients: clients.of_volume_and_snapshots(&v.name),
+            clients: api.clients.of_volume_and_snapshots(&v.name),
+            qos: api.qos.limits(v.id),
             name: v.name,
             id: v.id,
             format: v.format.as_str(),
@@ -492,6 +510,7 @@ async fn wrong_method(req: Request) -> ApiError {
 pub fn router(
     pool: Pool,
     clients: Arc<Clients>,
+    qos: Arc<Qos>,
     access: Access,
     request_timeout: Duration,
 ) -> Router {
@@ -513,6 +532,7 @@ pub fn router(
         .route("/api/v1/volumes/{name}/reserve", post(reserve))
         .route("/api/v1/volumes/{name}/clone", post(clone_volume))
         .route("/api/v1/volumes/{name}/copy", post(copy_range))
+        .route("/api/v1/volumes/{name}/qos", axum::routing::patch(set_qos))
         .route(
             "/api/v1/volumes/{name}/snapshots",
             get(list_snapshots).post(create_snapshot),
@@ -523,7 +543,7 @@ pub fn router(
         )
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
-        .with_state(Api { pool, clients })
+        .with_state(Api { pool, clients, qos })
         .layer(middleware::from_fn(volume_not_snapshot))
         .layer(middleware::from_fn_with_state(request_timeout, read_body))
         .layer(middleware::from_fn_with_state(access, authorize))
@@ -641,7 +661,7 @@ async fn list_volumes(State(api): State<Api>) -> Json<Vec<VolumeView>> {
         api.pool
             .list_volumes()
             .into_iter()
-            .map(|v| VolumeView::new(v, &api.clients))
+            .map(|v| VolumeView::new(v, &api))
             .collect(),
     )
 }
@@ -650,7 +670,7 @@ async fn list_volumes(State(api): State<Api>) -> Json<Vec<VolumeView>> {
 fn created(api: &Api, name: &str) -> ApiResult<(StatusCode, Json<VolumeView>)> {
     Ok((
         StatusCode::CREATED,
-        Json(VolumeView::new(volume_info(&api.pool, name)?, &api.clients)),
+        Json(VolumeView::new(volume_info(&api.pool, name)?, api)),
     ))
 }
 
@@ -661,10 +681,56 @@ async fn create_volume(
     let req = body(req)?;
     let size = req.size.bytes()?;
     let format = req.format.as_deref().map(parse_format).transpose()?;
+    let limits = match &req.qos {
+        None | Some(Value::Null) => Limits::default(),
+        Some(v) => Limits::default().patched(qos_patch(v)?).map_err(invalid)?,
+    };
     blocking(move || {
         api.pool
             .create_volume_with_format(&req.name, size, format.unwrap_or_default())?;
+        if !limits.is_unlimited() {
+            let id = api.pool.volume(&req.name)?.id();
+            if let Err(e) = api.qos.update(id, &req.name, |_| Ok(limits)) {
+                // The volume cannot get the limits asked for: it must not stay behind.
+                api.pool.delete_volume(&req.name)?;
+                return Err(e);
+            }
+        }
         created(&api, &req.name)
+    })
+    .await
+}
+
+/// A 400 `invalid_argument` with `message`.
+fn invalid(message: String) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "invalid_argument", message)
+}
+
+/// A QoS body's object of limits, or the precise reason it is not one.
+fn qos_patch(v: &Value) -> ApiResult<&serde_json::Map<String, Value>> {
+    v.as_object().ok_or_else(|| {
+        invalid(format!(
+            "QoS limits are a JSON object with any of {} (numbers, or null for no limit), not {v}",
+            crate::qos::FIELDS.join(", ")
+        ))
+    })
+}
+
+/// `PATCH /api/v1/volumes/{name}/qos`: changes the volume's limits, merge-patch style (a
+/// number sets a limit, null removes it, an absent field keeps it); in force at once on every
+/// connection, kept across restarts. Answers with the volume.
+async fn set_qos(
+    State(api): State<Api>,
+    Path(name): Path<String>,
+    req: Body<Value>,
+) -> ApiResult<Json<VolumeView>> {
+    let req = body(req)?;
+    let patch = qos_patch(&req)?.clone();
+    blocking(move || {
+        let id = api.pool.volume(&name)?.id();
+        api.qos
+            .update(id, &name, |limits| limits.patched(&patch).map_err(invalid))?;
+        Ok(Json(VolumeView::new(volume_info(&api.pool, &name)?, &api)))
     })
     .await
 }
@@ -674,7 +740,7 @@ async fn describe_volume(
     Path(name): Path<String>,
 ) -> ApiResult<Json<Value>> {
     blocking(move || {
-        let Api { pool, clients } = api;
+        let Api { pool, clients, qos } = api;
         let volume = pool.volume(&name)?;
         let space = volume.space()?;
         let info = volume_info(&pool, &name)?;
@@ -697,6 +763,9 @@ async fn describe_volume(
             "shared_physical_bytes": space.shared_physical_bytes,
             "snapshots": pool.list_snapshots(Some(&name)).iter().map(snapshot_json).collect::<Vec<_>>(),
             "clients": clients.of_volume_and_snapshots(&name),
+            "qos": qos.limits(volume.id()),
+            "qos_throttled_requests": qos.get(volume.id()).map_or(0, |q| q.throttled_requests()),
+            "qos_throttled_seconds": qos.get(volume.id()).map_or(0.0, |q| q.throttled_seconds()),
         })))
     })
     .await
@@ -752,7 +821,7 @@ async fn delete_volume(
 ) -> ApiResult<StatusCode> {
     let force = delete_query(query)?;
     blocking(move || {
-        api.pool.volume(&name)?;
+        let id = api.pool.volume(&name)?.id();
         check_unused(
             &format!("volume {name:?} (with its snapshots)"),
             &api.clients.of_volume_and_snapshots(&name),
@@ -760,6 +829,10 @@ async fn delete_volume(
         )?;
         api.pool.delete_volume(&name)?;
         api.clients.forget_volume(&name);
+        if let Err(e) = api.qos.forget(id) {
+            // The volume is gone; its row is dropped at the next start.
+            tracing::warn!("volume {name:?} deleted, but its QoS limits stay in the file: {e:#}");
+        }
         Ok(StatusCode::NO_CONTENT)
     })
     .await
@@ -829,10 +902,7 @@ async fn convert(
             ));
         }
         pool.set_volume_format(&name, to)?;
-        Ok(Json(VolumeView::new(
-            volume_info(pool, &name)?,
-            &api.clients,
-        )))
+        Ok(Json(VolumeView::new(volume_info(pool, &name)?, &api)))
     })
     .await
 }
@@ -951,7 +1021,7 @@ async fn delete_snapshot(
 ) -> ApiResult<StatusCode> {
     let force = delete_query(query)?;
     blocking(move || {
-        let Api { pool, clients } = api;
+        let Api { pool, clients, .. } = api;
         // A missing volume is named as such, not as a missing snapshot of it.
         pool.volume(&name)?;
         pool.snapshot(&name, &snapshot)?;

@@ -1,12 +1,15 @@
 //! The iSCSI target's view of the pool: one LUN per volume. A volume's LUN number is its
 //! volume id minus one, so it never changes while the volume exists and is never reused.
-//! Every command that reaches a volume is counted in its [`VolumeIo`] (`protocol="iscsi"`).
+//! Every command that reaches a volume is counted in its [`VolumeIo`] (`protocol="iscsi"`),
+//! and reads and writes are charged to its QoS limits ([`Qos`]).
 
 use crate::clients::Clients;
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
+use crate::qos::Qos;
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
-use ibid_iscsi::{Extent, Lun, LunError, LunInfo, Luns};
+use ibid_iscsi::{Direction, Extent, Lun, LunError, LunInfo, Luns};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Highest LUN number SAM allows with flat addressing; volumes beyond it are not exported.
 const LUN_MAX: u64 = 16383;
@@ -20,11 +23,13 @@ pub struct PoolLuns {
     pool_identity: [u8; 32],
     metrics: Arc<Metrics>,
     clients: Arc<Clients>,
+    qos: Arc<Qos>,
 }
 
 impl PoolLuns {
-    /// Exports every volume of `pool`, counting I/O in `metrics` and sessions in `clients`.
-    pub fn new(pool: Pool, metrics: Arc<Metrics>, clients: Arc<Clients>) -> Self {
+    /// Exports every volume of `pool`, counting I/O in `metrics` and sessions in `clients`,
+    /// limited by `qos`.
+    pub fn new(pool: Pool, metrics: Arc<Metrics>, clients: Arc<Clients>, qos: Arc<Qos>) -> Self {
         let dir = std::fs::canonicalize(pool.dir()).unwrap_or_else(|_| pool.dir().to_path_buf());
         let pool_identity = *blake3::hash(dir.as_os_str().as_encoded_bytes()).as_bytes();
         PoolLuns {
@@ -32,6 +37,7 @@ impl PoolLuns {
             pool_identity,
             metrics,
             clients,
+            qos,
         }
     }
 
@@ -101,6 +107,14 @@ impl Luns for PoolLuns {
 
     fn generation(&self) -> u64 {
         self.pool.catalog_generation()
+    }
+
+    /// A volume's QoS entry exists once it has had limits or an NBD connection: one shared
+    /// lock per command, like the metrics lookup in `open`.
+    fn throttle(&self, lun: u64, direction: Direction, bytes: u64) -> Duration {
+        self.qos
+            .get(lun + 1)
+            .map_or(Duration::ZERO, |q| q.charge(direction.into(), bytes))
     }
 
     fn connected(&self, lun: u64, initiator: &Arc<ibid_iscsi::Initiator>) {

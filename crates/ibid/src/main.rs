@@ -7,6 +7,7 @@ mod clients;
 mod iscsi_luns;
 mod metrics;
 mod nbd_exports;
+mod qos;
 mod scrub;
 mod serve;
 mod units;

@@ -8,6 +8,8 @@
 //!   it opens the volume and keeps the `Arc`, so recording a request takes no lock. (NBD opens
 //!   once per connection; the iSCSI target opens the LUN per command, so there the lookup, a
 //!   shared read lock, is per command, next to the engine's own volume lookup.)
+//! - **QoS**, from the volumes' [`Qos`] entries: the limits in force, and the requests made to
+//!   wait and for how long.
 //! - **Space**, read from the engine at scrape time ([`Pool::stats`], [`Pool::list_volumes_now`]):
 //!   figures exact as of the last commit (at most about a second old). A scrape never forces a
 //!   commit.
@@ -17,6 +19,7 @@
 //! that crate's `Histogram::observe` takes a mutex per observation, which the I/O path must
 //! not. The page is checked by a parser in `tests/metrics.rs`.
 
+use crate::qos::Qos;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -203,8 +206,8 @@ impl Metrics {
         out
     }
 
-    /// The whole exposition page for `pool`.
-    pub fn render(&self, pool: &Pool) -> String {
+    /// The whole exposition page for `pool` and its volumes' `qos`.
+    pub fn render(&self, pool: &Pool, qos: &Qos) -> String {
         let volumes = pool.list_volumes_now();
         let mut existing: HashSet<String> = volumes.iter().map(|v| v.name.clone()).collect();
         existing.extend(
@@ -263,6 +266,7 @@ impl Metrics {
                 v.reserved_bytes,
             );
         }
+        render_qos(&mut page, &volumes, qos);
         render_io(&mut page, &self.entries());
         page.text
     }
@@ -451,6 +455,60 @@ fn render_pool(page: &mut Page, pool: &Pool) {
     page.sample("ibid_pool_commits_total", &[], s.committed_batches);
 }
 
+/// Per-volume QoS limits and throttling counters.
+fn render_qos(page: &mut Page, volumes: &[ibid_engine::VolumeInfo], qos: &Qos) {
+    let entries: Vec<_> = volumes
+        .iter()
+        .map(|v| (v.name.as_str(), qos.get(v.id)))
+        .collect();
+    let limits = [
+        (
+            "ibid_volume_qos_limit_iops",
+            "QoS limit of the volume in requests per second (op: read, write, total).",
+            0,
+            1,
+        ),
+        (
+            "ibid_volume_qos_limit_bytes_per_second",
+            "QoS limit of the volume in bytes per second (op: read, write, total).",
+            3,
+            crate::qos::MB,
+        ),
+    ];
+    for (name, help, first, unit) in limits {
+        page.family(name, "gauge", help);
+        for (volume, q) in &entries {
+            let Some(q) = q else { continue };
+            let all = q.limits().all();
+            for (i, op) in ["read", "write", "total"].into_iter().enumerate() {
+                if let Some(l) = all[first + i] {
+                    page.sample(name, &[("volume", volume), ("op", op)], l * unit);
+                }
+            }
+        }
+    }
+    let name = "ibid_volume_throttled_requests_total";
+    page.family(
+        name,
+        "counter",
+        "Requests QoS made wait before they ran, through any protocol.",
+    );
+    for (volume, q) in &entries {
+        let n = q.as_ref().map_or(0, |q| q.throttled_requests());
+        page.sample(name, &[("volume", volume)], n);
+    }
+    let name = "ibid_volume_throttled_seconds_total";
+    page.family(
+        name,
+        "counter",
+        "Time requests waited for the volume's QoS limits, summed over requests.",
+    );
+    for (volume, q) in &entries {
+        let s = q.as_ref().map_or(0.0, |q| q.throttled_seconds());
+        page.sample(name, &[("volume", volume)], Float(s));
+    }
+}
+
 /// Per-volume, per-protocol request counters and latency histograms.
 fn render_io(page: &mut Page, entries: &[(Protocol, String, Arc<VolumeIo>)]) {
     type Counter = fn(&OpStats) -> u64;
@@ -579,14 +637,16 @@ fn escape_label(v: &str) -> String {
         .replace('\n', r"\n")
 }
 
-/// `GET /metrics`: the exposition page. Needs the [`Metrics`] as a request extension.
+/// `GET /metrics`: the exposition page. Needs the [`Metrics`] and the [`Qos`] as request
+/// extensions.
 pub async fn scrape(
     State(pool): State<Pool>,
     Extension(metrics): Extension<Arc<Metrics>>,
+    Extension(qos): Extension<Arc<Qos>>,
     Extension(scrubber): Extension<Arc<crate::scrub::Scrubber>>,
 ) -> Response {
     // Engine calls may wait on the pool's locks: keep them off the async workers.
-    let page = move || metrics.render(&pool) + &render_scrub(&scrubber.status());
+    let page = move || metrics.render(&pool, &qos) + &render_scrub(&scrubber.status());
     match tokio::task::spawn_blocking(page).await {
         Ok(page) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], page).into_response(),
         Err(e) => (

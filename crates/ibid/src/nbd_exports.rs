@@ -1,11 +1,14 @@
 //! The NBD server's view of the pool: every volume is an export named after it. Every request
-//! is counted in the volume's [`VolumeIo`] (`protocol="nbd"`).
+//! is counted in the volume's [`VolumeIo`] (`protocol="nbd"`) and charged to its
+//! [`VolumeQos`] limits (snapshots are not limited).
 
 use crate::clients::Clients;
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
+use crate::qos::{Qos, VolumeQos};
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
-use ibid_nbd::{Export, ExportError, ExportInfo, Exports, Extent};
+use ibid_nbd::{Direction, Export, ExportError, ExportInfo, Exports, Extent};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Extents returned per block-status request at most (clients ask again from where it ends).
 /// Small, because qemu uses only the first extent of each reply and asks again from its end.
@@ -16,15 +19,18 @@ pub struct PoolExports {
     pool: Pool,
     metrics: Arc<Metrics>,
     clients: Arc<Clients>,
+    qos: Arc<Qos>,
 }
 
 impl PoolExports {
-    /// Exports every volume of `pool`, counting I/O in `metrics` and connections in `clients`.
-    pub fn new(pool: Pool, metrics: Arc<Metrics>, clients: Arc<Clients>) -> Self {
+    /// Exports every volume of `pool`, counting I/O in `metrics` and connections in `clients`,
+    /// limited by `qos`.
+    pub fn new(pool: Pool, metrics: Arc<Metrics>, clients: Arc<Clients>, qos: Arc<Qos>) -> Self {
         PoolExports {
             pool,
             metrics,
             clients,
+            qos,
         }
     }
 }
@@ -59,14 +65,19 @@ impl Exports for PoolExports {
 
     /// A volume by name, or a snapshot as `VOLUME@SNAPSHOT` (read-only).
     fn open(&self, name: &str) -> Option<Arc<dyn Export>> {
-        let volume = match name.split_once('@') {
-            Some((volume, snapshot)) => self.pool.snapshot(volume, snapshot).ok()?,
-            None => self.pool.volume(name).ok()?,
+        let (volume, qos) = match name.split_once('@') {
+            Some((volume, snapshot)) => (self.pool.snapshot(volume, snapshot).ok()?, None),
+            None => {
+                let volume = self.pool.volume(name).ok()?;
+                let qos = self.qos.volume(volume.id(), name);
+                (volume, Some(qos))
+            }
         };
         Some(Arc::new(VolumeExport {
             size: volume.size(),
             io: self.metrics.volume(name, Protocol::Nbd),
             volume,
+            qos,
         }))
     }
 }
@@ -76,6 +87,8 @@ struct VolumeExport {
     volume: Volume,
     size: u64,
     io: Arc<VolumeIo>,
+    /// The volume's limits (shared with its other connections); `None` for a snapshot.
+    qos: Option<Arc<VolumeQos>>,
 }
 
 fn to_export_error(e: Error) -> ExportError {
@@ -120,6 +133,12 @@ impl Export for VolumeExport {
 
     fn write_is_quick(&self, offset: u64, len: u64) -> bool {
         self.volume.write_is_quick(offset, len)
+    }
+
+    fn throttle(&self, direction: Direction, bytes: u64) -> Duration {
+        self.qos
+            .as_ref()
+            .map_or(Duration::ZERO, |q| q.charge(direction.into(), bytes))
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {

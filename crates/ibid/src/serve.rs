@@ -236,6 +236,7 @@ async fn serve(
     let signalled = shutdown_signal();
     print_banner(&pool, opts, nbd_addr, iscsi_addr, http_addr);
     let metrics = Arc::new(Metrics::default());
+    let qos = Arc::new(crate::qos::Qos::open(&pool)?);
     let clients = Arc::new(crate::clients::Clients::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -252,6 +253,7 @@ async fn serve(
                     pool.clone(),
                     metrics.clone(),
                     clients.clone(),
+                    qos.clone(),
                 ));
                 let config = ibid_iscsi::TargetConfig::new(opts.iqn.clone());
                 ibid_iscsi::serve_until(listener, luns, config, stopped(stop_rx.clone()))
@@ -265,6 +267,7 @@ async fn serve(
         pool.clone(),
         metrics.clone(),
         clients.clone(),
+        qos.clone(),
     ));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
@@ -284,10 +287,16 @@ async fn serve(
     let http = async {
         match http_listener {
             Some(listener) => {
-                let app =
-                    crate::api::router(pool.clone(), clients.clone(), access, opts.http_timeout)
-                        .layer(axum::Extension(metrics.clone()))
-                        .layer(axum::Extension(scrubber.clone()));
+                let app = crate::api::router(
+                    pool.clone(),
+                    clients.clone(),
+                    qos.clone(),
+                    access,
+                    opts.http_timeout,
+                )
+                .layer(axum::Extension(metrics.clone()))
+                .layer(axum::Extension(qos.clone()))
+                .layer(axum::Extension(scrubber.clone()));
                 serve_http(listener, app, opts.http_timeout, stop_rx.clone()).await;
                 Ok(())
             }

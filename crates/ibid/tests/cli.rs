@@ -1135,3 +1135,329 @@ fn pool_verify_finds_flipped_bytes_online_and_offline_and_the_block_reads_as_eio
         "{metrics}"
     );
 }
+
+/// fio's nbd engine: random 4 KiB writes at queue depth 8 on `volume`, `jobs` jobs (as many NBD
+/// connections), for `seconds`; started now, joined by [`fio_write_iops`].
+fn fio_random_writes(srv: &Server, volume: &str, jobs: u32, seconds: u32) -> std::process::Child {
+    common::require("fio");
+    Command::new("fio")
+        .args([
+            &format!("--name={volume}"),
+            "--ioengine=nbd",
+            &format!("--uri={}", srv.url(volume)),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=8",
+            &format!("--numjobs={jobs}"),
+            "--group_reporting",
+            "--size=64M",
+            "--time_based",
+            &format!("--runtime={seconds}"),
+            "--output-format=json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start fio")
+}
+
+/// The write IOPS a fio run from [`fio_random_writes`] measured.
+fn fio_write_iops(fio: std::process::Child) -> f64 {
+    let out = fio.wait_with_output().expect("fio");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "fio: {text}");
+    let v: Value = serde_json::from_str(&text[text.find('{').expect("fio json")..])
+        .unwrap_or_else(|e| panic!("fio json: {e}: {text}"));
+    assert_eq!(v["jobs"][0]["error"], 0, "{text}");
+    v["jobs"][0]["write"]["iops"].as_f64().expect("iops")
+}
+
+/// One sample of the metrics page: `name{labels}` exactly as written there.
+fn metric(srv: &Server, series: &str) -> Option<f64> {
+    let page = run(
+        "curl",
+        &["-s", "-S", &format!("{}/metrics", server_url(srv))],
+    );
+    page.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[test]
+fn qos_limits_a_volume_across_connections_and_protocols_and_survive_a_restart() {
+    let srv = Server::start(&[]);
+    // Set at creation: 200 writes a second. `fast` has no limit.
+    let slow = json(
+        &srv,
+        &[
+            "volume",
+            "create",
+            "slow",
+            "--size",
+            "1G",
+            "--write-iops",
+            "200",
+        ],
+    );
+    assert_eq!(slow["qos"]["write_iops"], 200, "{slow}");
+    assert_eq!(slow["qos"]["read_iops"], Value::Null, "{slow}");
+    ok(&srv, &["volume", "create", "fast", "--size", "1G"]);
+    // Both at once, two connections each: the limit holds for the volume as a whole, and
+    // the unlimited volume runs at its own pace.
+    let (slow_fio, fast_fio) = (
+        fio_random_writes(&srv, "slow", 2, 4),
+        fio_random_writes(&srv, "fast", 2, 4),
+    );
+    let (slow_iops, fast_iops) = (fio_write_iops(slow_fio), fio_write_iops(fast_fio));
+    eprintln!("fio write IOPS: slow (limit 200) {slow_iops:.0}, fast (no limit) {fast_iops:.0}");
+    assert!(
+        (150.0..=230.0).contains(&slow_iops),
+        "slow: {slow_iops} write IOPS under a limit of 200"
+    );
+    assert!(
+        fast_iops > 3.0 * 230.0,
+        "fast: {fast_iops} write IOPS next to the limited volume"
+    );
+    let throttled = r#"ibid_volume_throttled_requests_total{volume="slow"}"#;
+    assert!(metric(&srv, throttled) > Some(0.0));
+    assert_eq!(
+        metric(
+            &srv,
+            r#"ibid_volume_throttled_requests_total{volume="fast"}"#
+        ),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(
+            &srv,
+            r#"ibid_volume_qos_limit_iops{volume="slow",op="write"}"#
+        ),
+        Some(200.0)
+    );
+
+    // NBD and iSCSI share the volume's limit: with fio's four connections keeping `slow` at
+    // its 200 writes a second, 100 iSCSI writes one at a time (alone, 20 of them pass in the
+    // burst and the rest at 200 a second: ~0.5 s) get a share of the limit only, and together
+    // they stay within it.
+    let fio = fio_random_writes(&srv, "slow", 4, 4);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let iscsi = iscsi_writes(&srv, "slow", 100);
+    let nbd_iops = fio_write_iops(fio);
+    eprintln!(
+        "slow (limit 200): fio {nbd_iops:.0} write IOPS while 100 iSCSI writes took {iscsi:?}"
+    );
+    assert!(
+        iscsi > std::time::Duration::from_millis(900),
+        "100 iSCSI writes took {iscsi:?} next to fio on a volume limited to 200 IOPS"
+    );
+    assert!(
+        nbd_iops + 100.0 / 4.0 <= 230.0,
+        "fio {nbd_iops} write IOPS and 100 iSCSI writes in 4 s under a limit of 200"
+    );
+
+    // A limit set at run time reaches a connection already open (libnbd, one write at a
+    // time): unlimited first, then 20 writes a second.
+    ok(&srv, &["volume", "create", "rt", "--size", "16M"]);
+    let script = "import sys, time\n\
+         buf = b'\\x01' * 4096\n\
+         def writes(secs):\n\
+         \x20   n, t0 = 0, time.monotonic()\n\
+         \x20   while time.monotonic() - t0 < secs:\n\
+         \x20       h.pwrite(buf, (n % 256) * 4096)\n\
+         \x20       n += 1\n\
+         \x20   return n\n\
+         print(writes(0.5), flush=True)\n\
+         sys.stdin.readline()\n\
+         writes(0.3)\n\
+         print(writes(1.0), flush=True)\n";
+    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let mut nbdsh = Command::new("nbdsh")
+        .args(["-u", &srv.url("rt"), "-c", script])
+        .env("PATH", path)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start nbdsh");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
+        nbdsh.stdout.take().expect("stdout"),
+    ));
+    let mut count = || -> u64 {
+        let line = lines.next().expect("nbdsh output").expect("read nbdsh");
+        line.trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}: {line:?}"))
+    };
+    let before = count();
+    let set = json(&srv, &["volume", "qos", "rt", "--write-iops", "20"]);
+    assert_eq!(set["qos"]["write_iops"], 20, "{set}");
+    writeln!(nbdsh.stdin.as_mut().expect("stdin")).expect("signal nbdsh");
+    let after = count();
+    assert!(nbdsh.wait().expect("nbdsh").success());
+    eprintln!("nbdsh writes: {before} in 0.5 s unlimited, {after} in 1 s at 20 IOPS");
+    assert!(before >= 50, "{before} writes in 0.5 s before the limit");
+    assert!(
+        (10..=26).contains(&after),
+        "{after} writes in 1 s at 20 IOPS"
+    );
+
+    // The same limit holds over iSCSI: 30 writes at 20 a second take over a second.
+    let iscsi = iscsi_writes(&srv, "rt", 30);
+    eprintln!("30 iSCSI writes at 20 IOPS: {iscsi:?}");
+    assert!(
+        iscsi > std::time::Duration::from_millis(1200),
+        "30 iSCSI writes took {iscsi:?} under a limit of 20 IOPS"
+    );
+
+    // Bad values are refused whole, with a precise error, and change nothing.
+    for (body, why) in [
+        (
+            r#"{"write_iops": 0}"#,
+            "write_iops must be a whole number from 1",
+        ),
+        (r#"{"write_iops": -5}"#, "not -5"),
+        (r#"{"read_mbps": 1.5}"#, "not 1.5"),
+        (r#"{"total_iops": "100"}"#, "not \"100\""),
+        (r#"{"write_mbps": 99999999999}"#, "from 1 to 1048576"),
+        (
+            r#"{"read_iops": 10, "iops": 10}"#,
+            "unknown QoS limit \"iops\"",
+        ),
+        (r#"[1]"#, "QoS limits are a JSON object"),
+    ] {
+        let (status, e) = common::api_call(&srv, "PATCH", "/api/v1/volumes/slow/qos", Some(body));
+        assert_eq!(status, 400, "{body}: {e}");
+        assert_eq!(e["code"], "invalid_argument", "{body}: {e}");
+        let message = e["message"].as_str().expect("message");
+        assert!(message.contains(why), "{body}: {message}");
+    }
+    let (status, e) = common::api_call(
+        &srv,
+        "PATCH",
+        "/api/v1/volumes/nope/qos",
+        Some(r#"{"write_iops": 10}"#),
+    );
+    assert_eq!(
+        (status, e["code"].as_str()),
+        (404, Some("not_found")),
+        "{e}"
+    );
+    let (status, e) = common::api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes",
+        Some(r#"{"name": "bad", "size": "1G", "qos": {"read_iops": 0}}"#),
+    );
+    assert_eq!(
+        (status, e["code"].as_str()),
+        (400, Some("invalid_argument")),
+        "{e}"
+    );
+    fails(&srv, &["volume", "describe", "bad"], 3, "not_found");
+    fails(
+        &srv,
+        &["volume", "qos", "slow", "--write-mbps", "0"],
+        2,
+        "invalid_argument",
+    );
+    // Nothing changed, not even the valid half of a refused patch.
+    let shown = ok(&srv, &["volume", "qos", "slow"]);
+    assert!(
+        shown.contains("qos:") && shown.contains(" write 200 IOPS\n"),
+        "{shown}"
+    );
+    let d = json(&srv, &["volume", "describe", "slow"]);
+    assert_eq!(
+        d["qos"],
+        serde_json::json!({"read_iops": null, "write_iops": 200, "total_iops": null,
+            "read_mbps": null, "write_mbps": null, "total_mbps": null}),
+        "{d}"
+    );
+    assert!(d["qos_throttled_requests"].as_u64() > Some(0), "{d}");
+
+    // Limits are kept with the pool: a restart finds them, and they can be cleared.
+    ok(
+        &srv,
+        &[
+            "volume",
+            "qos",
+            "fast",
+            "--mbps",
+            "100",
+            "--read-iops",
+            "500",
+        ],
+    );
+    let srv = Server::start_in(srv.stop(), &[]);
+    let qos = |name: &str| json(&srv, &["volume", "describe", name])["qos"].clone();
+    assert_eq!(qos("slow")["write_iops"], 200);
+    assert_eq!(qos("rt")["write_iops"], 20);
+    assert_eq!(
+        (
+            qos("fast")["total_mbps"].as_u64(),
+            qos("fast")["read_iops"].as_u64()
+        ),
+        (Some(100), Some(500))
+    );
+    assert_eq!(
+        metric(
+            &srv,
+            r#"ibid_volume_qos_limit_bytes_per_second{volume="fast",op="total"}"#
+        ),
+        Some(100.0 * 1048576.0)
+    );
+    let capped = json(
+        &srv,
+        &[
+            "volume",
+            "create",
+            "capped",
+            "--size",
+            "16M",
+            "--max-iops",
+            "500",
+            "--max-mbps",
+            "100",
+        ],
+    );
+    assert_eq!(
+        (
+            capped["qos"]["total_iops"].as_u64(),
+            capped["qos"]["total_mbps"].as_u64()
+        ),
+        (Some(500), Some(100)),
+        "{capped}"
+    );
+    let cleared = json(
+        &srv,
+        &["volume", "qos", "fast", "--clear", "--write-iops", "1000"],
+    );
+    assert_eq!(
+        cleared["qos"],
+        serde_json::json!({"read_iops": null, "write_iops": 1000, "total_iops": null,
+            "read_mbps": null, "write_mbps": null, "total_mbps": null})
+    );
+    // A deleted volume's limits do not pass to a new volume of the same name.
+    ok(&srv, &["volume", "delete", "slow"]);
+    let again = json(&srv, &["volume", "create", "slow", "--size", "1G"]);
+    assert_eq!(again["qos"]["write_iops"], Value::Null, "{again}");
+}
+
+/// Writes `count` 4 KiB blocks, one at a time, to `volume` over iSCSI (qemu-io, one login);
+/// returns how long that took.
+fn iscsi_writes(srv: &Server, volume: &str, count: u64) -> std::time::Duration {
+    let lun = u64_of(&json(srv, &["volume", "describe", volume]), "id") - 1;
+    let mut args: Vec<String> = vec!["-f".into(), "raw".into()];
+    for i in 0..count {
+        args.extend(["-c".to_string(), format!("write -P 7 {}k 4k", i * 4)]);
+    }
+    args.push(srv.iscsi_url(lun));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let start = std::time::Instant::now();
+    run("qemu-io", &args);
+    start.elapsed()
+}
+
+/// A field of `v` that must be an unsigned number.
+fn u64_of(v: &Value, field: &str) -> u64 {
+    v[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{field} in {v}"))
+}

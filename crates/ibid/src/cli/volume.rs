@@ -1,5 +1,5 @@
 //! `ibid volume ...`: create, list, describe (the `vmkfstools -D` view), resize, delete, format
-//! conversions (format, inflate, eagerzero, reserve), clone and range copy.
+//! conversions (format, inflate, eagerzero, reserve), clone, range copy and QoS limits.
 
 use super::client::segment;
 use super::error::CliError;
@@ -25,6 +25,8 @@ pub enum VolumeCmd {
         /// thin (default), lazyzeroedthick (zeroedthick) or eagerzeroedthick.
         #[arg(long, value_parser = parse_format)]
         format: Option<String>,
+        #[command(flatten)]
+        qos: QosArgs,
     },
     /// List the volumes.
     List,
@@ -87,6 +89,19 @@ pub enum VolumeCmd {
         #[arg(long, value_parser = parse_format)]
         format: Option<String>,
     },
+    /// Show or change a volume's QoS limits, e.g. `ibid volume qos vm1 --write-iops 500
+    /// --read-mbps 100`: the limits given change, the others stay; with --clear, the others
+    /// are removed. In force at once on every connection (NBD and iSCSI), kept across restarts.
+    /// With no limit and no --clear, shows the limits.
+    Qos {
+        /// Volume name.
+        name: String,
+        #[command(flatten)]
+        limits: QosArgs,
+        /// Remove every limit not given on this command line.
+        #[arg(long)]
+        clear: bool,
+    },
     /// Copy a range from a volume or snapshot into another volume, by reference where aligned.
     Copy {
         /// Source: VOLUME or VOLUME@SNAPSHOT.
@@ -108,7 +123,17 @@ pub enum VolumeCmd {
 /// Runs a volume command.
 pub fn run(ctx: &Ctx, cmd: VolumeCmd) -> Result<(), CliError> {
     match cmd {
-        VolumeCmd::Create { name, size, format } => create(ctx, &name, size, format),
+        VolumeCmd::Create {
+            name,
+            size,
+            format,
+            qos,
+        } => create(ctx, &name, size, format, &qos),
+        VolumeCmd::Qos {
+            name,
+            limits,
+            clear,
+        } => set_qos(ctx, &name, &limits, clear),
         VolumeCmd::List => list(ctx),
         VolumeCmd::Describe { name } => describe(ctx, &name),
         VolumeCmd::Resize { name, size } => resize(ctx, &name, size),
@@ -140,10 +165,117 @@ pub fn run(ctx: &Ctx, cmd: VolumeCmd) -> Result<(), CliError> {
     }
 }
 
-fn create(ctx: &Ctx, name: &str, size: u64, format: Option<String>) -> Result<(), CliError> {
+/// QoS limits on the command line: a volume's requests per second (IOPS) and MiB per second
+/// (MB/s, 2^20 bytes), for reads, writes (zeroing and unmap included) and both together. Each
+/// is a whole number from 1 up (IOPS up to 10000000, MB/s up to 1048576).
+#[derive(clap::Args, Default)]
+pub struct QosArgs {
+    /// QoS: reads and writes per second, together.
+    #[arg(long, visible_alias = "max-iops", value_name = "IOPS")]
+    iops: Option<u64>,
+    /// QoS: MiB read and written per second, together.
+    #[arg(long, visible_alias = "max-mbps", value_name = "MB/s")]
+    mbps: Option<u64>,
+    /// QoS: reads per second.
+    #[arg(long, value_name = "IOPS")]
+    read_iops: Option<u64>,
+    /// QoS: MiB read per second.
+    #[arg(long, value_name = "MB/s")]
+    read_mbps: Option<u64>,
+    /// QoS: writes per second.
+    #[arg(long, value_name = "IOPS")]
+    write_iops: Option<u64>,
+    /// QoS: MiB written per second.
+    #[arg(long, value_name = "MB/s")]
+    write_mbps: Option<u64>,
+}
+
+impl QosArgs {
+    /// The limits given, as the API's fields (with `clear`, the others as null).
+    fn body(&self, clear: bool) -> Map<String, Value> {
+        let mut body = Map::new();
+        for (field, value) in [
+            ("total_iops", self.iops),
+            ("total_mbps", self.mbps),
+            ("read_iops", self.read_iops),
+            ("read_mbps", self.read_mbps),
+            ("write_iops", self.write_iops),
+            ("write_mbps", self.write_mbps),
+        ] {
+            match value {
+                Some(v) => {
+                    body.insert(field.to_string(), v.into());
+                }
+                None if clear => {
+                    body.insert(field.to_string(), Value::Null);
+                }
+                None => {}
+            }
+        }
+        body
+    }
+}
+
+/// A volume view's `qos` object in words: "write 200 IOPS, read 20 MiB/s", or "none".
+fn qos_text(v: &Value) -> String {
+    let parts: Vec<String> = [
+        ("total_iops", "total", "IOPS"),
+        ("total_mbps", "total", "MiB/s"),
+        ("read_iops", "read", "IOPS"),
+        ("read_mbps", "read", "MiB/s"),
+        ("write_iops", "write", "IOPS"),
+        ("write_mbps", "write", "MiB/s"),
+    ]
+    .iter()
+    .filter_map(|(field, what, unit)| {
+        v["qos"][field]
+            .as_u64()
+            .map(|n| format!("{what} {n} {unit}"))
+    })
+    .collect();
+    if parts.is_empty() {
+        "none".to_string()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn set_qos(ctx: &Ctx, name: &str, limits: &QosArgs, clear: bool) -> Result<(), CliError> {
+    let body = limits.body(clear);
+    let v = if body.is_empty() {
+        find_volume(ctx, name)?
+    } else {
+        ctx.client.patch(
+            &format!("/volumes/{}/qos", segment(name)),
+            Value::Object(body),
+            &format!("setting the QoS limits of {name}"),
+        )?
+    };
+    if ctx.json {
+        print_json(&v);
+    } else {
+        print_fields(&[
+            ("name", str_field(&v, "name")?.to_string()),
+            ("qos", qos_text(&v)),
+        ]);
+    }
+    Ok(())
+}
+
+fn create(
+    ctx: &Ctx,
+    name: &str,
+    size: u64,
+    format: Option<String>,
+    qos: &QosArgs,
+) -> Result<(), CliError> {
     let mut body = json!({ "name": name, "size": size });
     if let Some(f) = format {
         body["format"] = f.into();
+    }
+    let limits = qos.body(false);
+    if !limits.is_empty() {
+        body["qos"] = Value::Object(limits);
     }
     let v = ctx
         .client
@@ -232,6 +364,15 @@ fn describe(ctx: &Ctx, name: &str) -> Result<(), CliError> {
             ),
         ),
         ("reserved", size(u64_field(&d, "reserved_bytes")?)),
+        (
+            "qos",
+            format!(
+                "{} ({} requests throttled, {:.1} s waited)",
+                qos_text(&d),
+                d["qos_throttled_requests"].as_u64().unwrap_or(0),
+                d["qos_throttled_seconds"].as_f64().unwrap_or(0.0)
+            ),
+        ),
         (
             "snapshots",
             if snapshots.is_empty() {
@@ -382,6 +523,7 @@ fn show_volume(ctx: &Ctx, v: &Value) -> Result<(), CliError> {
             },
         ),
         ("mapped", blocks(u64_field(v, "mapped_blocks")?)),
+        ("qos", qos_text(v)),
     ]);
     if thick {
         println!("{}", headroom_note());
