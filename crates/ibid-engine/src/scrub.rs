@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, VolumeRecord, BLOCK_BYTES};
 use crate::meta;
 use crate::pool::Pool;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// What one scrub step did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -96,7 +96,7 @@ fn places_of(pool: &Pool, ids: &BTreeSet<u64>) -> Result<BTreeMap<u64, Vec<(Stri
             stacks.push((k, VolumeRecord::decode(&v)?));
         }
     }
-    let mut entries: HashMap<u64, BTreeMap<u64, u64>> = HashMap::new();
+    let mut entries = crate::stack::LoadedMap::new();
     for item in txn.iter(meta::MAP)? {
         let (k, v) = item?;
         let (layer, block) = format::decode_map_key(&k);
@@ -104,17 +104,7 @@ fn places_of(pool: &Pool, ids: &BTreeSet<u64>) -> Result<BTreeMap<u64, Vec<(Stri
     }
     let mut out: BTreeMap<u64, Vec<(String, u64)>> = BTreeMap::new();
     for (name, r) in &stacks {
-        let scan = |layer: u64, s0: u64, s1: u64, found: &mut crate::stack::Found<'_>| {
-            for (&b, &id) in entries
-                .get(&layer)
-                .into_iter()
-                .flat_map(|m| m.range(s0..s1))
-            {
-                found(b, id);
-            }
-            Ok::<(), Error>(())
-        };
-        for (b, id) in crate::stack::resolve(&r.layers, 0, u64::MAX, false, scan)?.entries {
+        for (b, id) in crate::stack::resolve_loaded(&r.layers, &entries)? {
             if ids.contains(&id) {
                 let list = out.entry(id).or_default();
                 if list.len() < PLACES_MAX {

@@ -8,7 +8,7 @@
 //! entry too: it hides the frames below.
 
 use crate::format::Frame;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// What a stack shows in a block range.
 #[derive(Debug, Default)]
@@ -25,6 +25,24 @@ pub(crate) struct Resolved {
 /// A layer scanner: `scan(layer, s0, s1, found)` calls `found(block, value)` for every entry
 /// of `layer` with block in `[s0, s1)`, in any order.
 pub(crate) type Found<'a> = dyn FnMut(u64, u64) + 'a;
+
+/// Map entries loaded in memory: layer → block → map value.
+pub(crate) type LoadedMap = HashMap<u64, BTreeMap<u64, u64>>;
+
+/// What `stack` shows at every block (tombstones included), its layers read from `loaded`
+/// (verify and scrub, which read the whole map once).
+pub(crate) fn resolve_loaded(
+    stack: &[Frame],
+    loaded: &LoadedMap,
+) -> crate::error::Result<BTreeMap<u64, u64>> {
+    let scan = |layer: u64, s0: u64, s1: u64, found: &mut Found<'_>| {
+        for (&b, &id) in loaded.get(&layer).into_iter().flat_map(|m| m.range(s0..s1)) {
+            found(b, id);
+        }
+        Ok::<(), crate::error::Error>(())
+    };
+    Ok(resolve(stack, 0, u64::MAX, false, scan)?.entries)
+}
 
 /// Resolves `[b0, b1)` through `stack` with `scan` reading the layers (top frame first; the
 /// walk stops once every block is decided). With `track_frames`, also records which frame

@@ -81,7 +81,7 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         )));
     }
     let mut refs: HashMap<u64, u64> = HashMap::new();
-    let mut entries: HashMap<u64, BTreeMap<u64, u64>> = HashMap::new();
+    let mut entries = crate::stack::LoadedMap::new();
     for item in txn.iter(meta::MAP)? {
         let (k, v) = item?;
         let (layer, block) = format::decode_map_key(&k);
@@ -100,17 +100,7 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         report.map_entries += 1;
     }
     for (name, r) in &stacks {
-        let scan = |layer: u64, s0: u64, s1: u64, found: &mut crate::stack::Found<'_>| {
-            for (&b, &id) in entries
-                .get(&layer)
-                .into_iter()
-                .flat_map(|m| m.range(s0..s1))
-            {
-                found(b, id);
-            }
-            Ok::<(), Error>(())
-        };
-        let mut visible = crate::stack::resolve(&r.layers, 0, u64::MAX, false, scan)?.entries;
+        let mut visible = crate::stack::resolve_loaded(&r.layers, &entries)?;
         visible.retain(|_, id| *id != format::ZERO_TOMBSTONE);
         if let Some((&b, _)) = visible.iter().next_back() {
             if (b + 1) * BLOCK_BYTES as u64 > r.size.next_multiple_of(BLOCK_BYTES as u64) {
@@ -239,22 +229,12 @@ const DAMAGE_LISTED_MAX: usize = 8;
 fn damage_report(
     damaged: &BTreeMap<u64, String>,
     stacks: &[(String, VolumeRecord)],
-    entries: &HashMap<u64, BTreeMap<u64, u64>>,
+    entries: &crate::stack::LoadedMap,
 ) -> Result<String> {
     let mut places: BTreeMap<u64, Vec<String>> = BTreeMap::new();
     let mut counted: BTreeMap<u64, usize> = BTreeMap::new();
     for (name, r) in stacks {
-        let scan = |layer: u64, s0: u64, s1: u64, found: &mut crate::stack::Found<'_>| {
-            for (&b, &id) in entries
-                .get(&layer)
-                .into_iter()
-                .flat_map(|m| m.range(s0..s1))
-            {
-                found(b, id);
-            }
-            Ok::<(), Error>(())
-        };
-        let visible = crate::stack::resolve(&r.layers, 0, u64::MAX, false, scan)?.entries;
+        let visible = crate::stack::resolve_loaded(&r.layers, entries)?;
         for (b, id) in visible {
             if damaged.contains_key(&id) {
                 *counted.entry(id).or_default() += 1;
