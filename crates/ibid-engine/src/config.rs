@@ -3,8 +3,9 @@
 /// Settings given when a pool is created or opened.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
-    /// Capacity in bytes. `None` at creation: the free space of the filesystem. Ignored at open
-    /// (the capacity is stored in the pool).
+    /// Capacity in bytes. `None` at creation: the free space of the filesystem less what the
+    /// pool keeps free on it for metadata (see `fs_space.rs`). Ignored at open (the capacity
+    /// is stored in the pool).
     pub capacity_bytes: Option<u64>,
     /// Accept a `capacity_bytes` larger than the filesystem has available (the pool then
     /// promises space the filesystem may not have; writes get ENOSPC when it fills).

@@ -301,7 +301,7 @@ impl Pool {
                 "soft threshold must be 1 to 100 percent".into(),
             ));
         }
-        let (_, fs_avail) = crate::fs_space::statvfs(dir)?;
+        let (fs_total, fs_avail) = crate::fs_space::statvfs(dir)?;
         let capacity = match config.capacity_bytes {
             Some(c) if c > fs_avail && !config.capacity_force => {
                 return Err(Error::InvalidArgument(format!(
@@ -313,7 +313,10 @@ impl Pool {
                 )))
             }
             Some(c) => c,
-            None => fs_avail,
+            // What the pool can fill before its writes meet the filesystem's metadata reserve.
+            None => fs_avail.saturating_sub(
+                crate::fs_space::reserve_for(fs_total) + crate::fs_space::RESERVE_FILE_BYTES,
+            ),
         };
         let lock = lock_pool_dir(dir)?;
         let db = Store::create(dir, config.meta_backend)?;

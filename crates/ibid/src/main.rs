@@ -46,7 +46,8 @@ struct ServeArgs {
     /// Pool directory.
     #[arg(long, default_value = "ibid-data", env = "IBID_DATA")]
     data: PathBuf,
-    /// Capacity of a new pool, e.g. 100G (default: the filesystem's free space).
+    /// Capacity of a new pool, e.g. 100G (default: the filesystem's free space less a reserve
+    /// for metadata).
     #[arg(long, value_parser = units::parse_size)]
     capacity: Option<u64>,
     /// Accept a --capacity larger than the filesystem has available (the pool then promises

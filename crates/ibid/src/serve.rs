@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 pub struct ServeOptions {
     /// Pool directory.
     pub data: PathBuf,
-    /// Capacity of a new pool (default: the filesystem's free space).
+    /// Capacity of a new pool (default: the filesystem's free space less a reserve for metadata).
     pub capacity: Option<u64>,
     /// Accept a `capacity` larger than the filesystem has available.
     pub capacity_force: bool,
