@@ -187,6 +187,18 @@ fn a_full_filesystem_gives_enospc_keeps_the_pool_up_and_writes_resume_when_space
         Some(r#"{"name":"s"}"#),
     );
     assert_eq!(status, 201);
+    // So do creating and deleting volumes.
+    let (status, body) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes",
+        Some(r#"{"name":"w","size":"1G"}"#),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = api_call(&srv, "DELETE", "/api/v1/volumes/w", None);
+    assert!(status == 200 || status == 204, "{status} {body}");
+    let (status, body) = api_call(&srv, "GET", "/api/v1/volumes/w", None);
+    assert_eq!(status, 404, "{body}");
     let metrics = run(
         "curl",
         &[
