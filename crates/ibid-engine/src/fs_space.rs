@@ -150,7 +150,11 @@ impl FsSpace {
     /// Whether the filesystem is nearly full: less than twice the reserve available. Part of
     /// the soft-threshold alarm.
     pub(crate) fn low(&self) -> bool {
-        let (_, avail) = self.now();
+        self.is_low(self.now().1)
+    }
+
+    /// Whether `avail` available bytes make the filesystem nearly full (see [`Self::low`]).
+    pub(crate) fn is_low(&self, avail: u64) -> bool {
         avail < 2 * self.reserve_bytes()
     }
 

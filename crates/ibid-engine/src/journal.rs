@@ -474,17 +474,12 @@ impl Journal {
     /// Appends a change of batch `stamp`. Call it where the change becomes visible (with the
     /// map or shard lock that orders it held), so the journal's order is the order of changes.
     pub(crate) fn append(&self, stamp: u64, change: Change) {
-        self.append_all(stamp, [change]);
-    }
-
-    /// [`Self::append`] for several changes, in order, under one lock.
-    pub(crate) fn append_all(&self, stamp: u64, changes: impl IntoIterator<Item = Change>) {
         let mut p = self.pending.lock();
-        let before = p.changes.len();
-        p.changes.extend(changes.into_iter().map(|c| (stamp, c)));
-        p.appended += (p.changes.len() - before) as u64;
-        let added = chunk_bytes(p.changes[before..].iter());
-        p.new_bytes += added;
+        if let Change::Chunk { rec, .. } = &change {
+            p.new_bytes += rec.stored_len as u64;
+        }
+        p.changes.push((stamp, change));
+        p.appended += 1;
     }
 
     /// Appends new chunks of batch `stamp` (id, record, stored payload), in order. Each keeps
@@ -536,13 +531,7 @@ impl Journal {
         };
         let committed = inner.committed.load(Ordering::Acquire);
         let live: Vec<&(u64, Change)> = changes.iter().filter(|(s, _)| *s > committed).collect();
-        let new_bytes: u64 = live
-            .iter()
-            .map(|(_, c)| match c {
-                Change::Chunk { rec, .. } => rec.stored_len as u64,
-                _ => 0,
-            })
-            .sum();
+        let new_bytes = chunk_bytes(live.iter().copied());
         // Small flushes carry the new chunks' data inline (one fdatasync); a flush whose
         // inline data would overfill the journal file syncs the segments and journals only
         // the metadata instead; only when even that does not fit must the caller commit (which

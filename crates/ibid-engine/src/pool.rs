@@ -1200,7 +1200,7 @@ impl Inner {
             capacity_bytes: capacity,
             soft_threshold_pct: soft_pct as u8,
             soft_threshold_exceeded: past_threshold(used + reserved, capacity, soft_pct)
-                || self.fs_space.low(),
+                || self.fs_space.is_low(fs_avail),
             filesystem_bytes: fs_total,
             filesystem_free_bytes: fs_avail,
             filesystem_reserve_bytes: self.fs_space.reserve_bytes(),
