@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 mod formats;
 mod sharing;
+mod simulate;
 mod store_shapes;
 mod xcopy;
 
@@ -48,6 +49,8 @@ enum Cmd {
     StoreShapes(store_shapes::StoreShapesArgs),
     /// Range copies in 4 MiB segments with several in flight, as ESXi sends EXTENDED COPY.
     Xcopy(xcopy::XcopyArgs),
+    /// The deterministic simulator: random engine operations, power cuts, checks.
+    Simulate(simulate::SimulateArgs),
     /// Internal: writes to a pool until killed (the crash-recovery measurement).
     #[command(hide = true)]
     CrashChild {
@@ -167,6 +170,7 @@ fn main() -> Result<()> {
         Cmd::Formats(a) => formats::formats(&a),
         Cmd::StoreShapes(a) => store_shapes::store_shapes(&a),
         Cmd::Xcopy(a) => xcopy::xcopy(&a),
+        Cmd::Simulate(a) => simulate::simulate(&a),
         Cmd::CrashChild { dir, seed } => crash_child(&dir, seed),
     }
 }

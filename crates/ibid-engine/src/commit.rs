@@ -110,6 +110,9 @@ impl Inner {
         // meanwhile (hundreds of milliseconds per commit of fresh data on a slow disk).
         let mut waited = std::time::Duration::ZERO;
         let outcome = std::thread::scope(|s| {
+            if !self.config.threads {
+                return self.apply(&batch, &mut record, || self.segments.sync());
+            }
             let syncing = s.spawn(|| self.segments.sync());
             self.apply(&batch, &mut record, || {
                 let w0 = std::time::Instant::now();

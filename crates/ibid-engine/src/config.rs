@@ -52,6 +52,14 @@ pub struct PoolConfig {
     /// `commit.rs`): a large zeroed range is settled over several commits, so each stays
     /// short and its memory bounded.
     pub zero_settle_entries_max: u64,
+    /// Where the pool's files live: the real filesystem ([`crate::disk::FsDisk`], the
+    /// default) or a simulated disk ([`crate::disk::SimDisk`]).
+    pub disk: std::sync::Arc<dyn crate::disk::Disk>,
+    /// Run the engine's own threads (segment I/O and sync, parallel block preparation, the
+    /// dedup filter's rebuild). Off, every step runs on the calling thread in a fixed order,
+    /// so that the same operations do the same I/O (for the simulator; slower). The
+    /// background committer is [`PoolConfig::background`].
+    pub threads: bool,
 }
 
 impl Default for PoolConfig {
@@ -74,6 +82,8 @@ impl Default for PoolConfig {
             dedup_run_keys_min: 4096,
             dedup_runs_max: 16,
             zero_settle_entries_max: 64 << 10,
+            disk: crate::disk::fs(),
+            threads: true,
         }
     }
 }

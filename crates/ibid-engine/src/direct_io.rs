@@ -1,10 +1,8 @@
-//! Direct I/O helpers: page-aligned buffers and files opened with `O_DIRECT`, shared by the
-//! segment writers and the journal. A direct write goes from the buffer to the device with no
-//! copy into the page cache and leaves no dirty pages for a later fsync to write back; its
-//! buffer address, file offset and length must be multiples of [`PAGE_BYTES`].
-
-use std::fs::{File, OpenOptions};
-use std::path::Path;
+//! Direct I/O buffers: page-aligned, for the files the segment writers and the journal open
+//! with `O_DIRECT` (through [`crate::disk::Disk::open_direct`]). A direct write goes from the
+//! buffer to the device with no copy into the page cache and leaves no dirty pages for a later
+//! fsync to write back; its buffer address, file offset and length must be multiples of
+//! [`PAGE_BYTES`].
 
 /// Unit of direct I/O: buffer addresses, file offsets and lengths are multiples of it.
 pub(crate) const PAGE_BYTES: usize = 4096;
@@ -94,19 +92,5 @@ impl AlignedBuf {
         let len = self.len;
         self.raw_mut().copy_within(n..len, 0);
         self.len -= n;
-    }
-}
-
-/// Opens `path` for `O_DIRECT` writes; `None` where the filesystem refuses direct I/O.
-pub(crate) fn open_direct(path: &Path) -> std::io::Result<Option<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    match OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-    {
-        Ok(f) => Ok(Some(f)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-        Err(e) => Err(e),
     }
 }

@@ -16,10 +16,11 @@
 //! other files fill the filesystem, so that commits go on; it puts the file back once the
 //! filesystem has room again ([`FsSpace::restore_reserve_file`]).
 
+use crate::disk::{Disk, OpenMode};
 use crate::error::{Error, Result};
-use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Bytes of the reserve file a pool keeps so that it can always open.
@@ -34,21 +35,8 @@ pub const REFRESH: Duration = Duration::from_millis(100);
 const RESERVE_FILE: &str = "reserve";
 
 /// Size and available space of the filesystem holding `dir` (`statvfs`).
-pub(crate) fn statvfs(dir: &Path) -> Result<(u64, u64)> {
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
-        .map_err(|_| Error::InvalidArgument("pool path contains a NUL byte".into()))?;
-    // SAFETY: `statvfs` is plain old data; an all-zero value is valid.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid out-pointer.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    if rc != 0 {
-        return Err(Error::io(
-            "statvfs pool directory",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    let frsize = st.f_frsize as u64;
-    Ok((st.f_blocks as u64 * frsize, st.f_bavail as u64 * frsize))
+pub(crate) fn statvfs(disk: &dyn Disk, dir: &Path) -> Result<(u64, u64)> {
+    (disk.fs_space(dir)).map_err(|e| Error::io("statvfs pool directory", e))
 }
 
 /// The reserve kept free on a filesystem of `total` bytes: 1/32 of it, within
@@ -59,6 +47,7 @@ pub(crate) fn reserve_for(total: u64) -> u64 {
 
 /// The filesystem under a pool, its free space read at most every [`REFRESH`].
 pub(crate) struct FsSpace {
+    disk: Arc<dyn Disk>,
     dir: PathBuf,
     start: Instant,
     /// Filesystem size, bytes.
@@ -73,9 +62,10 @@ pub(crate) struct FsSpace {
 
 impl FsSpace {
     /// Reads the filesystem holding `dir`.
-    pub(crate) fn new(dir: &Path) -> Result<FsSpace> {
-        let (total, avail) = statvfs(dir)?;
+    pub(crate) fn new(disk: Arc<dyn Disk>, dir: &Path) -> Result<FsSpace> {
+        let (total, avail) = statvfs(&*disk, dir)?;
         Ok(FsSpace {
+            disk,
             dir: dir.to_path_buf(),
             start: Instant::now(),
             total: AtomicU64::new(total),
@@ -91,7 +81,7 @@ impl FsSpace {
 
     /// Reads the filesystem again (keeps the last reading if `statvfs` fails).
     fn refresh(&self) {
-        if let Ok((total, avail)) = statvfs(&self.dir) {
+        if let Ok((total, avail)) = statvfs(&*self.disk, &self.dir) {
             self.total.store(total, Ordering::Relaxed);
             self.avail.store(avail, Ordering::Relaxed);
             self.admitted.store(0, Ordering::Relaxed);
@@ -160,20 +150,20 @@ impl FsSpace {
 
     /// Deletes the reserve file when the filesystem has less than its size available (so
     /// that opening the pool has room); returns whether it did.
-    pub(crate) fn release_reserve_file_if_full(dir: &Path) -> Result<bool> {
+    pub(crate) fn release_reserve_file_if_full(disk: &dyn Disk, dir: &Path) -> Result<bool> {
         let path = dir.join(RESERVE_FILE);
-        let (_, avail) = statvfs(dir)?;
-        if avail >= RESERVE_FILE_BYTES || !path.exists() {
+        let (_, avail) = statvfs(disk, dir)?;
+        if avail >= RESERVE_FILE_BYTES || !disk.exists(&path) {
             return Ok(false);
         }
-        std::fs::remove_file(&path).map_err(|e| Error::io("remove reserve file", e))?;
+        (disk.remove_file(&path)).map_err(|e| Error::io("remove reserve file", e))?;
         Ok(true)
     }
 
     /// [`FsSpace::release_reserve_file_if_full`] on a running pool: something else filled the
     /// filesystem, and the commits, the journal and the cleaner need room to go on.
     pub(crate) fn release_if_full(&self) -> Result<bool> {
-        let released = Self::release_reserve_file_if_full(&self.dir)?;
+        let released = Self::release_reserve_file_if_full(&*self.disk, &self.dir)?;
         if released {
             self.refresh();
         }
@@ -184,48 +174,22 @@ impl FsSpace {
     /// reserve; returns whether it did. A partial file (a failed allocation) is removed.
     pub(crate) fn restore_reserve_file(&self) -> Result<bool> {
         let path = self.dir.join(RESERVE_FILE);
-        if path.exists() {
+        if self.disk.exists(&path) {
             return Ok(false);
         }
         let (_, avail) = self.now();
         if avail < RESERVE_FILE_BYTES + 2 * self.reserve_bytes() {
             return Ok(false);
         }
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
+        let file = (self.disk.open(&path, OpenMode::CreateNew))
             .map_err(|e| Error::io("create reserve file", e))?;
-        let allocated = allocate(&file, RESERVE_FILE_BYTES).and_then(|()| file.sync_all());
+        let allocated = (file.allocate(RESERVE_FILE_BYTES)).and_then(|()| file.sync_data());
         if let Err(e) = allocated {
-            let _ = std::fs::remove_file(&path);
+            let _ = self.disk.remove_file(&path);
             return Err(Error::io("allocate reserve file", e));
         }
         self.refresh();
         Ok(true)
-    }
-}
-
-/// Allocates `len` bytes to `file` (`posix_fallocate`; writes zeros where that is not
-/// supported), so that the space is the pool's.
-fn allocate(file: &std::fs::File, len: u64) -> std::io::Result<()> {
-    use std::os::unix::io::AsRawFd;
-    // SAFETY: a valid open file descriptor; offsets are in range.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
-    match rc {
-        0 => Ok(()),
-        libc::EOPNOTSUPP | libc::EINVAL => {
-            use std::os::unix::fs::FileExt;
-            let zeros = vec![0u8; 1 << 20];
-            let mut at = 0;
-            while at < len {
-                let n = (len - at).min(zeros.len() as u64) as usize;
-                file.write_all_at(&zeros[..n], at)?;
-                at += n as u64;
-            }
-            Ok(())
-        }
-        e => Err(std::io::Error::from_raw_os_error(e)),
     }
 }
 
@@ -244,7 +208,7 @@ mod tests {
     #[test]
     fn admission_counts_what_it_admitted_until_the_next_reading() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let fs = FsSpace::new(dir.path()).expect("statvfs");
+        let fs = FsSpace::new(crate::disk::fs(), dir.path()).expect("statvfs");
         let (_, avail) = fs.now();
         let room = avail.saturating_sub(fs.reserve_bytes());
         // Admitting all of the room at once refreshes (over an eighth) and still fits...

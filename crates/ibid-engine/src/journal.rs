@@ -45,15 +45,15 @@
 //! are recomputed, not journaled) and one commit makes them durable. The commit counter then
 //! resumes after the highest stamp replayed, so a record is never replayed twice.
 
-use crate::direct_io::{open_direct, AlignedBuf, PAGE_BYTES};
+use crate::direct_io::{AlignedBuf, PAGE_BYTES};
+use crate::disk::{Disk, DiskFile, OpenMode};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, RECORD_HEADER_BYTES};
 use crate::pool::{Entry, Inner};
 use parking_lot::Mutex;
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Magic at the start of every journal record ("IBJL").
 pub const JOURNAL_MAGIC: u32 = 0x4c4a_4249;
@@ -273,11 +273,15 @@ pub(crate) fn parse(bytes: &[u8], stamp: u64) -> Vec<Change> {
 /// is `committed` or older is stale. Two files can both be newer: then the lower stamp comes
 /// first. (Batches that were empty when cut are never written to the store, so stamps newer
 /// than `committed` may skip numbers; their records change nothing.)
-pub(crate) fn read(dir: &Path, committed: u64) -> Result<(Vec<(u64, Change)>, u64)> {
+pub(crate) fn read(
+    disk: &dyn Disk,
+    dir: &Path,
+    committed: u64,
+) -> Result<(Vec<(u64, Change)>, u64)> {
     let mut batches: Vec<(u64, Vec<Change>)> = Vec::new();
     let mut highest = committed;
     for i in 0..2 {
-        let bytes = match std::fs::read(dir.join(file_name(i))) {
+        let bytes = match disk.read(&dir.join(file_name(i))) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(Error::io("read journal", e)),
@@ -305,9 +309,9 @@ pub(crate) fn read(dir: &Path, committed: u64) -> Result<(Vec<(u64, Change)>, u6
 
 struct JournalFile {
     /// The file, buffered: fdatasync, and writes where direct I/O is refused.
-    file: File,
+    file: Arc<dyn DiskFile>,
     /// The file opened with `O_DIRECT`, where the filesystem allows it.
-    direct: Option<File>,
+    direct: Option<Arc<dyn DiskFile>>,
     /// The batch this file currently holds (0: none yet).
     stamp: u64,
     /// Bytes of that batch written.
@@ -324,7 +328,7 @@ impl JournalFile {
     /// page with the same bytes and pads the new last page with zeros (replay stops at them):
     /// a torn write can then only damage the new records, which their checksums catch.
     fn append(&mut self, bytes: &[u8], staging: &mut AlignedBuf) -> Result<()> {
-        let write = |f: &File, b: &[u8], at: u64| {
+        let write = |f: &dyn DiskFile, b: &[u8], at: u64| {
             f.write_all_at(b, at)
                 .map_err(|e| Error::io("write journal", e))
         };
@@ -342,11 +346,11 @@ impl JournalFile {
                 let whole = staging.len() / PAGE_BYTES * PAGE_BYTES;
                 self.tail.clear();
                 self.tail.extend_from_slice(&staging.bytes()[whole..]);
-                write(direct, staging.padded(), start)?;
+                write(&**direct, staging.padded(), start)?;
                 self.size = self.size.max(end.next_multiple_of(PAGE_BYTES as u64));
             }
             None => {
-                write(&self.file, bytes, self.len)?;
+                write(&*self.file, bytes, self.len)?;
                 self.size = self.size.max(end);
             }
         }
@@ -413,31 +417,24 @@ impl Journal {
     /// Opens (creating if needed) the journal files of the pool in `dir`; with `direct_io`,
     /// flushes write them with `O_DIRECT` where the filesystem allows it, so that their
     /// fdatasync has no dirty pages to write back (only the device's cache to flush).
-    pub(crate) fn open(dir: &Path, direct_io: bool) -> Result<Journal> {
+    pub(crate) fn open(disk: &dyn Disk, dir: &Path, direct_io: bool) -> Result<Journal> {
         let mut created = false;
         let mut open = |i: usize| -> Result<JournalFile> {
             let path = dir.join(file_name(i));
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
+            let file = disk
+                .open(&path, OpenMode::Create)
                 .map_err(|e| Error::io("open journal", e))?;
-            let mut size = file
-                .metadata()
-                .map_err(|e| Error::io("stat journal", e))?
-                .len();
+            let mut size = file.len().map_err(|e| Error::io("stat journal", e))?;
             if size < JOURNAL_PREWRITTEN_BYTES {
                 let zeros = vec![0u8; (JOURNAL_PREWRITTEN_BYTES - size) as usize];
                 file.write_all_at(&zeros, size)
-                    .and_then(|()| file.sync_all())
+                    .and_then(|()| file.sync_data())
                     .map_err(|e| Error::io("prepare journal", e))?;
                 size = JOURNAL_PREWRITTEN_BYTES;
                 created = true;
             }
             let direct = if direct_io {
-                open_direct(&path).map_err(|e| Error::io("open journal", e))?
+                (disk.open_direct(&path)).map_err(|e| Error::io("open journal", e))?
             } else {
                 None
             };
@@ -452,9 +449,7 @@ impl Journal {
         };
         let files = [open(0)?, open(1)?];
         if created {
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| Error::io("sync pool directory", e))?;
+            (disk.sync_dir(dir)).map_err(|e| Error::io("sync pool directory", e))?;
         }
         Ok(Journal {
             pending: Mutex::new(Pending::default()),
@@ -766,7 +761,7 @@ mod tests {
     fn appends_in_pieces_keep_every_record_with_and_without_direct_io() {
         for direct_io in [false, true] {
             let dir = scratch();
-            let journal = Journal::open(dir.path(), direct_io).expect("open");
+            let journal = Journal::open(&crate::disk::FsDisk, dir.path(), direct_io).expect("open");
             let mut files = journal.files.lock();
             assert_eq!(files.files[0].direct.is_some(), direct_io);
             let Files {

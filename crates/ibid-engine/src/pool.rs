@@ -3,6 +3,7 @@
 use crate::bloom::Bloom;
 use crate::config::PoolConfig;
 use crate::dedup_index::{RunPolicy, Runs};
+use crate::disk::Disk;
 use crate::error::{Error, Result};
 use crate::format::{
     ChunkRecord, Frame, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
@@ -11,15 +12,14 @@ use crate::fs_space::FsSpace;
 use crate::journal::{Change, Journal};
 use crate::layer_filter::LayerFilters;
 use crate::meta::{self, PoolRecord};
-use crate::segment::Segments;
+use crate::segment::{SegmentOptions, Segments};
 use crate::stats::PoolStats;
 use crate::store::{Reader, Store};
 use crate::volume::Volume;
 use parking_lot::{Condvar, Mutex, RwLock};
 use rustc_hash::{FxHashMap, FxHashSet};
+use std::any::Any;
 use std::collections::{BTreeMap, HashSet};
-use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -202,7 +202,7 @@ pub(crate) struct Inner {
     /// whenever the pool outgrows it, and builds the layer filters after the pool opens.
     pub rebuild_thread: Mutex<Option<JoinHandle<()>>>,
     pub wake: (Mutex<bool>, Condvar),
-    _lock_file: File,
+    _lock_file: Box<dyn Any + Send + Sync>,
 }
 
 pub(crate) struct Background {
@@ -246,19 +246,10 @@ fn now_unix_s() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn lock_pool_dir(dir: &Path) -> Result<File> {
-    let f = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.join("LOCK"))
-        .map_err(|e| Error::io("open pool lock file", e))?;
-    // SAFETY: flock on a file descriptor we own.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        return Err(Error::Locked(dir.display().to_string()));
-    }
-    Ok(f)
+fn lock_pool_dir(disk: &dyn Disk, dir: &Path) -> Result<Box<dyn Any + Send + Sync>> {
+    (disk.lock_dir(dir))
+        .map_err(|e| Error::io("open pool lock file", e))?
+        .ok_or_else(|| Error::Locked(dir.display().to_string()))
 }
 
 /// Checks a volume name: 1–128 bytes of `[A-Za-z0-9._-]`, not starting with `.` or `-`.
@@ -292,8 +283,9 @@ impl Pool {
     /// Creates a new pool in `dir` (created if missing; must not already hold a pool).
     pub fn create(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
         let dir = dir.as_ref();
-        std::fs::create_dir_all(dir).map_err(|e| Error::io("create pool directory", e))?;
-        if crate::store::exists(dir) {
+        let disk = &*config.disk;
+        (disk.create_dir_all(dir)).map_err(|e| Error::io("create pool directory", e))?;
+        if crate::store::exists_on(disk, dir) {
             return Err(Error::AlreadyExists(dir.display().to_string()));
         }
         if config.soft_threshold_pct == 0 || config.soft_threshold_pct > 100 {
@@ -301,7 +293,7 @@ impl Pool {
                 "soft threshold must be 1 to 100 percent".into(),
             ));
         }
-        let (fs_total, fs_avail) = crate::fs_space::statvfs(dir)?;
+        let (fs_total, fs_avail) = crate::fs_space::statvfs(disk, dir)?;
         let capacity = match config.capacity_bytes {
             Some(c) if c > fs_avail && !config.capacity_force => {
                 return Err(Error::InvalidArgument(format!(
@@ -318,8 +310,8 @@ impl Pool {
                 crate::fs_space::reserve_for(fs_total) + crate::fs_space::RESERVE_FILE_BYTES,
             ),
         };
-        let lock = lock_pool_dir(dir)?;
-        let db = Store::create(dir, config.meta_backend)?;
+        let lock = lock_pool_dir(disk, dir)?;
+        let db = Store::create_on(disk, dir, config.meta_backend)?;
         let record = PoolRecord {
             version: meta::POOL_FORMAT_VERSION,
             capacity_bytes: capacity,
@@ -335,6 +327,8 @@ impl Pool {
         txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
         txn.commit()?;
         drop(db);
+        // The store's file is durable; so must its name be before the pool is.
+        (disk.sync_dir(dir)).map_err(|e| Error::io("sync pool directory", e))?;
         Self::open_locked(dir, config, lock)
     }
 
@@ -343,32 +337,36 @@ impl Pool {
     /// filter in the background.
     pub fn open(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
         let dir = dir.as_ref();
-        if !crate::store::exists(dir) {
+        if !crate::store::exists_on(&*config.disk, dir) {
             return Err(Error::NotFound(format!("pool at {}", dir.display())));
         }
-        let lock = lock_pool_dir(dir)?;
+        let lock = lock_pool_dir(&*config.disk, dir)?;
         Self::open_locked(dir, config, lock)
     }
 
     /// Opens the pool in `dir`, creating it if it does not exist.
     pub fn open_or_create(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
-        if crate::store::exists(dir.as_ref()) {
+        if crate::store::exists_on(&*config.disk, dir.as_ref()) {
             Self::open(dir, config)
         } else {
             Self::create(dir, config)
         }
     }
 
-    fn open_locked(dir: &Path, config: PoolConfig, lock: File) -> Result<Pool> {
-        if FsSpace::release_reserve_file_if_full(dir)? {
+    fn open_locked(
+        dir: &Path,
+        config: PoolConfig,
+        lock: Box<dyn Any + Send + Sync>,
+    ) -> Result<Pool> {
+        if FsSpace::release_reserve_file_if_full(&*config.disk, dir)? {
             tracing::warn!(
                 "pool {}: the filesystem is full; its reserve file was released so that the \
                  pool can open (writes of new data get ENOSPC until space is freed)",
                 dir.display()
             );
         }
-        let fs_space = FsSpace::new(dir)?;
-        let db = Store::open(dir)?;
+        let fs_space = FsSpace::new(config.disk.clone(), dir)?;
+        let db = Store::open_on(&*config.disk, dir)?;
         let (mut record, volumes, zeroing, snapshots, segment_ids, dedup_runs) = {
             let txn = db.read()?;
             let raw = txn
@@ -425,7 +423,7 @@ impl Pool {
             txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
             txn.commit()?;
         }
-        let (journaled, highest_stamp) = crate::journal::read(dir, record.commits)?;
+        let (journaled, highest_stamp) = crate::journal::read(&*config.disk, dir, record.commits)?;
         // Batches resume after the last one journaled, so no stamp is ever used twice.
         record.commits = highest_stamp;
         let mut keep = segment_ids;
@@ -438,18 +436,20 @@ impl Pool {
             }
         }
         name_prepare_threads();
-        let (segments, found) = Segments::open(
-            &dir.join("segments"),
-            DATA_WRITERS + 1,
-            config.segment_bytes_max,
-            record.next_segment_id,
-            config.direct_io,
-        )?;
+        let options = SegmentOptions {
+            writers: DATA_WRITERS + 1,
+            segment_bytes_max: config.segment_bytes_max,
+            next_id: record.next_segment_id,
+            direct_io: config.direct_io,
+            threads: config.threads,
+        };
+        let (segments, found) =
+            Segments::open_on(config.disk.clone(), &dir.join("segments"), options)?;
         for id in found.iter().filter(|id| !keep.contains(id)) {
             // Written after the last commit and not journaled: nothing references it.
             segments.remove(*id)?;
         }
-        let journal = Journal::open(dir, config.direct_io)?;
+        let journal = Journal::open(&*config.disk, dir, config.direct_io)?;
         let bloom = Bloom::with_capacity(
             bloom_capacity(record.live_chunks, config.dedup_filter_min),
             false,
@@ -508,7 +508,10 @@ impl Pool {
             chunk_seq: AtomicU64::new(record.next_chunk_seq),
             preparing: AtomicUsize::new(0),
             frees: AtomicU64::new(0),
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cores: match config.threads {
+                true => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                false => 1,
+            },
             capacity_bytes: AtomicU64::new(record.capacity_bytes),
             soft_threshold_pct: AtomicU64::new(record.soft_threshold_pct),
             live_bytes: AtomicU64::new(record.live_bytes),
@@ -1081,11 +1084,27 @@ impl Inner {
         self.bloom.read().clone()
     }
 
+    /// Rebuilds the dedup filter, then (if `layers`) the layer filters.
+    fn filter_work(inner: &Arc<Self>, layers: bool) {
+        if let Err(e) = inner.rebuild_bloom() {
+            tracing::warn!("rebuild dedup filter: {e}");
+        }
+        if layers {
+            if let Err(e) = inner.build_layer_filters() {
+                tracing::warn!("build layer filters: {e}");
+            }
+        }
+    }
+
     /// Runs a dedup filter rebuild (and with `layers`, the layer filters' builds) on the
     /// filter thread, `ibid-filters`, unless that thread is still busy with the previous one.
     /// Not on the background thread: the scan reads the whole index, and commits would wait
-    /// for it. Returns whether it started.
+    /// for it. Returns whether it started. (Without threads, runs it here.)
     pub(crate) fn spawn_filter_work(self: &Arc<Self>, layers: bool) -> bool {
+        if !self.config.threads {
+            Self::filter_work(self, layers);
+            return true;
+        }
         let mut slot = self.rebuild_thread.lock();
         if slot.as_ref().is_some_and(|t| !t.is_finished()) {
             return false;
@@ -1097,14 +1116,8 @@ impl Inner {
         let thread = std::thread::Builder::new()
             .name("ibid-filters".into())
             .spawn(move || {
-                let Some(inner) = weak.upgrade() else { return };
-                if let Err(e) = inner.rebuild_bloom() {
-                    tracing::warn!("rebuild dedup filter: {e}");
-                }
-                if layers {
-                    if let Err(e) = inner.build_layer_filters() {
-                        tracing::warn!("build layer filters: {e}");
-                    }
+                if let Some(inner) = weak.upgrade() {
+                    Self::filter_work(&inner, layers);
                 }
             });
         match thread {

@@ -27,13 +27,12 @@
 //! may end in zeros, which no record header matches. Reads use the ordinary buffered file: the
 //! kernel drops cached pages a direct write overwrites.
 
-use crate::direct_io::{open_direct, AlignedBuf, PAGE_BYTES};
+use crate::direct_io::{AlignedBuf, PAGE_BYTES};
+use crate::disk::{Disk, DiskFile, OpenMode};
 use crate::error::{Error, Result};
 use crate::format::{self, RECORD_HEADER_BYTES};
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
-use std::collections::HashMap;
-use std::fs::{self, File, OpenOptions};
-use std::os::unix::fs::FileExt;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -69,7 +68,7 @@ pub struct Placement {
 }
 
 struct SegmentFile {
-    file: File,
+    file: Arc<dyn DiskFile>,
     /// The file's size: as found at open, then as this process's writes and truncation
     /// left it (updated when a write has landed).
     size: AtomicU64,
@@ -95,7 +94,7 @@ impl Flight {
     }
 
     /// Writes the pages to `target` and records the outcome.
-    fn write_to(&self, target: &File) {
+    fn write_to(&self, target: &dyn DiskFile) {
         let outcome = target
             .write_all_at(self.buf.bytes(), self.at)
             .map_err(|e| (e.kind(), e.to_string()));
@@ -119,7 +118,7 @@ impl Flight {
 /// A write for a segment I/O thread.
 struct Job {
     flight: Arc<Flight>,
-    target: Arc<File>,
+    target: Arc<dyn DiskFile>,
 }
 
 struct OpenSegment {
@@ -127,7 +126,7 @@ struct OpenSegment {
     file: Arc<SegmentFile>,
     /// Where writes go: the file opened with `O_DIRECT` if the filesystem allows it, else the
     /// ordinary file.
-    target: Arc<File>,
+    target: Arc<dyn DiskFile>,
     /// Bytes of the file that are final and written (a multiple of the page size). A padded
     /// tail written by a sync lies past it.
     file_len: u64,
@@ -166,10 +165,27 @@ struct Writer {
     file_len: AtomicU64,
 }
 
+/// How [`Segments::open_on`] sets the chunk store up.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentOptions {
+    /// Parallel append streams (the last one is reserved for the cleaner).
+    pub writers: usize,
+    /// Largest segment file in bytes.
+    pub segment_bytes_max: u64,
+    /// Lowest id a new segment may take (higher ids found in the directory raise it).
+    pub next_id: u64,
+    /// Write open segments with `O_DIRECT` where the filesystem allows it.
+    pub direct_io: bool,
+    /// Background I/O and sync threads (see [`Segments`]); without, all I/O is on the
+    /// caller's thread.
+    pub threads: bool,
+}
+
 /// All segment files of a pool.
 pub struct Segments {
+    disk: Arc<dyn Disk>,
     dir: PathBuf,
-    files: RwLock<HashMap<u64, Arc<SegmentFile>>>,
+    files: RwLock<BTreeMap<u64, Arc<SegmentFile>>>,
     writers: Vec<Writer>,
     next_id: AtomicU64,
     /// The sum of every file's [`SegmentFile::size`].
@@ -186,6 +202,9 @@ pub struct Segments {
     sync_lock: Mutex<()>,
     /// Write open segments with `O_DIRECT` where the filesystem supports it.
     direct_io: bool,
+    /// Write full buffers and sync sealed segments on threads of their own; without, every
+    /// write and sync happens on the caller's thread, in a fixed order (for the simulator).
+    threads: bool,
     /// Hands full buffers to the I/O threads (`None` only while dropping).
     io: Option<mpsc::Sender<Job>>,
     /// The I/O threads (one per writer), joined on drop.
@@ -292,7 +311,7 @@ fn io_thread(
             let delay = probe.delay_ms.load(Ordering::Acquire);
             std::thread::sleep(std::time::Duration::from_millis(delay));
         }
-        job.flight.write_to(&job.target);
+        job.flight.write_to(&*job.target);
         #[cfg(test)]
         probe.busy.fetch_sub(1, Ordering::AcqRel);
     }
@@ -319,10 +338,13 @@ fn segment_path(dir: &Path, id: u64) -> PathBuf {
 }
 
 /// Fills `out` from `file` at `offset` (of segment `segment`, for errors).
-fn read_at(file: &File, out: &mut [u8], offset: u64, segment: u64) -> Result<()> {
+fn read_at(file: &dyn DiskFile, out: &mut [u8], offset: u64, segment: u64) -> Result<()> {
     file.read_exact_at(out, offset).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::Corrupt(format!("record beyond the end of segment {segment:016x}"))
+            Error::Corrupt(format!(
+                "record at {offset}+{} beyond the end of segment {segment:016x}",
+                out.len()
+            ))
         } else {
             Error::io(format!("read segment {segment:016x}"), e)
         }
@@ -342,39 +364,60 @@ fn copy_overlap(out: &mut [u8], out_at: u64, src_at: u64, src: &[u8]) {
 }
 
 impl Segments {
-    /// Opens the segment directory; `writers` is the number of parallel append streams (the
-    /// last one is reserved for the cleaner); `direct_io`: write with `O_DIRECT` where
-    /// possible. Returns the ids of the segment files found.
-    pub fn open(
+    /// Opens `dir` on the real filesystem, with threads (for tests).
+    #[cfg(test)]
+    fn open(
         dir: &Path,
         writers: usize,
         segment_bytes_max: u64,
         next_id: u64,
         direct_io: bool,
     ) -> Result<(Self, Vec<u64>)> {
-        fs::create_dir_all(dir).map_err(|e| Error::io("create segment directory", e))?;
-        let mut files = HashMap::new();
+        let options = SegmentOptions {
+            writers,
+            segment_bytes_max,
+            next_id,
+            direct_io,
+            threads: true,
+        };
+        Self::open_on(crate::disk::fs(), dir, options)
+    }
+
+    /// Opens the segment directory `dir` on `disk`. Returns the ids of the segment files
+    /// found.
+    pub fn open_on(
+        disk: Arc<dyn Disk>,
+        dir: &Path,
+        options: SegmentOptions,
+    ) -> Result<(Self, Vec<u64>)> {
+        let SegmentOptions {
+            writers,
+            segment_bytes_max,
+            next_id,
+            direct_io,
+            threads,
+        } = options;
+        disk.create_dir_all(dir)
+            .map_err(|e| Error::io("create segment directory", e))?;
+        let mut files = BTreeMap::new();
         let mut total_bytes = 0;
         let mut max_id = next_id;
-        for entry in fs::read_dir(dir).map_err(|e| Error::io("list segment directory", e))? {
-            let entry = entry.map_err(|e| Error::io("list segment directory", e))?;
-            let name = entry.file_name();
+        for name in disk
+            .list(dir)
+            .map_err(|e| Error::io("list segment directory", e))?
+        {
             let Some(id) = name
-                .to_str()
-                .and_then(|n| n.strip_suffix(".seg"))
+                .strip_suffix(".seg")
                 .and_then(|h| u64::from_str_radix(h, 16).ok())
             else {
                 continue;
             };
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(entry.path())
+            let file = disk
+                .open(&dir.join(&name), OpenMode::Existing)
                 .map_err(|e| Error::io(format!("open segment {id:016x}"), e))?;
             let len = file
-                .metadata()
-                .map_err(|e| Error::io(format!("stat segment {id:016x}"), e))?
-                .len();
+                .len()
+                .map_err(|e| Error::io(format!("stat segment {id:016x}"), e))?;
             total_bytes += len;
             files.insert(
                 id,
@@ -399,8 +442,9 @@ impl Segments {
         let io_hold = Arc::new(Mutex::new(()));
         #[cfg(test)]
         let io_probe = Arc::new(IoProbe::default());
-        // One thread per writer: each writer has at most one write in flight.
-        let io_threads = (0..writers.len())
+        // One thread per writer: each writer has at most one write in flight. Without
+        // threads, the writer writes its full buffer itself.
+        let io_threads = (0..if threads { writers.len() } else { 0 })
             .map(|_| {
                 let jobs = jobs.clone();
                 #[cfg(test)]
@@ -429,20 +473,28 @@ impl Segments {
         });
         let (sealed_sync, sealed) = mpsc::channel();
         let for_thread = shared.clone();
-        let sync_thread = std::thread::Builder::new()
-            .name("ibid-segment-sync".into())
-            .spawn(move || sync_thread(sealed, for_thread))
-            .map_err(|e| Error::io("start the segment sync thread", e))?;
+        let sync_thread = match threads {
+            true => Some(
+                std::thread::Builder::new()
+                    .name("ibid-segment-sync".into())
+                    .spawn(move || sync_thread(sealed, for_thread))
+                    .map_err(|e| Error::io("start the segment sync thread", e))?,
+            ),
+            // The next sync fsyncs sealed segments too (they stay unsynced).
+            false => None,
+        };
         let segs = Segments {
             #[cfg(test)]
             io_hold,
-            io: Some(io),
+            io: threads.then_some(io),
             io_threads,
             #[cfg(test)]
             io_probe,
             shared,
-            sealed_sync: Some(sealed_sync),
-            sync_thread: Some(sync_thread),
+            sealed_sync: threads.then_some(sealed_sync),
+            sync_thread,
+            threads,
+            disk,
             dir: dir.to_path_buf(),
             files: RwLock::new(files),
             writers,
@@ -611,9 +663,13 @@ impl Segments {
             flight,
             target: o.target.clone(),
         };
-        if let Some(Err(mpsc::SendError(job))) = self.io.as_ref().map(|io| io.send(job)) {
-            // The I/O threads are gone (they cannot panic short of a bug): write here instead.
-            job.flight.write_to(&job.target);
+        // No I/O threads (or they are gone, which takes a bug): write here instead.
+        let unsent = match &self.io {
+            Some(io) => io.send(job).err().map(|mpsc::SendError(job)| job),
+            None => Some(job),
+        };
+        if let Some(job) = unsent {
+            job.flight.write_to(&*job.target);
         }
         Ok(())
     }
@@ -666,23 +722,17 @@ impl Segments {
         writer.file_len.store(0, Ordering::Release);
         writer.segment.store(id, Ordering::Release);
         let path = segment_path(&self.dir, id);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
+        let file = (self.disk)
+            .open(&path, OpenMode::CreateNew)
             .map_err(|e| Error::io(format!("create segment {id:016x}"), e))?;
         let direct = if self.direct_io {
-            open_direct(&path).map_err(|e| Error::io(format!("open segment {id:016x}"), e))?
+            (self.disk)
+                .open_direct(&path)
+                .map_err(|e| Error::io(format!("open segment {id:016x}"), e))?
         } else {
             None
         };
-        let target = match direct {
-            Some(f) => f,
-            None => file
-                .try_clone()
-                .map_err(|e| Error::io(format!("open segment {id:016x}"), e))?,
-        };
+        let target = direct.unwrap_or_else(|| file.clone());
         let file = Arc::new(SegmentFile {
             file,
             size: AtomicU64::new(0),
@@ -702,7 +752,7 @@ impl Segments {
         Ok(OpenSegment {
             id,
             file,
-            target: Arc::new(target),
+            target,
             file_len: 0,
             flight: None,
             buf,
@@ -779,37 +829,44 @@ impl Segments {
         // parallel, then the files and the directory fsynced in parallel, so that the
         // filesystem commits its journal and flushes the device once for them all (one fsync
         // after another cost 30-150 ms each on a virtual disk, most of a commit).
-        all_ok(std::thread::scope(|s| {
-            let handles: Vec<_> = (self.writers.iter())
-                .map(|writer| {
-                    s.spawn(move || match writer.open.lock().as_mut() {
-                        Some(o) => self.write_buffer(writer, o),
-                        None => Ok(()),
-                    })
-                })
-                .collect();
-            joined(handles)
-        }))?;
-        let files: Vec<(u64, Arc<SegmentFile>)> = self.shared.unsynced.lock().drain().collect();
+        let write = |writer: &Writer| match writer.open.lock().as_mut() {
+            Some(o) => self.write_buffer(writer, o),
+            None => Ok(()),
+        };
+        if self.threads {
+            all_ok(std::thread::scope(|s| {
+                let handles: Vec<_> = (self.writers.iter())
+                    .map(|writer| s.spawn(move || write(writer)))
+                    .collect();
+                joined(handles)
+            }))?;
+        } else {
+            self.writers.iter().try_for_each(write)?;
+        }
+        let mut files: Vec<(u64, Arc<SegmentFile>)> = self.shared.unsynced.lock().drain().collect();
+        files.sort_by_key(|(id, _)| *id);
         let dir_dirty = std::mem::take(&mut *self.dir_dirty.lock());
-        all_ok(std::thread::scope(|s| {
-            let mut handles: Vec<_> = (files.iter())
-                .map(|(id, f)| {
-                    s.spawn(move || {
-                        (f.file.sync_data())
-                            .map_err(|e| Error::io(format!("sync segment {id:016x}"), e))
-                    })
-                })
-                .collect();
+        let sync_file = |(id, f): &(u64, Arc<SegmentFile>)| {
+            (f.file.sync_data()).map_err(|e| Error::io(format!("sync segment {id:016x}"), e))
+        };
+        let sync_dir =
+            || (self.disk.sync_dir(&self.dir)).map_err(|e| Error::io("sync segment directory", e));
+        if self.threads {
+            all_ok(std::thread::scope(|s| {
+                let mut handles: Vec<_> = (files.iter())
+                    .map(|f| s.spawn(move || sync_file(f)))
+                    .collect();
+                if dir_dirty {
+                    handles.push(s.spawn(sync_dir));
+                }
+                joined(handles)
+            }))?;
+        } else {
+            files.iter().try_for_each(sync_file)?;
             if dir_dirty {
-                handles.push(s.spawn(|| {
-                    File::open(&self.dir)
-                        .and_then(|d| d.sync_all())
-                        .map_err(|e| Error::io("sync segment directory", e))
-                }));
+                sync_dir()?;
             }
-            joined(handles)
-        }))?;
+        }
         // The sync thread's fsync of one of these files may have failed while ours succeeded.
         drop(self.shared.syncing.lock());
         self.check_io()
@@ -846,12 +903,14 @@ impl Segments {
                     // a record can straddle each boundary).
                     if offset + len as u64 > o.end() {
                         return Err(Error::Corrupt(format!(
-                            "record beyond the end of segment {segment:016x}"
+                            "record at {offset}+{len} beyond the end of open segment \
+                             {segment:016x} ({} bytes appended)",
+                            o.end()
                         )));
                     }
                     let mut out = vec![0u8; len];
                     let in_file = o.file_len.saturating_sub(offset) as usize;
-                    read_at(&o.file.file, &mut out[..in_file], offset, segment)?;
+                    read_at(&*o.file.file, &mut out[..in_file], offset, segment)?;
                     if let Some(f) = &o.flight {
                         copy_overlap(&mut out, offset, f.at, f.buf.bytes());
                     }
@@ -864,7 +923,7 @@ impl Segments {
             return Ok(None);
         };
         let mut out = vec![0u8; len];
-        read_at(&file.file, &mut out, offset, segment)?;
+        read_at(&*file.file, &mut out, offset, segment)?;
         Ok(Some(out))
     }
 
@@ -873,11 +932,7 @@ impl Segments {
         let Some(file) = self.files.read().get(&segment).cloned() else {
             return Ok(None);
         };
-        let len = file
-            .file
-            .metadata()
-            .map_err(|e| Error::io("stat segment", e))?
-            .len();
+        let len = file.file.len().map_err(|e| Error::io("stat segment", e))?;
         let mut out = vec![0u8; len as usize];
         file.file
             .read_exact_at(&mut out, 0)
@@ -928,7 +983,7 @@ impl Segments {
         }
         self.shared.unsynced.lock().remove(&segment);
         self.sealed.lock().remove(&segment);
-        match fs::remove_file(segment_path(&self.dir, segment)) {
+        match self.disk.remove_file(&segment_path(&self.dir, segment)) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(Error::io(format!("remove segment {segment:016x}"), e)),
@@ -990,7 +1045,7 @@ mod tests {
     }
 
     fn sizes_on_disk(dir: &Path) -> u64 {
-        fs::read_dir(dir)
+        std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().metadata().unwrap().len())
             .sum()
@@ -1276,15 +1331,25 @@ mod tests {
     /// later append; the records it held still read back from memory.
     #[test]
     fn a_failed_background_write_fails_later_syncs_and_appends() {
-        let dir = tempfile::tempdir().unwrap();
-        let (segs, _) = Segments::open(dir.path(), 2, 32 << 20, 1, false).unwrap();
+        use crate::disk::{Fault, FaultOp, SimDisk};
+        let disk = SimDisk::new(1, 1 << 30);
+        let options = SegmentOptions {
+            writers: 2,
+            segment_bytes_max: 32 << 20,
+            next_id: 1,
+            direct_io: false,
+            threads: true,
+        };
+        let (segs, _) =
+            Segments::open_on(Arc::new(disk.clone()), Path::new("/p"), options).unwrap();
         segs.append(0, 0, 0, &payload(0, 100), 1).unwrap();
-        // Writes through a read-only descriptor fail (EBADF).
-        {
-            let mut open = segs.writers[0].open.lock();
-            let o = open.as_mut().unwrap();
-            o.target = Arc::new(File::open(segment_path(dir.path(), o.id)).unwrap());
-        }
+        // The disk fails the next write to a segment.
+        disk.inject(Fault {
+            op: FaultOp::Write,
+            path_contains: ".seg".into(),
+            nth: 1,
+            errno: libc::EIO,
+        });
         let placed = fill_past_a_flight(&segs, 0);
         assert!(
             segs.sync().is_err(),

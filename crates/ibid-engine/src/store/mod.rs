@@ -20,6 +20,7 @@
 pub mod fjall;
 pub mod redb;
 
+use crate::disk::{Disk, FsDisk};
 use crate::error::{Error, Result};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
@@ -373,11 +374,11 @@ pub enum Backend {
 pub const BACKEND_ENV: &str = "IBID_META_BACKEND";
 
 impl Backend {
-    /// The backend of the pool in `dir`, if it holds one.
-    pub fn detect(dir: &Path) -> Option<Backend> {
-        if dir.join(redb::FILE).exists() {
+    /// The backend of the pool in `dir` on `disk`, if it holds one.
+    pub fn detect(disk: &dyn Disk, dir: &Path) -> Option<Backend> {
+        if disk.exists(&dir.join(redb::FILE)) {
             Some(Backend::Redb)
-        } else if dir.join(fjall::DIR).exists() {
+        } else if disk.exists(&dir.join(fjall::DIR)) {
             Some(Backend::Fjall)
         } else {
             None
@@ -416,7 +417,22 @@ impl Backend {
 
 /// Whether `dir` holds a pool's metadata store.
 pub fn exists(dir: &Path) -> bool {
-    Backend::detect(dir).is_some()
+    exists_on(&FsDisk, dir)
+}
+
+/// Whether `dir` on `disk` holds a pool's metadata store.
+pub fn exists_on(disk: &dyn Disk, dir: &Path) -> bool {
+    Backend::detect(disk, dir).is_some()
+}
+
+/// fjall keeps its own files: it runs only on the real filesystem.
+fn fjall_on_fs(disk: &dyn Disk) -> Result<()> {
+    match disk.is_real_filesystem() {
+        true => Ok(()),
+        false => Err(Error::InvalidArgument(
+            "the fjall metadata store does not go through the disk seam: use redb".into(),
+        )),
+    }
 }
 
 /// The engine's handle on its metadata store.
@@ -433,20 +449,36 @@ pub struct Store {
 impl Store {
     /// Creates a new, empty store of kind `kind` in `dir`.
     pub fn create(dir: &Path, kind: Backend) -> Result<Store> {
+        Self::create_on(&FsDisk, dir, kind)
+    }
+
+    /// Creates a new, empty store of kind `kind` in `dir` on `disk`.
+    pub fn create_on(disk: &dyn Disk, dir: &Path, kind: Backend) -> Result<Store> {
         let backend: Box<dyn MetaStore> = match kind {
-            Backend::Redb => Box::new(redb::RedbStore::create(dir)?),
-            Backend::Fjall => Box::new(fjall::FjallStore::create(dir)?),
+            Backend::Redb => Box::new(redb::RedbStore::create(disk, dir)?),
+            Backend::Fjall => {
+                fjall_on_fs(disk)?;
+                Box::new(fjall::FjallStore::create(dir)?)
+            }
         };
         Ok(Store::new(backend, kind))
     }
 
     /// Opens the store in `dir` with the backend it was created with.
     pub fn open(dir: &Path) -> Result<Store> {
-        let kind = Backend::detect(dir)
+        Self::open_on(&FsDisk, dir)
+    }
+
+    /// Opens the store in `dir` on `disk` with the backend it was created with.
+    pub fn open_on(disk: &dyn Disk, dir: &Path) -> Result<Store> {
+        let kind = Backend::detect(disk, dir)
             .ok_or_else(|| Error::NotFound(format!("metadata store in {}", dir.display())))?;
         let backend: Box<dyn MetaStore> = match kind {
-            Backend::Redb => Box::new(redb::RedbStore::open(dir)?),
-            Backend::Fjall => Box::new(fjall::FjallStore::open(dir)?),
+            Backend::Redb => Box::new(redb::RedbStore::open(disk, dir)?),
+            Backend::Fjall => {
+                fjall_on_fs(disk)?;
+                Box::new(fjall::FjallStore::open(dir)?)
+            }
         };
         Ok(Store::new(backend, kind))
     }
@@ -772,7 +804,7 @@ mod tests {
                 assert_eq!(taken, vec![(1, 10), (3, 30)]);
                 txn.commit()?;
             }
-            assert_eq!(Backend::detect(dir.path()), Some(kind));
+            assert_eq!(Backend::detect(&FsDisk, dir.path()), Some(kind));
             let store = Store::open(dir.path())?;
             assert_eq!(store.backend(), kind);
             let r = store.read()?;

@@ -15,6 +15,7 @@
 //! would otherwise wait for the commit in progress.
 
 use super::{Batch, KvIter, MetaStore, Snapshot, Table, TableOps, TABLES};
+use crate::disk::{Disk, DiskFile, OpenMode};
 use crate::error::{Error, Result};
 use crate::meta;
 use ::redb::{
@@ -24,7 +25,7 @@ use ::redb::{
 use parking_lot::RwLock;
 use std::any::Any;
 use std::ops::Bound;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 /// The store's file in the pool directory.
@@ -169,37 +170,71 @@ pub struct RedbStore {
     /// first, so dropped before `db`.
     current: RwLock<Arc<RedbSnapshot>>,
     db: Database,
-    path: PathBuf,
+    /// The database file (for its size).
+    file: Arc<dyn DiskFile>,
+}
+
+/// redb's storage on a file of the [`Disk`] seam: every byte the store reads or writes goes
+/// through it.
+#[derive(Debug)]
+struct DiskBackend(Arc<dyn DiskFile>);
+
+impl ::redb::StorageBackend for DiskBackend {
+    fn len(&self) -> std::io::Result<u64> {
+        self.0.len()
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.0.read_exact_at(out, offset)
+    }
+
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.0.set_len(len)
+    }
+
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.0.sync_data()
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.0.write_all_at(data, offset)
+    }
+}
+
+/// Opens `dir`'s database file on `disk` as a redb database (`mode`: create it or not).
+fn database(disk: &dyn Disk, dir: &Path, mode: OpenMode) -> Result<(Database, Arc<dyn DiskFile>)> {
+    let path = dir.join(FILE);
+    let file = (disk.open(&path, mode)).map_err(|e| Error::io("open metadata store", e))?;
+    let db = ::redb::Builder::new().create_with_backend(DiskBackend(file.clone()))?;
+    Ok((db, file))
 }
 
 impl RedbStore {
-    /// Creates the database in `dir` with every table, empty.
-    pub fn create(dir: &Path) -> Result<RedbStore> {
-        let path = dir.join(FILE);
-        let db = Database::create(&path)?;
+    /// Creates the database in `dir` on `disk` with every table, empty.
+    pub fn create(disk: &dyn Disk, dir: &Path) -> Result<RedbStore> {
+        let (db, file) = database(disk, dir, OpenMode::CreateNew)?;
         let txn = db.begin_write()?;
         for t in Table::ALL {
             dispatch!(t, create_table, &txn)?;
         }
         txn.commit()?;
-        RedbStore::new(db, path)
+        RedbStore::new(db, file)
     }
 
-    /// Opens the database in `dir` (redb repairs it first if it was not closed cleanly), and
-    /// moves the tables of an older layout to the current one.
-    pub fn open(dir: &Path) -> Result<RedbStore> {
-        let path = dir.join(FILE);
-        let db = Database::open(&path)?;
+    /// Opens the database in `dir` on `disk` (redb repairs it first if it was not closed
+    /// cleanly), and moves the tables of an older layout to the current one.
+    pub fn open(disk: &dyn Disk, dir: &Path) -> Result<RedbStore> {
+        let (db, file) = database(disk, dir, OpenMode::Existing)?;
         migrate_array_keys(&db, MAP_ARRAY_KEYS, MAP)?;
         migrate_index(&db, FPS_ARRAY_KEYS)?;
         migrate_index(&db, FPS_BYTE_KEYS)?;
         create_missing_tables(&db)?;
-        RedbStore::new(db, path)
+        RedbStore::new(db, file)
     }
 
-    fn new(db: Database, path: PathBuf) -> Result<RedbStore> {
+    fn new(db: Database, file: Arc<dyn DiskFile>) -> Result<RedbStore> {
         let current = RwLock::new(Arc::new(RedbSnapshot::begin(&db)?));
-        Ok(RedbStore { current, db, path })
+        Ok(RedbStore { current, db, file })
     }
 }
 
@@ -319,7 +354,7 @@ impl MetaStore for RedbStore {
     }
 
     fn disk_bytes(&self) -> u64 {
-        std::fs::metadata(&self.path).map_or(0, |m| m.len())
+        self.file.len().unwrap_or(0)
     }
 }
 
