@@ -20,6 +20,8 @@ need losetup mount
 need script bsdutils
 need curl curl
 /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need_pkgs+=(python3-matplotlib)
+# scripts/faultfs.py (a FUSE filesystem that returns I/O errors on demand).
+/usr/bin/python3 -c "import fusepy" >/dev/null 2>&1 || need_pkgs+=(python3-fusepy)
 [ -f /usr/include/iscsi/iscsi.h ] || need_pkgs+=(libiscsi-dev)
 # Build dependencies: openssl-sys (NBD TLS-PSK) finds libssl through pkg-config.
 [ -f /usr/include/openssl/ssl.h ] || need_pkgs+=(libssl-dev)
