@@ -5,14 +5,14 @@
 //! pages, the batch's keys and values), about once a second under a write load. glibc's
 //! allocator and mimalloc's defaults both return that memory to the kernel between commits and
 //! fault it back in, zeroed, on the next one; that zeroing cost a fifth of the commit thread's
-//! CPU (docs/BENCHMARKS.md, session 7).
+//! CPU (measurements: docs/BENCHMARKS.md).
 //!
 //! Why no transparent huge pages: mimalloc asks for them (`MADV_HUGEPAGE`) on its arenas, so
 //! the first touch of any 64 KiB allocator page faults in, and clears, a whole 2 MiB huge page,
 //! and a purge of part of it splits it again. Under 1 MiB unique writes that clearing was
-//! 13–17 % of the server's CPU (`clear_page_erms` under `do_huge_pmd_anonymous_page`, from
-//! hash tables growing and redb's pages); without huge pages the same writes ran 5 % faster
-//! with 3 % less CPU per MB (docs/benchmarks/nbd-fio.md, session 15).
+//! a large share of the server's CPU (`clear_page_erms` under `do_huge_pmd_anonymous_page`,
+//! from hash tables growing and redb's pages); without huge pages the same writes run faster
+//! with less CPU per MB (measurements: docs/benchmarks/nbd-fio.md).
 //!
 //! A binary installs it with
 //! `#[global_allocator] static A: ibid_engine::allocator::Allocator = ibid_engine::allocator::Allocator;`

@@ -5,7 +5,7 @@
 //! holds the records of [`PAGE_SEQS`] consecutive sequence numbers (key: [`page_of`]): a
 //! commit of 64 Ki new chunks inserts 4 Ki rows instead of 64 Ki. Each row costs the store a
 //! B-tree descent and its share of page handling whatever its size; one row per chunk was
-//! about a sixth of the server's CPU on unique writes (session 21, `docs/benchmarks`).
+//! a large share of the server's CPU on unique writes (measurements: `docs/benchmarks`).
 //!
 //! # Page format (the value of a `chunk.pages` row)
 //!

@@ -29,10 +29,8 @@ const CLEAN_PER_WAKE_MAX: usize = 4;
 ///
 /// A pass reads whole segments and writes and fsyncs up to 16 MiB of relocated records: it
 /// takes CPU and device time from the requests in flight, and a flush behind its fsync waits
-/// for its writes. Measured: 4 KiB write+flush p99 1,375 and 843 µs with the cleaner running
-/// after a random-write test, 734 and 679 without (BENCHMARKS.md, session 11); 4 KiB random
-/// reads at QD32 over NBD right after a random-write test 53–54 k IOPS with the cleaner
-/// running, 65–71 k without (docs/benchmarks/nbd-fio.md, session 14).
+/// for its writes: flush latency and random reads right after a random-write test suffer
+/// while it runs (measurements: BENCHMARKS.md and docs/benchmarks/nbd-fio.md).
 pub(crate) const IO_QUIET: Duration = Duration::from_millis(100);
 /// The cleaner stops yielding once garbage reaches this share of the pool's free space, in
 /// percent. Garbage is not counted as used space but occupies the filesystem below, so it

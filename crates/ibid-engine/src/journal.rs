@@ -470,6 +470,8 @@ impl Journal {
     /// map or shard lock that orders it held), so the journal's order is the order of changes.
     pub(crate) fn append(&self, stamp: u64, change: Change) {
         let mut p = self.pending.lock();
+        // A batch's changes follow the earlier batches' (a file holds one batch, in order).
+        debug_assert!(p.changes.last().is_none_or(|(s, _)| *s <= stamp));
         if let Change::Chunk { rec, .. } = &change {
             p.new_bytes += rec.stored_len as u64;
         }
@@ -487,6 +489,7 @@ impl Journal {
         chunks: impl IntoIterator<Item = (u64, ChunkRecord, &'a [u8])>,
     ) {
         let mut p = self.pending.lock();
+        debug_assert!(p.changes.last().is_none_or(|(s, _)| *s <= stamp));
         for (id, rec, payload) in chunks {
             p.new_bytes += rec.stored_len as u64;
             let inline = (p.new_bytes <= INLINE_BYTES_MAX).then(|| payload.to_vec());
@@ -580,6 +583,10 @@ impl Journal {
                 .sync_data()
                 .map_err(|e| Error::io("sync journal", e))?;
         }
+        assert!(
+            upto >= files.durable,
+            "the journal's durable count went back"
+        );
         files.durable = upto;
         Ok(FlushOutcome::Done)
     }

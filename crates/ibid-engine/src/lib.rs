@@ -15,6 +15,7 @@
 //! # Ok::<(), ibid_engine::Error>(())
 //! ```
 #![deny(clippy::unwrap_used)]
+#![deny(missing_docs)]
 
 #[cfg(feature = "mimalloc")]
 pub mod allocator;

@@ -39,9 +39,8 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 /// Bytes a writer buffers before it writes them to its segment file. 4 MiB rather than 1: a
-/// slow disk takes larger writes faster (session 17's host: 400 against 353 MB/s at one write
-/// in flight; NBD unique writes +1–10 % in 3 pairs), at up to 12 MiB of memory per writer (the
-/// buffer, its spare and the write in flight).
+/// slow disk takes larger writes faster (measurements: docs/benchmarks/nbd-fio.md), at up to
+/// 12 MiB of memory per writer (the buffer, its spare and the write in flight).
 pub const WRITE_BUFFER_BYTES: usize = 4 << 20;
 /// Marker for a writer slot with no open segment.
 const NO_SEGMENT: u64 = u64::MAX;
@@ -688,7 +687,8 @@ impl Segments {
         if end > old {
             self.total_bytes.fetch_add(end - old, Ordering::Relaxed);
         } else {
-            self.total_bytes.fetch_sub(old - end, Ordering::Relaxed);
+            let total = self.total_bytes.fetch_sub(old - end, Ordering::Relaxed);
+            assert!(total >= old - end, "segment byte count below zero");
         }
     }
 
@@ -719,6 +719,13 @@ impl Segments {
     /// zeroing per 32 MiB segment). The segment header is the buffer's first bytes.
     fn create_segment(&self, writer: &Writer, recycled: Option<Buffers>) -> Result<OpenSegment> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // Ids only grow: a new segment is newer than every file there (recovery relies on it
+        // to tell what was written after the last commit).
+        let newest = self.files.read().keys().next_back().copied();
+        assert!(
+            newest.is_none_or(|n| n < id),
+            "segment id {id} not above {newest:?}"
+        );
         writer.file_len.store(0, Ordering::Release);
         writer.segment.store(id, Ordering::Release);
         let path = segment_path(&self.dir, id);
@@ -978,8 +985,9 @@ impl Segments {
     pub fn remove(&self, segment: u64) -> Result<()> {
         if let Some(f) = self.files.write().remove(&segment) {
             // Sealed: nothing appends to it any more.
-            self.total_bytes
-                .fetch_sub(f.size.load(Ordering::Relaxed), Ordering::Relaxed);
+            let size = f.size.load(Ordering::Relaxed);
+            let total = self.total_bytes.fetch_sub(size, Ordering::Relaxed);
+            assert!(total >= size, "segment byte count below zero");
         }
         self.shared.unsynced.lock().remove(&segment);
         self.sealed.lock().remove(&segment);
