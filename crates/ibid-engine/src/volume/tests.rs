@@ -1,0 +1,258 @@
+//! Unit tests of the volume paths.
+use super::{format, Neighbours, PlacingMark, SHARDS};
+use crate::{Pool, PoolConfig};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A writer that panics while placing a new chunk takes its `placing` mark with it (the
+/// mark's drop), so the next writer of that block does not wait forever; on the normal
+/// path, `clear` removes it and hands back the shard to register the chunk in.
+#[test]
+fn a_placing_mark_does_not_outlive_a_panic() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), PoolConfig::default()).expect("create");
+    let inner = &*pool.inner;
+    let (shard, fp) = (5, [9u8; 32]);
+    let place = |panic: bool| {
+        inner.shards[shard].lock().placing.insert(fp);
+        let mark = PlacingMark { inner, shard, fp };
+        assert!(!panic, "placing failed");
+        drop(mark.clear());
+    };
+    place(false);
+    assert!(inner.shards[shard].lock().placing.is_empty());
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| place(true)));
+    assert!(unwound.is_err());
+    assert!(
+        inner.shards[shard].lock().placing.is_empty(),
+        "the mark survived the panic"
+    );
+    let (tx, rx) = mpsc::channel();
+    let later = pool.inner.clone();
+    std::thread::spawn(move || {
+        drop(later.lock_settled(shard, &fp));
+        tx.send(()).expect("send");
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("a later writer of the block waited");
+}
+
+/// Past `dirty_blocks_throttle` uncommitted blocks, a writer waits for the commit in
+/// progress (here: the commit lock, held by the test) and goes on as soon as it ends;
+/// below it, writers do not wait.
+#[test]
+fn writers_past_the_throttle_wait_for_the_commit_in_progress() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        background: false,
+        dirty_blocks_commit: 4,
+        dirty_blocks_throttle: 8,
+        dirty_blocks_max: 1 << 20,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+    pool.wait_filters_built();
+    let vol = pool.create_volume("v", 1 << 20).expect("volume");
+    let held = pool.inner.commit.lock();
+    // 4 blocks: at the background threshold, under the throttle.
+    vol.write(0, &[1u8; 4 * 4096], false)
+        .expect("write under the throttle");
+    let (tx, rx) = mpsc::channel();
+    std::thread::scope(|s| {
+        let vol = &vol;
+        s.spawn(move || {
+            vol.write(4 * 4096, &[2u8; 8 * 4096], false).expect("write");
+            tx.send(()).expect("send");
+        });
+        assert!(
+            rx.recv_timeout(Duration::from_millis(300)).is_err(),
+            "a writer past the throttle must wait for the commit in progress"
+        );
+        drop(held);
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the writer goes on once the commit ends");
+    });
+    let mut back = vec![0u8; 12 * 4096];
+    vol.read(0, &mut back).expect("read");
+    assert!(back[..4 * 4096].iter().all(|&b| b == 1) && back[4 * 4096..].iter().all(|&b| b == 2));
+}
+
+/// A pool under `dir` with no background thread (commits by hand), its dedup filter
+/// built, and a 1 MiB volume.
+fn stepped_pool_with_a_volume(dir: &std::path::Path) -> (Pool, super::Volume) {
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        background: false,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::create(dir.join("pool"), config).expect("create");
+    pool.wait_filters_built();
+    let vol = pool.create_volume("v", 1 << 20).expect("volume");
+    (pool, vol)
+}
+
+/// `find_duplicate` of `fp` with `near` as the write's neighbours, its shard locked.
+fn find_with(inner: &crate::pool::Inner, fp: &[u8; 32], near: &Neighbours) -> Option<u64> {
+    let s = inner.shards[fp[0] as usize % SHARDS].lock();
+    inner.find_duplicate(&s, fp, Some(near)).expect("lookup")
+}
+
+/// A neighbour counts only while the committed state holds that chunk with that
+/// fingerprint: one that died since the neighbours were read, or one listed under another
+/// block's fingerprint, is passed over for the index's answer.
+#[test]
+fn stale_neighbours_are_checked_against_the_committed_chunks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, vol) = stepped_pool_with_a_volume(dir.path());
+    let (gone, kept) = ([1u8; 4096], [2u8; 4096]);
+    vol.write(0, &gone, false).expect("write");
+    vol.write(4096, &kept, false).expect("write");
+    vol.write(8192, &[4u8; 4096], false).expect("write");
+    pool.sync().expect("commit");
+    let inner = &pool.inner;
+    let chunk = |b: u64| match inner.lookup_range(&vol.state, b, b + 1).expect("map")[&b] {
+        id if id != format::ZERO_TOMBSTONE => id,
+        _ => panic!("block {b} holds no data"),
+    };
+    let (gone_id, kept_id, other_id) = (chunk(0), chunk(1), chunk(2));
+    vol.write(0, &[3u8; 4096], false).expect("overwrite");
+    pool.sync().expect("commit: the first chunk dies");
+    let fp = |b: &[u8]| *blake3::hash(b).as_bytes();
+    let (fp_gone, fp_kept) = (fp(&gone), fp(&kept));
+    let find = |fp: &[u8; 32], near: &Neighbours| find_with(inner, fp, near);
+    let mut near = rustc_hash::FxHashMap::default();
+    near.insert(fp_gone, gone_id);
+    assert_eq!(
+        find(&fp_gone, &Neighbours::loaded(near)),
+        None,
+        "a dead neighbour"
+    );
+    let mut near = rustc_hash::FxHashMap::default();
+    near.insert(fp_kept, other_id);
+    assert_eq!(
+        find(&fp_kept, &Neighbours::loaded(near)),
+        Some(kept_id),
+        "a neighbour under the wrong fingerprint"
+    );
+    let mut near = rustc_hash::FxHashMap::default();
+    near.insert(fp_kept, kept_id);
+    assert_eq!(find(&fp_kept, &Neighbours::loaded(near)), Some(kept_id));
+}
+
+/// Neighbours read by a scan are taken without a re-check only while no commit has freed
+/// a chunk since: one freed after the scan is passed over, one still stored is found.
+#[test]
+fn neighbours_read_before_a_free_are_checked_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, vol) = stepped_pool_with_a_volume(dir.path());
+    let (gone, kept) = ([5u8; 4096], [6u8; 4096]);
+    vol.write(0, &gone, false).expect("write");
+    vol.write(4096, &kept, false).expect("write");
+    pool.sync().expect("commit");
+    let inner = &pool.inner;
+    let chunk = |b: u64| inner.lookup_range(&vol.state, b, b + 1).expect("map")[&b];
+    let fp = |b: &[u8]| *blake3::hash(b).as_bytes();
+    let (fp_gone, fp_kept) = (fp(&gone), fp(&kept));
+    let loaded = || {
+        let near = Neighbours::for_write(16);
+        near.found_in_index(chunk(0));
+        near.load_if_pending(&inner.db, &inner.frees);
+        assert_eq!(near.get(&fp_gone).map(|(id, _)| id), Some(chunk(0)));
+        near
+    };
+    let find = |fp: &[u8; 32], near: &Neighbours| find_with(inner, fp, near);
+    let near = loaded();
+    assert_eq!(
+        find(&fp_gone, &near),
+        Some(chunk(0)),
+        "no free since the scan"
+    );
+    let near = loaded();
+    vol.write(0, &[7u8; 4096], false).expect("overwrite");
+    pool.sync().expect("commit: the first chunk dies");
+    assert_eq!(
+        find(&fp_gone, &near),
+        None,
+        "a neighbour freed after the scan"
+    );
+    assert_eq!(find(&fp_kept, &near), Some(chunk(1)));
+}
+
+/// A write is quick when it is whole blocks, at most `QUICK_WRITE_BLOCKS_MAX` of them, and
+/// keeps the uncommitted backlog under the throttle; a commit makes room again.
+#[test]
+fn quick_writes_are_small_whole_blocks_under_the_throttle() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        background: false,
+        dirty_blocks_commit: 4,
+        dirty_blocks_throttle: 32,
+        dirty_blocks_max: 1 << 20,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+    pool.wait_filters_built();
+    let vol = pool.create_volume("v", 1 << 20).expect("volume");
+    let max = super::QUICK_WRITE_BLOCKS_MAX;
+    assert!(vol.write_is_quick(0, 4096));
+    assert!(vol.write_is_quick(8192, max * 4096));
+    assert!(!vol.write_is_quick(0, (max + 1) * 4096), "too many blocks");
+    assert!(!vol.write_is_quick(512, 4096), "not block-aligned");
+    assert!(!vol.write_is_quick(0, 512), "a partial block");
+    for i in 0..24u8 {
+        vol.write(u64::from(i) * 4096, &[i + 1; 4096], false)
+            .expect("write");
+    }
+    assert!(
+        vol.write_is_quick(0, 7 * 4096),
+        "24 + 7 blocks stay under 32"
+    );
+    assert!(
+        !vol.write_is_quick(0, 8 * 4096),
+        "24 + 8 blocks reach the throttle"
+    );
+    pool.sync().expect("commit");
+    assert!(vol.write_is_quick(0, max * 4096));
+}
+
+/// Zeroing committed data records one range: no map entry and no reference change per
+/// block until the commit, which then unmaps every block and frees every chunk.
+#[test]
+fn zeroing_committed_data_records_one_range() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, vol) = stepped_pool_with_a_volume(dir.path());
+    let data: Vec<u8> = (0..256u32)
+        .flat_map(|b| {
+            let mut block = [0u8; 4096];
+            block[..4].copy_from_slice(&b.to_le_bytes());
+            block[4] = 1;
+            block
+        })
+        .collect();
+    vol.write(0, &data, false).expect("write");
+    pool.sync().expect("commit");
+    vol.write_zeroes(0, 1 << 20, false).expect("zero");
+    {
+        let map = vol.state().map.lock();
+        assert_eq!(map.dirty.all_entries().count(), 0, "entries per block");
+        assert_eq!(map.dirty.zeroed().collect::<Vec<_>>(), vec![(0, 256)]);
+    }
+    let deltas: usize = vol
+        .inner
+        .shards
+        .iter()
+        .map(|s| s.lock().dirty.deltas.len())
+        .sum();
+    assert_eq!(deltas, 0, "reference changes before the commit");
+    assert_eq!(
+        vol.inner
+            .dirty_blocks
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert_eq!(vol.mapped_blocks(), 0);
+    pool.sync().expect("commit");
+    assert_eq!(pool.stats().unique_chunks, 0);
+}
