@@ -834,6 +834,7 @@ async function render() {
   const token = {};
   state.page = token;
   delete $('#main').dataset.ready;
+  delete $('#main').dataset.route;
   try {
     if (page === 'volumes' && parts[1]) {
       document.title = `${decodeURIComponent(parts[1])} · ibid`;
@@ -851,7 +852,10 @@ async function render() {
   } catch (e) {
     if (state.page === token && e.status !== 401) append(main, [h('p', { class: 'error', role: 'alert' }, e.message)]);
   }
-  if (state.page === token) $('#main').dataset.ready = page;
+  if (state.page === token) {
+    $('#main').dataset.ready = page;
+    $('#main').dataset.route = hash;
+  }
 }
 
 async function start() {

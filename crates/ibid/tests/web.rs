@@ -1,0 +1,335 @@
+//! The web dashboard in a real browser (Debian's headless Chromium through chromedriver)
+//! against a real `ibid serve`, with real NBD clients checking what the clicks did.
+
+mod common;
+mod webdriver;
+
+use common::{api_call_as, run, Server};
+use serde_json::json;
+use std::time::Duration;
+use webdriver::{Driver, Session};
+
+const TOKEN: &str = "web-test-token";
+const HOSTILE: &str = "<img src=x onerror=alert(1)>";
+const WAIT: Duration = Duration::from_secs(15);
+
+fn base(srv: &Server) -> String {
+    format!("http://{}", srv.http.as_deref().expect("API running"))
+}
+
+/// Fails on any console entry of level SEVERE or WARNING except the API's expected refusals
+/// (Chromium logs every 4xx answer of a fetch: the 401 before login, the 400 of a bad name).
+fn assert_console_clean(s: &Session, expected_statuses: &[u16]) {
+    let bad: Vec<(String, String)> = s
+        .console()
+        .into_iter()
+        .filter(|(level, msg)| {
+            let expected = msg.contains("/api/v1/")
+                && expected_statuses
+                    .iter()
+                    .any(|c| msg.contains(&format!("status of {c} ")));
+            (level == "SEVERE" || level == "WARNING") && !expected
+        })
+        .collect();
+    assert!(bad.is_empty(), "browser console: {bad:#?}");
+}
+
+/// Every form field has a label and every button and link a name a screen reader can say.
+fn assert_labelled(s: &Session, page: &str) {
+    let unlabelled = s.script(
+        "const out = [];
+         for (const el of document.querySelectorAll('main input, main select, dialog input')) {
+           if (!(el.labels && el.labels.length) && !el.getAttribute('aria-label')) out.push(el.outerHTML);
+         }
+         for (const el of document.querySelectorAll('button, a[href]')) {
+           const name = (el.getAttribute('aria-label') || el.textContent || '').trim();
+           if (!name) out.push(el.outerHTML);
+         }
+         return out;",
+        &[],
+    );
+    assert_eq!(unlabelled, json!([]), "{page}: elements without a name");
+}
+
+/// Presses Tab until the element with `id` has the focus (at most `max` presses).
+fn tab_to(s: &Session, id: &str, max: usize) {
+    for _ in 0..max {
+        if s.script(
+            "return document.activeElement && document.activeElement.id",
+            &[],
+        ) == json!(id)
+        {
+            return;
+        }
+        s.press("\u{E004}");
+    }
+    panic!("#{id} not reached with {max} Tab presses");
+}
+
+/// Waits until the dashboard shows the page of `route` (e.g. `/volumes/web1`), data loaded.
+fn wait_page(s: &Session, route: &str) {
+    s.wait_until(
+        &format!("page {route}"),
+        &format!(
+            "return document.querySelector('#main').dataset.route === {}",
+            json!(route)
+        ),
+        WAIT,
+    );
+}
+
+fn screenshots_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("IBID_WEB_SCREENSHOTS").map(std::path::PathBuf::from)
+}
+
+/// The dashboard end to end in Chromium: token login; create a volume and see it with nbdinfo;
+/// a hostile name shown as text; snapshot and clone in the UI and the clone's data read over
+/// NBD; delete with a confirmation that names what is lost; nonzero IOPS on the charts while
+/// fio writes; the soft-threshold banner; keyboard reachability, labels, a 390-px phone; and
+/// no errors in the browser console.
+#[test]
+fn dashboard_in_chromium() {
+    common::require("chromium");
+    common::require("chromedriver");
+    let srv = Server::start(&[
+        "--no-default-volume",
+        "--capacity",
+        "1G",
+        "--api-token",
+        TOKEN,
+    ]);
+    let driver = Driver::start();
+    let s = driver.session(1280, 800);
+    let url = base(&srv);
+
+    // Token login: a wrong token is refused, the right one opens the overview.
+    s.goto(&format!("{url}/"));
+    let field = s.wait_for("#login[open] #login-token", WAIT);
+    s.type_into(&field, "wrong");
+    s.click(&s.wait_for("#login-form button[type=submit]", WAIT));
+    s.wait_until(
+        "wrong token refused",
+        "return document.querySelector('#login-error').textContent.includes('refused')",
+        WAIT,
+    );
+    s.type_into(&field, TOKEN);
+    s.click(&s.wait_for("#login-form button[type=submit]", WAIT));
+    wait_page(&s, "/");
+    assert!(s.find("#login[open]").is_none(), "login dialog still open");
+    // All is well: the banner says nothing.
+    assert_eq!(
+        s.script("return document.querySelector('#health').hidden", &[]),
+        json!(true)
+    );
+    assert_labelled(&s, "overview");
+
+    // Create a volume in the UI; nbdinfo sees it.
+    s.goto(&format!("{url}/#/volumes"));
+    wait_page(&s, "/volumes");
+    s.type_into(&s.wait_for("#new-name", WAIT), "web1");
+    s.type_into(&s.wait_for("#new-size", WAIT), "64M");
+    s.click(&s.wait_for("#create-volume", WAIT));
+    s.wait_for("tr[data-volume=\"web1\"]", WAIT);
+    let info = run("nbdinfo", &["--json", &srv.url("web1")]);
+    let info: serde_json::Value = serde_json::from_str(&info).expect("nbdinfo JSON");
+    assert_eq!(
+        info["exports"][0]["export-size"],
+        json!(64u64 << 20),
+        "{info}"
+    );
+    assert_labelled(&s, "volumes");
+
+    // A hostile name: refused by the engine (names are [A-Za-z0-9._-]), and the error that
+    // quotes it is shown as text, not markup.
+    s.type_into(&s.wait_for("#new-name", WAIT), HOSTILE);
+    s.click(&s.wait_for("#create-volume", WAIT));
+    s.wait_until(
+        "the hostile name quoted as text",
+        &format!(
+            "return document.querySelector('main form .error').textContent.includes({})",
+            json!(HOSTILE)
+        ),
+        WAIT,
+    );
+    // The same name in the address: a "not found" page quoting it.
+    s.goto(&format!("{url}/#/volumes/{}", percent(HOSTILE)));
+    s.wait_until(
+        "the hostile name in the address quoted as text",
+        &format!(
+            "return document.querySelector('main').textContent.includes({})",
+            json!(HOSTILE)
+        ),
+        WAIT,
+    );
+    assert_eq!(
+        s.script("return document.querySelectorAll('img').length", &[]),
+        json!(0)
+    );
+    assert!(!s.alert_open(), "the hostile name ran a script");
+
+    // Data in web1, then a snapshot and a clone of it, both made in the UI.
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0xab 0 1M", &srv.url("web1")],
+    );
+    s.goto(&format!("{url}/#/volumes/web1"));
+    wait_page(&s, "/volumes/web1");
+    assert_labelled(&s, "volume");
+    s.type_into(&s.wait_for("#snap-name", WAIT), "s1");
+    s.click(&s.wait_for("#act-snapshot button[type=submit]", WAIT));
+    s.wait_for("tr[data-snapshot=\"s1\"]", WAIT);
+    // Overwrite the live volume: the clone of s1 must still read 0xab.
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0xcd 0 1M", &srv.url("web1")],
+    );
+    s.type_into(&s.wait_for("#clone-name", WAIT), "web1-clone");
+    s.click(&s.wait_for("#clone-source option[value=\"s1\"]", WAIT));
+    s.click(&s.wait_for("#act-clone button[type=submit]", WAIT));
+    s.wait_until(
+        "the clone's page",
+        "return location.hash === '#/volumes/web1-clone' && document.querySelector('#nbd-url')",
+        WAIT,
+    );
+    let read = run(
+        "qemu-io",
+        &[
+            "-r",
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0xab 0 1M",
+            &srv.url("web1-clone"),
+        ],
+    );
+    assert!(!read.contains("verification failed"), "{read}");
+
+    // Delete with confirmation, reached by keyboard: the dialog names what is lost and
+    // deletes only once the name is typed.
+    wait_page(&s, "/volumes/web1-clone");
+    tab_to(&s, "delete-volume", 200);
+    s.press("\u{E007}"); // Enter
+    s.wait_for("#confirm[open]", WAIT);
+    let body = s.text_of("#confirm-body");
+    assert!(
+        body.contains("web1-clone") && body.contains("64 MiB"),
+        "{body}"
+    );
+    assert_eq!(
+        s.script("return document.querySelector('#confirm-ok').disabled", &[]),
+        json!(true)
+    );
+    s.type_into(&s.wait_for("#confirm-input", WAIT), "web1-clone");
+    s.click(&s.wait_for("#confirm-ok", WAIT));
+    s.wait_until(
+        "back at the list",
+        "return location.hash === '#/volumes'",
+        WAIT,
+    );
+    let (status, _) = api_call_as(&srv, Some(TOKEN), "GET", "/api/v1/volumes/web1-clone", None);
+    assert_eq!(status, 404);
+
+    // Charts: nonzero IOPS while fio writes over NBD.
+    s.goto(&format!("{url}/#/"));
+    wait_page(&s, "/");
+    let mut fio = std::process::Command::new("fio")
+        .args([
+            "--name=w",
+            "--ioengine=nbd",
+            &format!("--uri={}", srv.url("web1")),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=32M",
+            "--iodepth=4",
+            "--time_based",
+            "--runtime=8",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start fio");
+    let iops = s.wait_until(
+        "nonzero IOPS on the overview",
+        "const n = Number(document.querySelector('#pool-now').dataset.iops); return n > 0 ? n : 0",
+        WAIT,
+    );
+    assert!(iops.as_f64().unwrap_or(0.0) > 0.0, "{iops}");
+    if let Some(dir) = screenshots_dir() {
+        std::thread::sleep(Duration::from_secs(3));
+        s.screenshot(&dir.join("dashboard-overview.png"));
+        s.goto(&format!("{url}/#/volumes"));
+        wait_page(&s, "/volumes");
+        s.screenshot(&dir.join("dashboard-volumes.png"));
+        s.goto(&format!("{url}/#/volumes/web1"));
+        wait_page(&s, "/volumes/web1");
+        std::thread::sleep(Duration::from_secs(1));
+        s.screenshot(&dir.join("dashboard-volume.png"));
+    }
+    assert!(fio.wait().expect("fio").success());
+
+    // The soft-threshold banner: a thick volume reserves ~20 % of the 1 GiB pool; a 15 %
+    // threshold set in the UI is passed.
+    s.goto(&format!("{url}/#/volumes"));
+    wait_page(&s, "/volumes");
+    s.type_into(&s.wait_for("#new-name", WAIT), "thick");
+    s.type_into(&s.wait_for("#new-size", WAIT), "128M");
+    s.click(&s.wait_for("#new-format option[value=\"lazyzeroedthick\"]", WAIT));
+    s.click(&s.wait_for("#create-volume", WAIT));
+    s.wait_for("tr[data-volume=\"thick\"]", WAIT);
+    s.goto(&format!("{url}/#/pool"));
+    wait_page(&s, "/pool");
+    assert_labelled(&s, "pool");
+    s.type_into(&s.wait_for("#pool-soft", WAIT), "15");
+    s.click(&s.wait_for("#act-settings button[type=submit]", WAIT));
+    let banner = s.wait_until(
+        "the soft-threshold banner",
+        "const b = document.querySelector('#health'); return !b.hidden && b.textContent",
+        WAIT,
+    );
+    assert!(
+        banner
+            .as_str()
+            .is_some_and(|b| b.contains("soft threshold of 15 %")),
+        "{banner}"
+    );
+    if let Some(dir) = screenshots_dir() {
+        s.screenshot(&dir.join("dashboard-pool.png"));
+    }
+
+    // A 390-pixel-wide phone: nothing wider than the screen.
+    s.set_viewport(390, 844);
+    for (hash, name) in [
+        ("#/", "overview"),
+        ("#/volumes", "volumes"),
+        ("#/volumes/web1", "volume"),
+    ] {
+        s.goto(&format!("{url}/{hash}"));
+        wait_page(&s, &hash[1..]);
+        let overflow = s.script(
+            "return document.documentElement.scrollWidth - window.innerWidth",
+            &[],
+        );
+        assert!(
+            overflow.as_i64().is_some_and(|o| o <= 0),
+            "{hash}: {overflow} px too wide"
+        );
+        if let Some(dir) = screenshots_dir() {
+            s.screenshot(&dir.join(format!("dashboard-phone-{name}.png")));
+        }
+    }
+
+    // The 401 before login, the 400 of the hostile name, the 404 of its page.
+    assert_console_clean(&s, &[401, 400, 404]);
+}
+
+/// Percent-encodes everything but letters and digits.
+fn percent(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
