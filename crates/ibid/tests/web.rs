@@ -333,3 +333,243 @@ fn percent(s: &str) -> String {
         })
         .collect()
 }
+
+/// Runs `curl` with `args` against the server; returns (status, headers lower-cased, body).
+fn curl(args: &[&str]) -> (u16, String, String) {
+    let mut all = vec!["-s", "-S", "-i"];
+    all.extend_from_slice(args);
+    let out = run("curl", &all);
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+fn code_of(body: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["code"].as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// What a hostile page can send, sent with curl: a rebound name, form and `no-cors` posts,
+/// a foreign `Origin`, a cross-site fetch, a CORS preflight. Each is refused and changes
+/// nothing; the server's own kind of request still works; every answer carries the CSP.
+#[test]
+fn hostile_requests_are_refused() {
+    let srv = Server::start(&["--no-default-volume", "--http-allowed-host", "array.test"]);
+    let addr = srv.http.clone().expect("API");
+    let port = addr.rsplit(':').next().expect("port").to_string();
+    let url = base(&srv);
+    let volumes = format!("{url}/api/v1/volumes");
+    let body = r#"{"name":"evil","size":"1M"}"#;
+
+    // DNS rebinding: evil.test resolves to the server, but its Host is refused everywhere.
+    let rebind = format!("evil.test:{port}:127.0.0.1");
+    for path in ["/", "/app.js", "/api/v1/volumes", "/metrics"] {
+        let (status, _, b) = curl(&[
+            "--resolve",
+            &rebind,
+            &format!("http://evil.test:{port}{path}"),
+        ]);
+        assert_eq!(
+            (status, code_of(&b)),
+            (403, "forbidden_host".into()),
+            "{path}"
+        );
+    }
+    // A name given with --http-allowed-host is served.
+    let allowed = format!("array.test:{port}:127.0.0.1");
+    let (status, _, _) = curl(&[
+        "--resolve",
+        &allowed,
+        &format!("http://array.test:{port}/api/v1/pool"),
+    ]);
+    assert_eq!(status, 200);
+
+    // Requests a page on another site can send without a preflight: refused.
+    for (what, args) in [
+        (
+            "form post (text/plain)",
+            vec!["-H", "content-type: text/plain", "-d", body],
+        ),
+        ("form post (urlencoded)", vec!["-d", "name=evil&size=1M"]),
+        (
+            "JSON without the header",
+            vec!["-H", "content-type: application/json", "-d", body],
+        ),
+        (
+            "the header but text/plain",
+            vec![
+                "-H",
+                "x-ibid-request: 1",
+                "-H",
+                "content-type: text/plain",
+                "-d",
+                body,
+            ],
+        ),
+        (
+            "foreign Origin",
+            vec![
+                "-H",
+                "x-ibid-request: 1",
+                "-H",
+                "content-type: application/json",
+                "-H",
+                "origin: http://evil.test",
+                "-d",
+                body,
+            ],
+        ),
+        (
+            "Sec-Fetch-Site: cross-site",
+            vec![
+                "-H",
+                "x-ibid-request: 1",
+                "-H",
+                "content-type: application/json",
+                "-H",
+                "sec-fetch-site: cross-site",
+                "-d",
+                body,
+            ],
+        ),
+    ] {
+        let mut a = args.clone();
+        a.push(&volumes);
+        let (status, _, b) = curl(&a);
+        assert!(status == 403 || status == 415, "{what}: {status} {b}");
+        assert!(
+            ["cross_site", "unsupported_media_type"].contains(&code_of(&b).as_str()),
+            "{what}: {b}"
+        );
+    }
+    // A CORS preflight gets no grant.
+    let (status, head, _) = curl(&[
+        "-X",
+        "OPTIONS",
+        "-H",
+        "origin: http://evil.test",
+        "-H",
+        "access-control-request-method: POST",
+        "-H",
+        "access-control-request-headers: content-type, x-ibid-request",
+        &volumes,
+    ]);
+    assert_eq!(status, 403);
+    assert!(!head.contains("access-control-allow"), "{head}");
+    // Nothing was created; a DELETE without the header changes nothing either.
+    let (status, _) = api_call_as(
+        &srv,
+        None,
+        "POST",
+        "/api/v1/volumes",
+        Some(r#"{"name":"ok","size":"1M"}"#),
+    );
+    assert_eq!(status, 201);
+    let (status, _, _) = curl(&["-X", "DELETE", &format!("{volumes}/ok")]);
+    assert_eq!(status, 403);
+    let (_, list) = api_call_as(&srv, None, "GET", "/api/v1/volumes", None);
+    let names: Vec<&str> = list
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(names, ["ok"]);
+
+    // The page: a CSP allowing this origin's scripts only, no framing, no sniffing.
+    let (status, head, html) = curl(&[&format!("{url}/")]);
+    assert_eq!(status, 200);
+    assert!(
+        head.contains("content-security-policy: default-src 'none'; script-src 'self';"),
+        "{head}"
+    );
+    assert!(
+        !head.contains("unsafe-inline") && !head.contains("unsafe-eval"),
+        "{head}"
+    );
+    assert!(
+        head.contains("x-frame-options: deny") && head.contains("x-content-type-options: nosniff")
+    );
+    assert!(html.contains("<script src=\"/app.js\""), "{html}");
+}
+
+/// The same attacks from a real browser: a page on another origin (served here on another
+/// port) posts a form, sends a `no-cors` fetch and a fetch with the custom header, and a
+/// rebound name (`--host-resolver-rules`) loads the dashboard. None gets through.
+#[test]
+fn hostile_page_in_chromium_changes_nothing() {
+    common::require("chromium");
+    common::require("chromedriver");
+    let srv = Server::start(&["--no-default-volume"]);
+    let api = format!("{}/api/v1/volumes", base(&srv));
+    let page = format!(
+        r#"<!doctype html><title>start</title>
+<form id="f" method="POST" action="{api}" enctype="text/plain"><input name='{{"name":"csrf1","size":"1M","x":"' value='"}}'></form>
+<script>
+fetch({api:?}, {{method: 'POST', mode: 'no-cors', headers: {{'Content-Type': 'text/plain'}}, body: '{{"name":"csrf2","size":"1M"}}'}})
+  .catch(() => null)
+  .then(() => fetch({api:?}, {{method: 'POST', headers: {{'Content-Type': 'application/json', 'X-Ibid-Request': '1'}}, body: '{{"name":"csrf3","size":"1M"}}'}}))
+  .then(r => {{ document.title = 'read ' + r.status; }}, () => {{ document.title = 'blocked'; }})
+  .finally(() => setTimeout(() => document.getElementById('f').submit(), 1500));
+</script>"#
+    );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let evil = format!(
+        "http://localhost:{}/",
+        listener.local_addr().expect("addr").port()
+    );
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for conn in listener.incoming().take(4) {
+            let Ok(mut c) = conn else { continue };
+            let mut buf = [0u8; 4096];
+            let _ = c.read(&mut buf);
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{page}",
+                page.len()
+            );
+        }
+    });
+    let driver = Driver::start();
+    let port = srv
+        .http
+        .as_deref()
+        .expect("API")
+        .rsplit(':')
+        .next()
+        .expect("port")
+        .to_string();
+    let s = driver.session_with(
+        1280,
+        800,
+        &["--host-resolver-rules=MAP evil.test 127.0.0.1"],
+    );
+    s.goto(&evil);
+    s.wait_until(
+        "the hostile page's fetch with the header blocked (no CORS grant)",
+        "return document.title === 'blocked'",
+        WAIT,
+    );
+    // The form post lands on the API's refusal.
+    s.wait_until(
+        "the form post answered",
+        "return location.href.includes('/api/v1/volumes') && document.body.textContent.includes('cross_site')",
+        WAIT,
+    );
+    // DNS rebinding in the browser: the dashboard under a rebound name is refused.
+    s.goto(&format!("http://evil.test:{port}/"));
+    s.wait_until(
+        "the rebound name refused",
+        "return document.body.textContent.includes('forbidden_host')",
+        WAIT,
+    );
+    let (_, list) = api_call_as(&srv, None, "GET", "/api/v1/volumes", None);
+    assert_eq!(list, json!([]), "a hostile request created a volume");
+}

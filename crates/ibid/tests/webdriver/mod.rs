@@ -69,14 +69,26 @@ impl Driver {
 
     /// Opens a headless Chromium window of `width` × `height` CSS pixels, logging the console.
     pub fn session(&self, width: u32, height: u32) -> Session {
+        self.session_with(width, height, &[])
+    }
+
+    /// [`Driver::session`] with more Chromium arguments (e.g. `--host-resolver-rules=...`).
+    pub fn session_with(&self, width: u32, height: u32, extra_args: &[&str]) -> Session {
+        let mut args = vec![
+            "--headless=new".to_string(),
+            "--no-sandbox".into(),
+            "--disable-gpu".into(),
+            "--disable-dev-shm-usage".into(),
+            "--no-first-run".into(),
+            format!("--window-size={width},{height}"),
+        ];
+        args.extend(extra_args.iter().map(|a| a.to_string()));
         let caps = json!({
             "capabilities": {"alwaysMatch": {
                 "browserName": "chrome",
                 "goog:chromeOptions": {
                     "binary": "/usr/bin/chromium",
-                    "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                             "--disable-dev-shm-usage", "--no-first-run",
-                             format!("--window-size={width},{height}")],
+                    "args": args,
                 },
                 "goog:loggingPrefs": {"browser": "ALL"},
             }}
