@@ -15,7 +15,8 @@
 
 use crate::metrics::{IoTotals, Metrics};
 use axum::extract::Query;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use parking_lot::Mutex;
 use serde::Deserialize;
@@ -225,8 +226,8 @@ impl History {
         });
     }
 
-    /// The pool's series (or volume `volume`'s) over the last `seconds`, as columns.
-    pub fn series(&self, volume: Option<&str>, seconds: u64) -> Value {
+    /// The pool's series (or volume `volume`'s) over the last `seconds`, as JSON columns.
+    pub fn series(&self, volume: Option<&str>, seconds: u64) -> String {
         let now_ms = now_unix_ms();
         let st = self.state.lock();
         let (ring, interval_s) = match volume {
@@ -275,30 +276,61 @@ fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
-/// Mean latency in microseconds, or null when no request finished.
-fn mean_us(latency_ns: u64, count: u64) -> Value {
-    if count == 0 {
-        Value::Null
-    } else {
-        json!(round2(latency_ns as f64 / count as f64 / 1000.0))
+/// Appends `,"name":[...]` to `out`: `f` of each point, null where it has none.
+fn column(out: &mut String, name: &str, points: &[Point], f: impl Fn(&Point) -> Option<f64>) {
+    use std::fmt::Write;
+    let _ = write!(out, ",\"{name}\":[");
+    for (i, p) in points.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        match f(p).filter(|x| x.is_finite()) {
+            Some(x) => {
+                let _ = write!(out, "{x}");
+            }
+            None => out.push_str("null"),
+        }
     }
+    out.push(']');
 }
 
-/// The points as columns, ready for a chart: time (Unix seconds, the end of each point), IOPS,
-/// bytes per second, mean latencies (null where there were no requests).
-fn columns(points: &[Point], interval_s: u64, seconds: u64) -> Value {
-    let col = |f: &dyn Fn(&Point) -> Value| points.iter().map(f).collect::<Vec<Value>>();
-    json!({
-        "interval_s": interval_s,
-        "seconds": seconds,
-        "t": col(&|p| json!(p.end_unix_ms as f64 / 1000.0)),
-        "read_iops": col(&|p| json!(round2(rate(p.io.read_ops, p.span_ms)))),
-        "write_iops": col(&|p| json!(round2(rate(p.io.write_ops, p.span_ms)))),
-        "read_bytes_per_s": col(&|p| json!(rate(p.io.read_bytes, p.span_ms).round())),
-        "write_bytes_per_s": col(&|p| json!(rate(p.io.write_bytes, p.span_ms).round())),
-        "read_latency_us": col(&|p| mean_us(p.io.read_latency_ns, p.io.read_ops)),
-        "write_latency_us": col(&|p| mean_us(p.io.write_latency_ns, p.io.plain_writes)),
-    })
+/// Mean latency in microseconds, or none when no request finished.
+fn mean_us(latency_ns: u64, count: u64) -> Option<f64> {
+    (count > 0).then(|| round2(latency_ns as f64 / count as f64 / 1000.0))
+}
+
+/// The points as JSON columns, ready for a chart: time (Unix seconds, the end of each point),
+/// IOPS, bytes per second, mean latencies (null where there were no requests). Written
+/// straight into a string: building a `serde_json::Value` of 1,440 points × 7 columns took
+/// 4 ms, this takes a fraction of one.
+fn columns(points: &[Point], interval_s: u64, seconds: u64) -> String {
+    let mut out = String::with_capacity(200 + points.len() * 90);
+    out.push_str(&format!(
+        "{{\"interval_s\":{interval_s},\"seconds\":{seconds}"
+    ));
+    column(&mut out, "t", points, |p| {
+        Some(p.end_unix_ms as f64 / 1000.0)
+    });
+    column(&mut out, "read_iops", points, |p| {
+        Some(round2(rate(p.io.read_ops, p.span_ms)))
+    });
+    column(&mut out, "write_iops", points, |p| {
+        Some(round2(rate(p.io.write_ops, p.span_ms)))
+    });
+    column(&mut out, "read_bytes_per_s", points, |p| {
+        Some(rate(p.io.read_bytes, p.span_ms).round())
+    });
+    column(&mut out, "write_bytes_per_s", points, |p| {
+        Some(rate(p.io.write_bytes, p.span_ms).round())
+    });
+    column(&mut out, "read_latency_us", points, |p| {
+        mean_us(p.io.read_latency_ns, p.io.read_ops)
+    });
+    column(&mut out, "write_latency_us", points, |p| {
+        mean_us(p.io.write_latency_ns, p.io.plain_writes)
+    });
+    out.push('}');
+    out
 }
 
 /// Query of `GET /api/v1/stats/history`.
@@ -317,7 +349,7 @@ pub struct HistoryQuery {
 pub async fn get_history(
     Extension(history): Extension<Arc<History>>,
     query: Result<Query<HistoryQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<Value>, crate::api::ApiError> {
+) -> Result<Response, crate::api::ApiError> {
     let Query(q) = query.map_err(|e| crate::api::ApiError::bad_request(e.body_text()))?;
     let seconds = q.seconds.unwrap_or(FINE_POINTS as u64);
     if !(1..=HISTORY_SECONDS_MAX).contains(&seconds) {
@@ -327,7 +359,8 @@ pub async fn get_history(
             format!("seconds {seconds}: the history holds 1 to {HISTORY_SECONDS_MAX} seconds"),
         ));
     }
-    Ok(Json(history.series(q.volume.as_deref(), seconds)))
+    let body = history.series(q.volume.as_deref(), seconds);
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 /// Query of `GET /api/v1/stats/volumes`.
@@ -362,6 +395,10 @@ pub async fn get_volume_iops(
 mod tests {
     use super::*;
 
+    fn parse(s: &str) -> Value {
+        serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
+    }
+
     fn totals(reads: u64, writes: u64) -> IoTotals {
         IoTotals {
             read_ops: reads,
@@ -390,17 +427,28 @@ mod tests {
                 t0 + i * 1000,
             );
         }
-        let s = h.series(None, 900);
+        let s = parse(&h.series(None, 900));
         assert_eq!(s["t"].as_array().unwrap().len(), 15);
-        assert_eq!(s["read_iops"][3], json!(110.0));
-        assert_eq!(s["write_iops"][3], json!(50.0));
-        assert_eq!(s["write_bytes_per_s"][3], json!(50.0 * 4096.0));
-        assert_eq!(s["read_latency_us"][3], json!(100.0));
-        assert_eq!(s["write_latency_us"][3], json!(200.0));
-        let v = h.series(Some("vm1"), 900);
+        assert_eq!(s["read_iops"][3].as_f64(), Some(110.0));
+        assert_eq!(s["write_iops"][3].as_f64(), Some(50.0));
+        assert_eq!(s["write_bytes_per_s"][3].as_f64(), Some(50.0 * 4096.0));
+        assert_eq!(s["read_latency_us"][3].as_f64(), Some(100.0));
+        assert_eq!(s["write_latency_us"][3].as_f64(), Some(200.0));
+        let v = parse(&h.series(Some("vm1"), 900));
         let iops = v["read_iops"].as_array().unwrap();
         assert!(!iops.is_empty(), "{v}");
-        assert!(iops.iter().all(|x| x == &json!(110.0)), "{v}");
+        assert!(iops.iter().all(|x| x.as_f64() == Some(110.0)), "{v}");
+        // No requests: the latency is null, not zero.
+        h.sample(
+            vec![
+                ("vm1".into(), totals(1500, 750)),
+                ("vm1@s".into(), totals(150, 0)),
+            ],
+            t0 + 16_000,
+        );
+        let s = parse(&h.series(None, 900));
+        assert!(s["read_latency_us"][15].is_null(), "{s}");
+        assert_eq!(s["read_iops"][15].as_f64(), Some(0.0));
         let all = h.volume_iops(900);
         assert!(all["volumes"]["vm1"]
             .as_array()
@@ -427,8 +475,15 @@ mod tests {
         let day = h.series(None, HISTORY_SECONDS_MAX);
         let fine = h.series(None, 900);
         let took = started.elapsed();
+        eprintln!(
+            "24 h and 15 min series of a full history: {took:?} ({} and {} bytes)",
+            day.len(),
+            fine.len()
+        );
+        let (day, fine) = (parse(&day), parse(&fine));
         assert!(day["t"].as_array().unwrap().len() >= COARSE_POINTS - 1);
         assert_eq!(fine["t"].as_array().unwrap().len(), FINE_POINTS);
+        // The goal is 5 ms a call; two calls, with slack for a loaded machine.
         assert!(took < Duration::from_millis(10), "took {took:?}");
     }
 }
