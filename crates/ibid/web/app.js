@@ -617,7 +617,11 @@ async function pageVolumes(main) {
     draw();
   };
   await refreshTable();
-  every(POOL_POLL_MS, () => refreshTable().catch(() => {}));
+  // The periodic refresh leaves the table alone while the keyboard focus is in it (a redraw
+  // would take the focus away).
+  every(POOL_POLL_MS, () => {
+    if (!table.contains(document.activeElement)) refreshTable().catch(() => {});
+  });
 }
 
 // One volume
@@ -862,6 +866,8 @@ async function render() {
 
 async function start() {
   initLogin();
+  // The skip link moves the focus; it must not change the route.
+  $('.skip').addEventListener('click', (e) => { e.preventDefault(); $('#main').focus(); });
   window.addEventListener('hashchange', () => { render(); $('#main').focus(); });
   await refreshPool();
   setInterval(refreshPool, POOL_POLL_MS);
