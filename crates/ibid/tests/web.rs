@@ -84,7 +84,8 @@ fn screenshots_dir() -> Option<std::path::PathBuf> {
 
 /// The dashboard end to end in Chromium: token login; create a volume and see it with nbdinfo;
 /// a hostile name shown as text; snapshot and clone in the UI and the clone's data read over
-/// NBD; delete with a confirmation that names what is lost; nonzero IOPS on the charts while
+/// NBD; range copy, resize and format conversion; delete with a confirmation that names what
+/// is lost; nonzero IOPS on the charts while
 /// fio writes; the soft-threshold banner; keyboard reachability, labels, a 390-px phone; and
 /// no errors in the browser console.
 #[test]
@@ -204,6 +205,50 @@ fn dashboard_in_chromium() {
     );
     assert!(!read.contains("verification failed"), "{read}");
 
+    // Range copy, resize and format conversion in the UI, on the clone.
+    wait_page(&s, "/volumes/web1-clone");
+    s.type_into(&s.wait_for("#copy-source", WAIT), "web1@s1");
+    s.type_into(&s.wait_for("#copy-offset", WAIT), "2M");
+    s.type_into(&s.wait_for("#copy-length", WAIT), "1M");
+    s.click(&s.wait_for("#act-range-copy button[type=submit]", WAIT));
+    s.wait_until(
+        "the copy reported",
+        "return document.querySelector('#toast').textContent.startsWith('Copied 1 MiB')",
+        WAIT,
+    );
+    let read = run(
+        "qemu-io",
+        &[
+            "-r",
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0xab 2M 1M",
+            &srv.url("web1-clone"),
+        ],
+    );
+    assert!(!read.contains("verification failed"), "{read}");
+    wait_page(&s, "/volumes/web1-clone");
+    s.type_into(&s.wait_for("#resize-size", WAIT), "128M");
+    s.click(&s.wait_for("#act-resize button[type=submit]", WAIT));
+    s.wait_until(
+        "the new size shown",
+        "return document.querySelector('main .page > p.muted')?.textContent.includes('128 MiB')",
+        WAIT,
+    );
+    let info = run("nbdinfo", &["--size", &srv.url("web1-clone")]);
+    assert_eq!(info.trim(), (128u64 << 20).to_string());
+    wait_page(&s, "/volumes/web1-clone");
+    s.click(&s.wait_for("#format-to option[value=\"eagerzeroedthick\"]", WAIT));
+    s.click(&s.wait_for("#act-format button[type=submit]", WAIT));
+    s.wait_until(
+        "the new format shown",
+        "return document.querySelector('main .page > p.muted')?.textContent.startsWith('eagerzeroedthick')",
+        WAIT,
+    );
+    let (_, v) = api_call_as(&srv, Some(TOKEN), "GET", "/api/v1/volumes/web1-clone", None);
+    assert_eq!(v["format"], "eagerzeroedthick", "{v}");
+
     // Delete with confirmation, reached by keyboard: the dialog names what is lost and
     // deletes only once the name is typed.
     wait_page(&s, "/volumes/web1-clone");
@@ -212,7 +257,7 @@ fn dashboard_in_chromium() {
     s.wait_for("#confirm[open]", WAIT);
     let body = s.text_of("#confirm-body");
     assert!(
-        body.contains("web1-clone") && body.contains("64 MiB"),
+        body.contains("web1-clone") && body.contains("128 MiB"),
         "{body}"
     );
     assert_eq!(
