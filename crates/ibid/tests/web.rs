@@ -694,3 +694,75 @@ fn overview_renders_fast_with_1000_volumes_and_10000_snapshots() {
     }
     assert_console_clean(&s, &[]);
 }
+
+/// The charts' data through the real server: qemu-io's writes appear in the pool's 1-second
+/// series, in the volume's series and in the sparkline figures; windows out of range and
+/// unknown parameters are refused with JSON errors.
+#[test]
+fn stats_history_follows_real_io() {
+    let srv = Server::start(&["--no-default-volume", "--volume", "h1=64M"]);
+    std::thread::sleep(Duration::from_millis(1500));
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x5a 0 8M",
+            "-c",
+            "read 0 4M",
+            &srv.url("h1"),
+        ],
+    );
+    let wrote = |v: &serde_json::Value, col: &str| {
+        v[col]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x.as_f64().is_some_and(|x| x > 0.0)))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let (status, pool) =
+            api_call_as(&srv, None, "GET", "/api/v1/stats/history?seconds=300", None);
+        assert_eq!(status, 200, "{pool}");
+        let (_, vol) = api_call_as(&srv, None, "GET", "/api/v1/stats/history?volume=h1", None);
+        let (_, all) = api_call_as(&srv, None, "GET", "/api/v1/stats/volumes", None);
+        let done = wrote(&pool, "write_bytes_per_s")
+            && wrote(&pool, "read_iops")
+            && wrote(&vol, "write_iops")
+            && all["volumes"]["h1"]
+                .as_array()
+                .is_some_and(|a| !a.is_empty());
+        if done {
+            assert_eq!(pool["interval_s"], 1);
+            assert_eq!(vol["interval_s"], 5);
+            let n = pool["t"].as_array().map_or(0, Vec::len);
+            for col in [
+                "read_iops",
+                "write_iops",
+                "read_latency_us",
+                "write_latency_us",
+            ] {
+                assert_eq!(pool[col].as_array().map_or(0, Vec::len), n, "{col}");
+            }
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no I/O in the history: {pool} {vol} {all}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for (path, code) in [
+        ("/api/v1/stats/history?seconds=0", "invalid_argument"),
+        ("/api/v1/stats/history?seconds=86401", "invalid_argument"),
+        ("/api/v1/stats/history?window=5", "bad_request"),
+        ("/api/v1/stats/volumes?seconds=901", "invalid_argument"),
+    ] {
+        let (status, v) = api_call_as(&srv, None, "GET", path, None);
+        assert_eq!(
+            (status, v["code"].as_str()),
+            (400, Some(code)),
+            "{path}: {v}"
+        );
+    }
+}
