@@ -83,7 +83,7 @@ fn screenshots_dir() -> Option<std::path::PathBuf> {
 }
 
 /// The dashboard end to end in Chromium: token login; create a volume and see it with nbdinfo;
-/// a hostile name shown as text; snapshot and clone in the UI and the clone's data read over
+/// hostile names (refused volume name, accepted iSCSI initiator name) shown as text; snapshot and clone in the UI and the clone's data read over
 /// NBD; range copy, resize and format conversion; delete with a confirmation that names what
 /// is lost; nonzero IOPS on the charts while
 /// fio writes; the soft-threshold banner; keyboard reachability, labels, a 390-px phone; and
@@ -167,6 +167,51 @@ fn dashboard_in_chromium() {
         json!(0)
     );
     assert!(!s.alert_open(), "the hostile name ran a script");
+
+    // A hostile string the array does accept: an iSCSI initiator's name, shown among the
+    // volume's clients while it is connected.
+    let initiator = format!("iqn.2026-01.example.evil:{HOSTILE}");
+    let mut iscsi = std::process::Command::new("qemu-io")
+        .args([
+            "--image-opts",
+            &format!(
+                "driver=iscsi,transport=tcp,portal={},target={},lun=0,initiator-name={initiator}",
+                srv.iscsi.as_deref().expect("iSCSI target"),
+                common::IQN
+            ),
+            "-c",
+            "read 0 4k",
+            "-c",
+            "sleep 20000",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start qemu-io");
+    let deadline = std::time::Instant::now() + WAIT;
+    while api_call_as(&srv, Some(TOKEN), "GET", "/api/v1/volumes/web1", None).1["clients"]
+        .as_array()
+        .is_none_or(Vec::is_empty)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the iSCSI client never showed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    s.goto(&format!("{url}/#/volumes/web1"));
+    wait_page(&s, "/volumes/web1");
+    assert!(
+        s.text_of("main").contains(&initiator),
+        "{}",
+        s.text_of("main")
+    );
+    assert_eq!(
+        s.script("return document.querySelectorAll('img').length", &[]),
+        json!(0)
+    );
+    assert!(!s.alert_open(), "the initiator name ran a script");
+    let _ = iscsi.kill();
+    let _ = iscsi.wait();
 
     // Data in web1, then a snapshot and a clone of it, both made in the UI.
     run(
