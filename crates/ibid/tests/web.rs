@@ -131,6 +131,12 @@ fn dashboard_in_chromium() {
     s.type_into(&s.wait_for("#new-size", WAIT), "64M");
     s.click(&s.wait_for("#create-volume", WAIT));
     s.wait_for("tr[data-volume=\"web1\"]", WAIT);
+    // Its space figures (describe's) fill in: nothing written yet.
+    s.wait_until(
+        "web1's physical space in the table",
+        "const c = document.querySelector('tr[data-volume=\"web1\"] td[data-col=\"physical\"]'); return c && c.textContent === '0 B'",
+        WAIT,
+    );
     let info = run("nbdinfo", &["--json", &srv.url("web1")]);
     let info: serde_json::Value = serde_json::from_str(&info).expect("nbdinfo JSON");
     assert_eq!(

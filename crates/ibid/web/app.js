@@ -522,6 +522,10 @@ const COLUMNS = [
   ['format', 'Format', (v) => v.format],
   ['size', 'Size', (v) => v.size_bytes],
   ['written', 'Written', (v) => v.mapped_blocks * 4096],
+  ['unique', 'Unique', (v) => spaceOf(v, (d) => d.exclusive_blocks * 4096)],
+  ['shared', 'Shared', (v) => spaceOf(v, (d) => d.shared_blocks * 4096)],
+  ['physical', 'Physical', (v) => spaceOf(v, (d) => d.physical_bytes)],
+  ['reduction', 'Reduction', (v) => spaceOf(v, reductionOf)],
   ['tbz', 'To be zeroed', (v) => v.tbz_blocks * 4096],
   ['reserved', 'Reserved', (v) => v.reserved_bytes],
   ['snapshots', 'Snapshots', (v) => v.snapshots],
@@ -531,6 +535,32 @@ const COLUMNS = [
 ];
 
 function last(a) { return a && a.length ? a[a.length - 1] : 0; }
+
+// Per-volume space (unique, shared, physical) is `describe`'s: a walk of the volume's map, too
+// dear to ask for every volume on every refresh. The table asks for the rows it shows when
+// they are few, one volume at a time, and keeps each answer for a minute.
+const SPACE_ROWS_MAX = 50;
+const SPACE_MAX_AGE_MS = 60000;
+const spaceCache = new Map();
+
+function spaceOf(v, f) {
+  const d = spaceCache.get(v.name);
+  return d ? f(d) : -1;
+}
+
+function reductionOf(d) {
+  return d.physical_bytes ? (d.mapped_blocks * 4096) / d.physical_bytes : 0;
+}
+
+/** The text of a space cell: the figure, "…" while asked for, "–" when not asked for. */
+function spaceText(v, key, asking) {
+  const d = spaceCache.get(v.name);
+  if (!d) return asking ? '…' : '–';
+  if (key === 'unique') return fmtBytes(d.exclusive_blocks * 4096);
+  if (key === 'shared') return fmtBytes(d.shared_blocks * 4096);
+  if (key === 'physical') return fmtBytes(d.physical_bytes);
+  return d.physical_bytes ? ratio(reductionOf(d)) : '–';
+}
 
 const tableState = { sort: 'name', dir: 1, filter: '' };
 
@@ -577,7 +607,9 @@ async function pageVolumes(main) {
       const y = col[2](b, spark);
       return (x < y ? -1 : x > y ? 1 : 0) * tableState.dir;
     });
-    count.textContent = `${rows.length} of ${vols.length} volumes`;
+    const asking = rows.length <= SPACE_ROWS_MAX;
+    count.textContent = `${rows.length} of ${vols.length} volumes${asking ? '' : ` (filter to ${SPACE_ROWS_MAX} or fewer to see their unique, shared and physical space)`}`;
+    if (asking) fillSpace(rows);
     clear(table);
     const head = h('tr', {}, COLUMNS.map(([key, label]) => {
       const sorted = tableState.sort === key;
@@ -599,6 +631,7 @@ async function pageVolumes(main) {
         h('td', {}, v.format),
         h('td', { class: 'num' }, fmtBytes(v.size_bytes)),
         h('td', { class: 'num' }, fmtBytes(v.mapped_blocks * 4096)),
+        ['unique', 'shared', 'physical', 'reduction'].map((k) => h('td', { class: 'num', 'data-col': k }, spaceText(v, k, asking))),
         h('td', { class: 'num' }, v.tbz_blocks ? fmtBytes(v.tbz_blocks * 4096) : '–'),
         h('td', { class: 'num' }, v.reserved_bytes ? fmtBytes(v.reserved_bytes) : '–'),
         h('td', { class: 'num' }, fmtNum(v.snapshots)),
@@ -609,6 +642,30 @@ async function pageVolumes(main) {
     append(table, [h('caption', { class: 'sr-only' }, 'Volumes; column headers sort'), h('thead', {}, head), body]);
   };
   filter.addEventListener('input', () => { tableState.filter = filter.value; draw(); });
+
+  // Asks for the space of the shown rows that have none (or a stale one), one at a time,
+  // filling their cells in place (a redraw would move the keyboard focus).
+  let filling = false;
+  const fillSpace = async (rows) => {
+    if (filling) return;
+    filling = true;
+    try {
+      for (const v of rows) {
+        const known = spaceCache.get(v.name);
+        if (known && Date.now() - known.at < SPACE_MAX_AGE_MS) continue;
+        if (!document.body.contains(table)) return;
+        let d;
+        try { d = await api('GET', `/volumes/${seg(v.name)}`); } catch (_) { continue; }
+        d.at = Date.now();
+        spaceCache.set(v.name, d);
+        const tr = [...table.querySelectorAll('tbody tr')].find((r) => r.dataset.volume === v.name);
+        if (!tr) continue;
+        for (const td of tr.querySelectorAll('td[data-col]')) td.textContent = spaceText(v, td.dataset.col, true);
+      }
+    } finally {
+      filling = false;
+    }
+  };
 
   const refreshTable = async () => {
     const [v, s] = await Promise.all([api('GET', '/volumes'), api('GET', '/stats/volumes?seconds=300')]);
