@@ -349,6 +349,24 @@ fn dashboard_in_chromium() {
         WAIT,
     );
     assert!(iops.as_f64().unwrap_or(0.0) > 0.0, "{iops}");
+    // The three charts are drawn; the 24 h range shows the writes too (the minute so far).
+    assert_eq!(
+        s.script(
+            "return document.querySelectorAll('.plot canvas').length",
+            &[]
+        ),
+        json!(3)
+    );
+    s.click(&s.wait_for("button[data-range=\"86400\"]", WAIT));
+    s.wait_until(
+        "the 24 h range with nonzero IOPS",
+        "const b = document.querySelector('button[data-range=\"86400\"]');
+         const n = Number(document.querySelector('#pool-now').dataset.iops);
+         return b && b.getAttribute('aria-pressed') === 'true' && n > 0",
+        WAIT,
+    );
+    s.click(&s.wait_for("button[data-range=\"900\"]", WAIT));
+    wait_page(&s, "/");
     if let Some(dir) = screenshots_dir() {
         std::thread::sleep(Duration::from_secs(3));
         s.screenshot(&dir.join("dashboard-overview.png"));
