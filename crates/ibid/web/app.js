@@ -6,6 +6,7 @@ const API = '/api/v1';
 const TOKEN_KEY = 'ibid-token';
 const RANGES = [[300, '5 min'], [900, '15 min'], [3600, '1 h'], [21600, '6 h'], [86400, '24 h']];
 const FORMATS = ['thin', 'lazyzeroedthick', 'eagerzeroedthick'];
+const SHORT_FORMAT = { thin: 'thin', lazyzeroedthick: 'lazy thick', eagerzeroedthick: 'eager thick' };
 const POLL_MS = 2000;
 const POOL_POLL_MS = 5000;
 
@@ -526,9 +527,9 @@ const COLUMNS = [
   ['shared', 'Shared', (v) => spaceOf(v, (d) => d.shared_blocks * 4096)],
   ['physical', 'Physical', (v) => spaceOf(v, (d) => d.physical_bytes)],
   ['reduction', 'Reduction', (v) => spaceOf(v, reductionOf)],
-  ['tbz', 'To be zeroed', (v) => v.tbz_blocks * 4096],
+  ['tbz', 'TBZ', (v) => v.tbz_blocks * 4096, 'to be zeroed'],
   ['reserved', 'Reserved', (v) => v.reserved_bytes],
-  ['snapshots', 'Snapshots', (v) => v.snapshots],
+  ['snapshots', 'Snaps', (v) => v.snapshots, 'snapshots'],
   ['lun', 'LUN', (v) => v.id - 1],
   ['clients', 'Clients', (v) => v.clients.length],
   ['iops', 'IOPS (5 min)', (v, sp) => last(sp[v.name])],
@@ -601,7 +602,7 @@ async function pageVolumes(main) {
   const draw = () => {
     const f = tableState.filter.toLowerCase();
     const col = COLUMNS.find((c) => c[0] === tableState.sort) || COLUMNS[0];
-    const rows = vols.filter((v) => !f || v.name.toLowerCase().includes(f) || v.format.includes(f));
+    const rows = vols.filter((v) => !f || v.name.toLowerCase().includes(f) || v.format.includes(f) || SHORT_FORMAT[v.format].includes(f));
     rows.sort((a, b) => {
       const x = col[2](a, spark);
       const y = col[2](b, spark);
@@ -611,11 +612,11 @@ async function pageVolumes(main) {
     count.textContent = `${rows.length} of ${vols.length} volumes${asking ? '' : ` (filter to ${SPACE_ROWS_MAX} or fewer to see their unique, shared and physical space)`}`;
     if (asking) fillSpace(rows);
     clear(table);
-    const head = h('tr', {}, COLUMNS.map(([key, label]) => {
+    const head = h('tr', {}, COLUMNS.map(([key, label, , long]) => {
       const sorted = tableState.sort === key;
       return h('th', { scope: 'col', 'aria-sort': sorted ? (tableState.dir > 0 ? 'ascending' : 'descending') : 'none' },
         h('button', {
-          type: 'button', class: 'sort', 'data-col': key,
+          type: 'button', class: 'sort', 'data-col': key, title: long, 'aria-label': long ? long[0].toUpperCase() + long.slice(1) : undefined,
           onclick: () => {
             if (tableState.sort === key) tableState.dir = -tableState.dir;
             else { tableState.sort = key; tableState.dir = 1; }
@@ -628,7 +629,7 @@ async function pageVolumes(main) {
     for (const v of rows) {
       body.append(h('tr', { 'data-volume': v.name },
         h('th', { scope: 'row' }, h('a', { href: `#/volumes/${seg(v.name)}` }, v.name)),
-        h('td', {}, v.format),
+        h('td', { title: v.format }, SHORT_FORMAT[v.format] || v.format),
         h('td', { class: 'num' }, fmtBytes(v.size_bytes)),
         h('td', { class: 'num' }, fmtBytes(v.mapped_blocks * 4096)),
         ['unique', 'shared', 'physical', 'reduction'].map((k) => h('td', { class: 'num', 'data-col': k }, spaceText(v, k, asking))),
