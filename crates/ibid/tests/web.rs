@@ -409,6 +409,14 @@ fn dashboard_in_chromium() {
         s.screenshot(&dir.join("dashboard-pool.png"));
     }
 
+    // Signing out forgets the token: the login comes back.
+    s.click(&s.wait_for("#sign-out:not([hidden])", WAIT));
+    s.wait_for("#login[open]", WAIT);
+    let field = s.wait_for("#login-token", WAIT);
+    s.type_into(&field, TOKEN);
+    s.click(&s.wait_for("#login-form button[type=submit]", WAIT));
+    wait_page(&s, "/pool");
+
     // A 390-pixel-wide phone: nothing wider than the screen.
     s.set_viewport(390, 844);
     for (hash, name) in [

@@ -161,6 +161,7 @@ function initLogin() {
       return;
     }
     sessionStorage.setItem(TOKEN_KEY, state.token);
+    $('#sign-out').hidden = false;
     loginOpen = false;
     dlg.close();
     $('#login-token').value = '';
@@ -924,6 +925,12 @@ async function render() {
 
 async function start() {
   initLogin();
+  $('#sign-out').hidden = !state.token;
+  $('#sign-out').addEventListener('click', () => {
+    sessionStorage.removeItem(TOKEN_KEY);
+    state.token = '';
+    location.reload();
+  });
   // The skip link moves the focus; it must not change the route.
   $('.skip').addEventListener('click', (e) => { e.preventDefault(); $('#main').focus(); });
   window.addEventListener('hashchange', () => { render(); $('#main').focus(); });
