@@ -123,6 +123,12 @@ fn dashboard_in_chromium() {
         json!(true)
     );
     assert_labelled(&s, "overview");
+    let overview = s.text_of("main");
+    assert!(
+        overview.contains("dedup 1 × compression 1")
+            && overview.contains("Thin provisioning saves"),
+        "{overview}"
+    );
 
     // Create a volume in the UI; nbdinfo sees it.
     s.goto(&format!("{url}/#/volumes"));

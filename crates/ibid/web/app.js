@@ -473,12 +473,15 @@ async function pageOverview(main) {
     if (!p) return;
     const usedAll = p.used_bytes + p.reserved_bytes;
     const thinSaved = Math.max(0, p.provisioned_bytes - p.logical_written_bytes);
+    // written ÷ distinct blocks, and distinct blocks ÷ their stored bytes: the ratio's factors.
+    const dedup = p.unique_bytes ? p.logical_written_bytes / p.unique_bytes : 1;
+    const compression = p.physical_bytes ? p.unique_bytes / p.physical_bytes : 1;
     clear(top);
     append(top, [
       h('h2', {}, 'Capacity'),
       h('div', { class: 'figures' },
         figure('Used and reserved', `${fmtBytes(usedAll)} of ${fmtBytes(p.capacity_bytes)}`, fmtPct(usedAll / Math.max(1, p.capacity_bytes))),
-        figure('Data reduction', ratio(p.data_reduction_ratio), `${fmtBytes(p.logical_written_bytes)} written, ${fmtBytes(p.physical_bytes)} stored (dedup × compression)`),
+        figure('Data reduction', ratio(p.data_reduction_ratio), `${fmtBytes(p.logical_written_bytes)} written, ${fmtBytes(p.physical_bytes)} stored: dedup ${fmtNum(dedup, 2)} × compression ${fmtNum(compression, 2)}`),
         figure('Thin provisioning saves', fmtBytes(thinSaved), 'provisioned but never written; not in the ratio'),
         figure('Provisioned', fmtBytes(p.provisioned_bytes), `${fmtPct(p.provisioned_bytes / Math.max(1, p.capacity_bytes))} of capacity${p.provisioned_bytes > p.capacity_bytes ? ` (overcommitted ${fmtPct(p.provisioned_bytes / p.capacity_bytes - 1)})` : ''}`),
         figure('Volumes', fmtNum(p.volumes), `thick: ${fmtBytes(p.thick_provisioned_bytes)}`),
