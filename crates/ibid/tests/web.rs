@@ -230,9 +230,23 @@ fn dashboard_in_chromium() {
         "qemu-io",
         &["-f", "raw", "-c", "write -P 0xab 0 1M", &srv.url("web1")],
     );
-    s.goto(&format!("{url}/#/volumes/web1"));
+    let (status, _) = api_call_as(
+        &srv,
+        Some(TOKEN),
+        "PATCH",
+        "/api/v1/volumes/web1/qos",
+        Some(r#"{"write_iops": 5000}"#),
+    );
+    assert_eq!(status, 200);
+    // (The page shows web1 already: load it again.)
+    s.refresh();
     wait_page(&s, "/volumes/web1");
     assert_labelled(&s, "volume");
+    assert!(
+        s.text_of("main").contains("write IOPS 5,000"),
+        "{}",
+        s.text_of("main")
+    );
     s.type_into(&s.wait_for("#snap-name", WAIT), "s1");
     s.click(&s.wait_for("#act-snapshot button[type=submit]", WAIT));
     s.wait_for("tr[data-snapshot=\"s1\"]", WAIT);

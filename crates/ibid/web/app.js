@@ -705,6 +705,13 @@ function actionForm(title, fields, button, onSubmit) {
   return form;
 }
 
+/** A volume's QoS limits in words ("none" when unlimited). */
+function qosText(q) {
+  const parts = Object.entries(q || {}).filter(([, v]) => v !== null && v !== undefined)
+    .map(([k, v]) => `${k.replace('_mbps', ' MiB/s').replace('_iops', ' IOPS')} ${fmtNum(v)}`);
+  return parts.length ? parts.join(', ') : 'none';
+}
+
 async function pageVolume(main, name) {
   let d;
   try {
@@ -729,6 +736,7 @@ async function pageVolume(main, name) {
       figure('To be zeroed', fmtBytes(d.tbz_blocks * 4096), `${fmtNum(d.tbz_blocks)} blocks`),
       figure('Reserved', fmtBytes(d.reserved_bytes), d.format),
       figure('Created', fmtTime(d.created_unix_s)),
+      figure('QoS limits', qosText(d.qos), 'ibid volume qos'),
       figure('QoS waits', `${fmtNum(d.qos_throttled_requests)} requests`, `${fmtNum(d.qos_throttled_seconds, 2)} s`)));
 
   const lun = d.id - 1;

@@ -178,6 +178,11 @@ impl Session {
         self.cmd("POST", "/url", Some(json!({ "url": url })));
     }
 
+    /// Reloads the page.
+    pub fn refresh(&self) {
+        self.cmd("POST", "/refresh", None);
+    }
+
     /// Runs `script` (a function body; `arguments` holds `args`) and returns its result.
     pub fn script(&self, script: &str, args: &[Value]) -> Value {
         self.cmd(
