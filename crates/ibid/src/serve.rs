@@ -286,8 +286,11 @@ async fn serve(
         Some(t) => crate::api::Access::token(t),
         None => crate::api::Access::default(),
     };
+    // The charts' history, sampled only when there is an API to serve it.
     let history = Arc::new(crate::history::History::default());
-    tokio::spawn(history.clone().run(metrics.clone(), stop_rx.clone()));
+    if http_addr.is_some() {
+        tokio::spawn(history.clone().run(metrics.clone(), stop_rx.clone()));
+    }
     let server_info = Arc::new(crate::api::ServerInfo {
         version: env!("CARGO_PKG_VERSION"),
         nbd: nbd_addr.to_string(),
