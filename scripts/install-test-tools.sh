@@ -19,6 +19,9 @@ need fusermount3 fuse3
 need losetup mount
 need script bsdutils
 need curl curl
+# The web dashboard's tests drive Debian's Chromium headless through chromedriver.
+need chromium chromium
+need chromedriver chromium-driver
 /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need_pkgs+=(python3-matplotlib)
 # scripts/faultfs.py (a FUSE filesystem that returns I/O errors on demand).
 /usr/bin/python3 -c "import fusepy" >/dev/null 2>&1 || need_pkgs+=(python3-fusepy)

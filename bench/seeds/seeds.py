@@ -261,7 +261,7 @@ class Ibid:
     def api(self, method, path, body=None):
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(f"http://{self.http}/api/v1{path}", data=data, method=method,
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json", "x-ibid-request": "1"})
         try:
             with urllib.request.urlopen(req, timeout=3600) as r:
                 raw = r.read()

@@ -43,7 +43,8 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn bad_request(message: impl Into<String>) -> Self {
+    /// A 400 `bad_request` with `message`.
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             code: "bad_request",
@@ -51,7 +52,8 @@ impl ApiError {
         }
     }
 
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    /// An error with this status, stable code and message.
+    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,
             code,
@@ -262,6 +264,8 @@ struct VolumeView {
     tbz_blocks: u64,
     reserved_bytes: u64,
     created_unix_s: u64,
+    /// Number of snapshots of the volume.
+    snapshots: usize,
     /// QoS limits (null: none), shared by all the volume's connections.
     qos: Limits,
     /// Open connections using the volume or its snapshots (NBD, iSCSI): what deleting it would
@@ -271,7 +275,13 @@ struct VolumeView {
 
 impl VolumeView {
     fn new(v: VolumeInfo, api: &Api) -> Self {
+        let snapshots = api.pool.list_snapshots(Some(&v.name)).len();
+        Self::with_snapshots(v, api, snapshots)
+    }
+
+    fn with_snapshots(v: VolumeInfo, api: &Api, snapshots: usize) -> Self {
         VolumeView {
+            snapshots,
             clients: api.clients.of_volume_and_snapshots(&v.name),
             qos: api.qos.limits(v.id),
             name: v.name,
@@ -519,6 +529,12 @@ pub fn router(
         .route("/api/v1/openapi.json", get(openapi))
         .route("/api/v1/pool", get(pool_stats).patch(update_pool))
         .route("/api/v1/pool/verify", post(verify_pool))
+        .route("/api/v1/server", get(server_info))
+        .route("/api/v1/stats/history", get(crate::history::get_history))
+        .route(
+            "/api/v1/stats/volumes",
+            get(crate::history::get_volume_iops),
+        )
         .route("/api/v1/pool/scrub", get(scrub_status).post(start_scrub))
         .route("/api/v1/volumes", get(list_volumes).post(create_volume))
         .route(
@@ -547,6 +563,23 @@ pub fn router(
         .layer(middleware::from_fn(volume_not_snapshot))
         .layer(middleware::from_fn_with_state(request_timeout, read_body))
         .layer(middleware::from_fn_with_state(access, authorize))
+}
+
+/// Where the server listens, for the connection hints clients show (`GET /api/v1/server`).
+#[derive(Clone, Debug, Serialize)]
+pub struct ServerInfo {
+    /// The `ibid` version.
+    pub version: &'static str,
+    /// NBD listen address (`host:port`).
+    pub nbd: String,
+    /// iSCSI portal (`host:port`), if the target runs.
+    pub iscsi: Option<String>,
+    /// iSCSI target name.
+    pub iqn: String,
+}
+
+async fn server_info(Extension(info): Extension<Arc<ServerInfo>>) -> Json<ServerInfo> {
+    Json((*info).clone())
 }
 
 async fn openapi() -> Response {
@@ -657,11 +690,19 @@ async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiRe
 }
 
 async fn list_volumes(State(api): State<Api>) -> Json<Vec<VolumeView>> {
+    // One listing of the snapshots for all volumes, not one per volume.
+    let mut snapshots: std::collections::HashMap<String, usize> = Default::default();
+    for s in api.pool.list_snapshots(None) {
+        *snapshots.entry(s.volume).or_default() += 1;
+    }
     Json(
         api.pool
             .list_volumes()
             .into_iter()
-            .map(|v| VolumeView::new(v, &api))
+            .map(|v| {
+                let n = snapshots.get(&v.name).copied().unwrap_or(0);
+                VolumeView::with_snapshots(v, &api, n)
+            })
             .collect(),
     )
 }

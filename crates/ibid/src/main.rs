@@ -4,6 +4,7 @@
 mod api;
 mod cli;
 mod clients;
+mod history;
 mod iscsi_luns;
 mod metrics;
 mod nbd_exports;
@@ -11,6 +12,7 @@ mod qos;
 mod scrub;
 mod serve;
 mod units;
+mod web;
 
 /// mimalloc, tuned by [`ibid_engine::allocator::tune`] (see `allocator.rs` for why).
 #[global_allocator]
@@ -66,6 +68,11 @@ struct ServeArgs {
     /// Bearer token the HTTP API requires (`Authorization: Bearer TOKEN`).
     #[arg(long, env = "IBID_API_TOKEN", hide_env_values = true)]
     api_token: Option<String>,
+    /// A host name the HTTP listener (dashboard and API) answers to besides its own address,
+    /// e.g. the name of a reverse proxy (repeatable; requests naming any other host in their
+    /// `Host` header are refused, against DNS rebinding).
+    #[arg(long = "http-allowed-host", value_name = "NAME")]
+    http_allowed_hosts: Vec<String>,
     /// iSCSI target name (IQN).
     #[arg(long, default_value = "iqn.2026-11.org.ibid:pool")]
     iqn: String,
@@ -236,6 +243,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         iqn,
         http,
         api_token,
+        http_allowed_hosts,
         volumes,
         no_default_volume,
         nbd_tls_cert,
@@ -276,6 +284,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         iqn,
         http: http.0,
         api_token,
+        http_allowed_hosts,
         volumes,
         default_volume: !no_default_volume,
         nbd_tls,

@@ -153,6 +153,77 @@ impl VolumeIo {
     }
 }
 
+/// Running totals of one volume's I/O (requests, bytes, latency sums), as [`Metrics::totals`]
+/// reads them. Writes count write, write-zeroes (trim, WRITE SAME, UNMAP) and compare-and-write
+/// requests; flushes and copies are left out; latencies are those of plain reads and writes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IoTotals {
+    /// Read requests.
+    pub read_ops: u64,
+    /// Write requests (write, write-zeroes, compare-and-write).
+    pub write_ops: u64,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Bytes written (write, compare-and-write).
+    pub write_bytes: u64,
+    /// Sum of the read latencies, nanoseconds.
+    pub read_latency_ns: u64,
+    /// Sum of the write latencies (plain writes), nanoseconds.
+    pub write_latency_ns: u64,
+    /// Plain writes (the count behind `write_latency_ns`).
+    pub plain_writes: u64,
+}
+
+impl IoTotals {
+    fn add(&mut self, io: &VolumeIo) {
+        let count = |op: Op| -> u64 {
+            io.ops[op as usize]
+                .buckets
+                .iter()
+                .map(|b| b.load(Relaxed))
+                .sum()
+        };
+        let read = &io.ops[Op::Read as usize];
+        let write = &io.ops[Op::Write as usize];
+        let reads = count(Op::Read);
+        let writes = count(Op::Write);
+        self.read_ops += reads;
+        self.plain_writes += writes;
+        self.write_ops += writes + count(Op::WriteZeroes) + count(Op::CompareAndWrite);
+        self.read_bytes += read.bytes.load(Relaxed);
+        self.write_bytes +=
+            write.bytes.load(Relaxed) + io.ops[Op::CompareAndWrite as usize].bytes.load(Relaxed);
+        self.read_latency_ns += read.latency_ns_sum.load(Relaxed);
+        self.write_latency_ns += write.latency_ns_sum.load(Relaxed);
+    }
+
+    /// What happened between `earlier` and `self` (counters that went back, as when a volume's
+    /// counters were dropped and made again, count from zero).
+    pub fn since(&self, earlier: &IoTotals) -> IoTotals {
+        let d = |a: u64, b: u64| if a >= b { a - b } else { a };
+        IoTotals {
+            read_ops: d(self.read_ops, earlier.read_ops),
+            write_ops: d(self.write_ops, earlier.write_ops),
+            read_bytes: d(self.read_bytes, earlier.read_bytes),
+            write_bytes: d(self.write_bytes, earlier.write_bytes),
+            read_latency_ns: d(self.read_latency_ns, earlier.read_latency_ns),
+            write_latency_ns: d(self.write_latency_ns, earlier.write_latency_ns),
+            plain_writes: d(self.plain_writes, earlier.plain_writes),
+        }
+    }
+
+    /// Adds `other` to these totals.
+    pub fn merge(&mut self, other: &IoTotals) {
+        self.read_ops += other.read_ops;
+        self.write_ops += other.write_ops;
+        self.read_bytes += other.read_bytes;
+        self.write_bytes += other.write_bytes;
+        self.read_latency_ns += other.read_latency_ns;
+        self.write_latency_ns += other.write_latency_ns;
+        self.plain_writes += other.plain_writes;
+    }
+}
+
 /// Every volume's I/O counters, by protocol and volume name (snapshots as `VOLUME@SNAPSHOT`).
 #[derive(Default)]
 pub struct Metrics {
@@ -204,6 +275,17 @@ impl Metrics {
             out.extend(map.iter().map(|(n, io)| (p, n.clone(), io.clone())));
         }
         out
+    }
+
+    /// Running totals of every volume's I/O since the server started, both protocols summed,
+    /// by export name (snapshots as `VOLUME@SNAPSHOT`): what the stats history samples. Reads
+    /// atomics only, under the maps' read locks.
+    pub fn totals(&self) -> Vec<(String, IoTotals)> {
+        let mut by_name: BTreeMap<String, IoTotals> = BTreeMap::new();
+        for (_, name, io) in self.entries() {
+            by_name.entry(name).or_default().add(&io);
+        }
+        by_name.into_iter().collect()
     }
 
     /// The whole exposition page for `pool` and its volumes' `qos`.

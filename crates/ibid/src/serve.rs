@@ -32,6 +32,8 @@ pub struct ServeOptions {
     pub http: Option<SocketAddr>,
     /// Bearer token the API requires (mandatory off loopback).
     pub api_token: Option<String>,
+    /// Host names the HTTP listener answers besides its own address (`--http-allowed-host`).
+    pub http_allowed_hosts: Vec<String>,
     /// Volumes to create if missing: (name, size).
     pub volumes: Vec<(String, u64)>,
     /// Create `disk0` (16 GiB, thin) in a new, empty pool.
@@ -284,23 +286,45 @@ async fn serve(
         Some(t) => crate::api::Access::token(t),
         None => crate::api::Access::default(),
     };
+    // The charts' history, sampled only when there is an API to serve it.
+    let history = Arc::new(crate::history::History::default());
+    if http_addr.is_some() {
+        tokio::spawn(history.clone().run(metrics.clone(), stop_rx.clone()));
+    }
+    let server_info = Arc::new(crate::api::ServerInfo {
+        version: env!("CARGO_PKG_VERSION"),
+        nbd: nbd_addr.to_string(),
+        iscsi: iscsi_addr.map(|a| a.to_string()),
+        iqn: opts.iqn.clone(),
+    });
     let http = async {
-        match http_listener {
-            Some(listener) => {
-                let app = crate::api::router(
-                    pool.clone(),
-                    clients.clone(),
-                    qos.clone(),
-                    access,
-                    opts.http_timeout,
-                )
-                .layer(axum::Extension(metrics.clone()))
-                .layer(axum::Extension(qos.clone()))
-                .layer(axum::Extension(scrubber.clone()));
+        match (http_listener, http_addr) {
+            (Some(listener), Some(addr)) => {
+                let hosts = Arc::new(crate::web::security::Hosts::new(
+                    addr,
+                    &opts.http_allowed_hosts,
+                ));
+                let app = crate::web::router()
+                    .merge(crate::api::router(
+                        pool.clone(),
+                        clients.clone(),
+                        qos.clone(),
+                        access,
+                        opts.http_timeout,
+                    ))
+                    .layer(axum::Extension(metrics.clone()))
+                    .layer(axum::Extension(qos.clone()))
+                    .layer(axum::Extension(scrubber.clone()))
+                    .layer(axum::Extension(history.clone()))
+                    .layer(axum::Extension(server_info.clone()))
+                    .layer(axum::middleware::from_fn_with_state(
+                        hosts,
+                        crate::web::security::guard,
+                    ));
                 serve_http(listener, app, opts.http_timeout, stop_rx.clone()).await;
                 Ok(())
             }
-            None => Ok(()),
+            _ => Ok(()),
         }
     };
     // If any server fails, stop the others too: a half-serving array is worse than none.
@@ -414,6 +438,7 @@ fn print_banner(
     );
     println!("  NBD   nbd://{nbd}/VOLUME");
     if let Some(http) = http {
+        println!("  web   http://{http}/   (dashboard)");
         println!("  API   http://{http}/api/v1/   e.g.  curl http://{http}/api/v1/pool");
         println!("  metrics http://{http}/metrics   (Prometheus)");
     }

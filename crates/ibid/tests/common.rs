@@ -171,6 +171,8 @@ pub fn api_call_as(
         "\n%{http_code}",
         "-H",
         "content-type: application/json",
+        "-H",
+        "x-ibid-request: 1",
     ];
     if let Some(a) = &auth {
         args.extend(["-H", a]);

@@ -427,7 +427,19 @@ fn soft_threshold_shows_and_clears() {
         "http://{}/api/v1/volumes/fill",
         srv.http.as_deref().expect("API")
     );
-    run("curl", &["-s", "-S", "-f", "-X", "DELETE", &url]);
+    run(
+        "curl",
+        &[
+            "-s",
+            "-S",
+            "-f",
+            "-X",
+            "DELETE",
+            "-H",
+            "x-ibid-request: 1",
+            &url,
+        ],
+    );
     let page = scrape_until(&srv, "the soft threshold to clear", |p| {
         p.value("ibid_pool_soft_threshold_exceeded", &[]) == 0.0
             && !p.any(REQUESTS, &[("volume", "fill")])

@@ -76,11 +76,16 @@ impl Client {
         doing: &str,
     ) -> Result<Value, CliError> {
         let mut req = Request::builder()
-            .method(method)
+            .method(method.clone())
             .uri(format!("{}/api/v1{path}", self.base))
             .header(header::ACCEPT, "application/json");
         if let Some(t) = &self.token {
             req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        if method != Method::GET {
+            // The server refuses state changes without it (what a hostile web page's
+            // requests cannot carry).
+            req = req.header("x-ibid-request", "1");
         }
         let body = match body {
             Some(b) => {
