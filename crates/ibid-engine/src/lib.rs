@@ -42,6 +42,7 @@ mod neighbours;
 mod overlay;
 mod pool;
 mod provision;
+mod recovery;
 mod scrub;
 mod segment;
 pub mod simulator;

@@ -9,12 +9,12 @@ use crate::format::{
     ChunkRecord, Frame, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
 };
 use crate::fs_space::FsSpace;
-use crate::journal::{Change, Journal};
+use crate::journal::Journal;
 use crate::layer_filter::LayerFilters;
 use crate::meta::{self, PoolRecord};
-use crate::segment::{SegmentOptions, Segments};
+use crate::segment::Segments;
 use crate::stats::PoolStats;
-use crate::store::{Reader, Store};
+use crate::store::Store;
 use crate::volume::Volume;
 use parking_lot::{Condvar, Mutex, RwLock};
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -202,7 +202,7 @@ pub(crate) struct Inner {
     /// whenever the pool outgrows it, and builds the layer filters after the pool opens.
     pub rebuild_thread: Mutex<Option<JoinHandle<()>>>,
     pub wake: (Mutex<bool>, Condvar),
-    _lock_file: Box<dyn Any + Send + Sync>,
+    pub(crate) _lock_file: Box<dyn Any + Send + Sync>,
 }
 
 pub(crate) struct Background {
@@ -358,226 +358,10 @@ impl Pool {
         config: PoolConfig,
         lock: Box<dyn Any + Send + Sync>,
     ) -> Result<Pool> {
-        if FsSpace::release_reserve_file_if_full(&*config.disk, dir)? {
-            tracing::warn!(
-                "pool {}: the filesystem is full; its reserve file was released so that the \
-                 pool can open (writes of new data get ENOSPC until space is freed)",
-                dir.display()
-            );
-        }
-        let fs_space = FsSpace::new(config.disk.clone(), dir)?;
-        let db = Store::open_on(&*config.disk, dir)?;
-        let (mut record, volumes, zeroing, snapshots, segment_ids, dedup_runs) = {
-            let txn = db.read()?;
-            let raw = txn
-                .get(meta::POOL, meta::POOL_KEY)?
-                .ok_or_else(|| Error::Corrupt("pool record missing".into()))?;
-            let record = PoolRecord::decode(&raw)?;
-            let mut volumes = BTreeMap::new();
-            for item in txn.iter(meta::VOLUMES)? {
-                let (k, v) = item?;
-                volumes.insert(k, VolumeRecord::decode(&v)?);
-            }
-            let mut zeroing = BTreeMap::new();
-            for item in txn.iter(meta::ZEROING)? {
-                let (id, v) = item?;
-                zeroing.insert(id, meta::decode_ranges(&v)?);
-            }
-            let mut snapshots = BTreeMap::new();
-            for item in txn.iter(meta::SNAPSHOTS)? {
-                let (k, v) = item?;
-                snapshots.insert(k, VolumeRecord::decode(&v)?);
-            }
-            let mut segment_ids = HashSet::new();
-            for item in txn.iter(meta::SEGMENTS)? {
-                segment_ids.insert(item?.0);
-            }
-            (
-                record,
-                volumes,
-                zeroing,
-                snapshots,
-                segment_ids,
-                Runs::load(&txn)?,
-            )
-        };
-        if record.version < meta::POOL_FORMAT_VERSION {
-            // The store moved its tables to this version's layout when it opened, and the
-            // chunk records move into pages here, in the transaction that rewrites the record,
-            // so older builds refuse the pool from now on.
-            tracing::info!(
-                "pool {}: format version {} upgraded to {}",
-                dir.display(),
-                record.version,
-                meta::POOL_FORMAT_VERSION
-            );
-            record.version = meta::POOL_FORMAT_VERSION;
-            let mut txn = db.write()?;
-            let moved = crate::chunk_table::upgrade(&mut txn)?;
-            if moved > 0 {
-                tracing::info!(
-                    "pool {}: {moved} chunk records moved into pages",
-                    dir.display()
-                );
-            }
-            txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
-            txn.commit()?;
-        }
-        let (journaled, highest_stamp) = crate::journal::read(&*config.disk, dir, record.commits)?;
-        // Batches resume after the last one journaled, so no stamp is ever used twice.
-        record.commits = highest_stamp;
-        let mut keep = segment_ids;
-        for (_, change) in &journaled {
-            if let Change::Chunk {
-                rec, inline: None, ..
-            } = change
-            {
-                keep.insert(rec.segment);
-            }
-        }
-        name_prepare_threads();
-        let options = SegmentOptions {
-            writers: DATA_WRITERS + 1,
-            segment_bytes_max: config.segment_bytes_max,
-            next_id: record.next_segment_id,
-            direct_io: config.direct_io,
-            threads: config.threads,
-        };
-        let (segments, found) =
-            Segments::open_on(config.disk.clone(), &dir.join("segments"), options)?;
-        for id in found.iter().filter(|id| !keep.contains(id)) {
-            // Written after the last commit and not journaled: nothing references it.
-            segments.remove(*id)?;
-        }
-        let journal = Journal::open(&*config.disk, dir, config.direct_io)?;
-        let bloom = Bloom::with_capacity(
-            bloom_capacity(record.live_chunks, config.dedup_filter_min),
-            false,
-        );
-        let shards = (0..SHARDS)
-            .map(|_| {
-                Mutex::new(ShardState {
-                    dirty: ShardBatch::default(),
-                    committing: Arc::new(ShardBatch::default()),
-                    dead_fps: FxHashSet::default(),
-                    placing: FxHashSet::default(),
-                })
-            })
-            .collect();
-        let (thick_unwritten, thick_blocks) = crate::provision::thick_totals(volumes.values());
-        // Registered before anything can commit (see layer_filter.rs); built in the background.
-        let layer_filters = LayerFilters::pending(
-            volumes
-                .values()
-                .chain(snapshots.values())
-                .flat_map(|r| crate::format::referenced_layers(&r.layers))
-                .collect::<HashSet<u64>>(),
-        );
-        let vols = volumes
-            .into_iter()
-            .map(|(name, r)| {
-                let state = new_volume_state(name.clone(), &r, false);
-                (name, Arc::new(state))
-            })
-            .collect();
-        let meta_bytes = db.disk_bytes() + journal.disk_bytes();
-        let inner = Arc::new(Inner {
-            dir: dir.to_path_buf(),
-            db,
-            segments,
-            journal,
-            bloom: RwLock::new(Arc::new(bloom)),
-            dedup_runs: RwLock::new(Arc::new(dedup_runs)),
-            layer_filters,
-            fs_space,
-            shards,
-            volumes: RwLock::new(vols),
-            snapshots: RwLock::new(
-                snapshots
-                    .into_iter()
-                    .map(|(name, r)| {
-                        let state = new_volume_state(name.clone(), &r, true);
-                        (name, Arc::new(state))
-                    })
-                    .collect(),
-            ),
-            deleted: Mutex::new(Vec::new()),
-            gate: RwLock::new(()),
-            cut: AtomicU64::new(record.commits),
-            committed: AtomicU64::new(record.commits),
-            chunk_seq: AtomicU64::new(record.next_chunk_seq),
-            preparing: AtomicUsize::new(0),
-            frees: AtomicU64::new(0),
-            cores: match config.threads {
-                true => std::thread::available_parallelism().map_or(1, |n| n.get()),
-                false => 1,
-            },
-            capacity_bytes: AtomicU64::new(record.capacity_bytes),
-            soft_threshold_pct: AtomicU64::new(record.soft_threshold_pct),
-            live_bytes: AtomicU64::new(record.live_bytes),
-            live_chunks: AtomicU64::new(record.live_chunks),
-            pending_bytes: AtomicI64::new(0),
-            thick_unwritten_blocks: AtomicI64::new(thick_unwritten as i64),
-            thick_blocks: AtomicI64::new(thick_blocks as i64),
-            reserve_lock: Mutex::new(()),
-            meta_bytes: AtomicU64::new(meta_bytes),
-            dirty_blocks: AtomicU64::new(0),
-            failed: Mutex::new(None),
-            soft_warned: AtomicBool::new(false),
-            last_io_ms: AtomicU64::new(0),
-            opened: std::time::Instant::now(),
-            catalog_generation: AtomicU64::new(0),
-            orphans_pending: AtomicBool::new(true),
-            background: Mutex::new(None),
-            rebuild_thread: Mutex::new(None),
-            wake: (Mutex::new(false), Condvar::new()),
-            commit: Mutex::new(CommitState { record }),
-            gc_lock: Mutex::new(()),
-            config,
-            _lock_file: lock,
-        });
-        let pool = Pool { inner };
-        // Zeroed ranges the last commit did not finish settling, before the journal's newer
-        // changes (see `commit.rs`); the next commit settles them.
-        for (id, ranges) in zeroing {
-            let volumes = pool.inner.volumes.read();
-            let Some(v) = volumes.values().find(|v| v.id == id) else {
-                continue;
-            };
-            let mut map = v.map.lock();
-            for (b0, b1) in ranges {
-                map.dirty.zero_under(b0, b1);
-            }
-            pool.inner.dirty_blocks.fetch_add(1, Ordering::Relaxed);
-        }
-        if !journaled.is_empty() {
-            let replayed = journaled.len();
-            if let Err(e) = pool
-                .inner
-                .replay(journaled)
-                .and_then(|()| pool.inner.commit())
-            {
-                // Fail the pool so that dropping it does not commit a partial replay.
-                pool.inner.fail(&e);
-                return Err(e);
-            }
-            tracing::info!(
-                "pool {}: replayed {replayed} journaled changes",
-                dir.display()
-            );
-        }
-        pool.inner.check_soft_threshold();
-        pool.rebuild_filters_async();
-        if let Err(e) = pool.inner.fs_space.restore_reserve_file() {
-            tracing::warn!("pool reserve file: {e}");
-        }
-        if pool.inner.config.background {
-            pool.start_background();
-        }
-        Ok(pool)
+        crate::recovery::open(dir, config, lock)
     }
 
-    fn start_background(&self) {
+    pub(crate) fn start_background(&self) {
         let stop = Arc::new(AtomicBool::new(false));
         let weak: Weak<Inner> = Arc::downgrade(&self.inner);
         let stop2 = stop.clone();
@@ -592,7 +376,7 @@ impl Pool {
     /// Rebuilds the dedup filter from the index, then the layer filters from the map, in a
     /// background thread. Until each is done, every lookup it would spare consults the
     /// store (results stay exact; they are only slower).
-    fn rebuild_filters_async(&self) {
+    pub(crate) fn rebuild_filters_async(&self) {
         self.inner.spawn_filter_work(true);
     }
 
@@ -944,7 +728,7 @@ impl Drop for Inner {
 /// core), with named threads (`ibid-prepare-N`), once per process. Built lazily instead, its
 /// threads would take the name of whichever thread first used it (in `top` and profiles, the
 /// preparing threads showed up as `ibid-filters`). Left alone if something else built it.
-fn name_prepare_threads() {
+pub(crate) fn name_prepare_threads() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
@@ -963,7 +747,7 @@ fn name_prepare_threads() {
 /// while a pool fills (1 / (1 − 1/1.5)), where 25 % headroom read it 5 times. Never below
 /// `min` ([`PoolConfig::dedup_filter_min`]): a pool that starts empty skips the rebuilds of its
 /// first `min` chunks (from 64 Ki, seven scans and the commits they start before 1 Mi).
-fn bloom_capacity(live_chunks: u64, min: u64) -> u64 {
+pub(crate) fn bloom_capacity(live_chunks: u64, min: u64) -> u64 {
     live_chunks.saturating_add(live_chunks / 2).max(min)
 }
 

@@ -1,0 +1,346 @@
+//! Opening a pool: recovery as named steps, each of which reads or repairs one thing.
+//!
+//! 1. [`make_room`]: on a full filesystem, the reserve file goes first, so that recovery has
+//!    room to write.
+//! 2. [`read_catalog`]: the pool record, volumes, snapshots, zeroed ranges left to settle,
+//!    segment usage and the dedup index's runs (O(volumes), no map or chunk scan).
+//! 3. [`upgrade_format`]: an older pool's tables move to this version's layout, in the
+//!    transaction that rewrites the record (older builds refuse it from then on).
+//! 4. [`read_journal`]: the changes journaled after the last commit; batches resume after the
+//!    highest stamp found, so no stamp is used twice.
+//! 5. [`open_chunk_store`]: segment files no commit and no journaled change references were
+//!    written after the last commit: they are deleted.
+//! 6. [`assemble`]: the in-memory pool (filters pending, shards empty, counters from the
+//!    record).
+//! 7. [`resume_zeroing`] then [`replay_journal`]: zeroed ranges the last commit did not
+//!    settle, then the journal's newer changes, committed at once (a failed replay fails the
+//!    pool, so that dropping it commits nothing partial).
+//! 8. [`start`]: the soft-threshold alarm, the filters' rebuild, the reserve file and the
+//!    background thread.
+
+use crate::bloom::Bloom;
+use crate::config::PoolConfig;
+use crate::dedup_index::Runs;
+use crate::disk::Disk;
+use crate::error::{Error, Result};
+use crate::format::{self, VolumeRecord};
+use crate::fs_space::FsSpace;
+use crate::journal::{Change, Journal};
+use crate::layer_filter::LayerFilters;
+use crate::meta::{self, PoolRecord};
+use crate::pool::{
+    bloom_capacity, name_prepare_threads, new_volume_state, CommitState, Inner, Pool, ShardBatch,
+    ShardState, DATA_WRITERS, SHARDS,
+};
+use crate::segment::{SegmentOptions, Segments};
+use crate::store::{Reader, Store};
+use parking_lot::{Condvar, Mutex, RwLock};
+use rustc_hash::FxHashSet;
+use std::any::Any;
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// What the metadata store says the pool is.
+struct Catalog {
+    record: PoolRecord,
+    volumes: BTreeMap<String, VolumeRecord>,
+    snapshots: BTreeMap<String, VolumeRecord>,
+    /// Volume id → zeroed ranges left to settle.
+    zeroing: BTreeMap<u64, Vec<(u64, u64)>>,
+    /// Segments with a usage record (written by a commit).
+    segment_ids: HashSet<u64>,
+    dedup_runs: Runs,
+}
+
+/// Opens the pool in `dir` (locked by `lock`): the steps of the module's doc, in order.
+pub(crate) fn open(
+    dir: &Path,
+    config: PoolConfig,
+    lock: Box<dyn Any + Send + Sync>,
+) -> Result<Pool> {
+    make_room(&*config.disk, dir)?;
+    let fs_space = FsSpace::new(config.disk.clone(), dir)?;
+    let db = Store::open_on(&*config.disk, dir)?;
+    let mut catalog = read_catalog(&db)?;
+    upgrade_format(&db, &mut catalog.record, dir)?;
+    let journaled = read_journal(&*config.disk, dir, &mut catalog)?;
+    let segments = open_chunk_store(&config, dir, &catalog, &journaled)?;
+    let journal = Journal::open(&*config.disk, dir, config.direct_io)?;
+    let zeroing = std::mem::take(&mut catalog.zeroing);
+    let pool = assemble(dir, config, lock, db, fs_space, segments, journal, catalog);
+    resume_zeroing(&pool, zeroing);
+    replay_journal(&pool, journaled, dir)?;
+    start(&pool);
+    Ok(pool)
+}
+
+/// Step 1: releases the reserve file if the filesystem has less than its size available.
+fn make_room(disk: &dyn Disk, dir: &Path) -> Result<()> {
+    if FsSpace::release_reserve_file_if_full(disk, dir)? {
+        tracing::warn!(
+            "pool {}: the filesystem is full; its reserve file was released so that the \
+             pool can open (writes of new data get ENOSPC until space is freed)",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// Step 2: reads the catalog from the metadata store.
+fn read_catalog(db: &Store) -> Result<Catalog> {
+    let txn = db.read()?;
+    let raw = txn
+        .get(meta::POOL, meta::POOL_KEY)?
+        .ok_or_else(|| Error::Corrupt("pool record missing".into()))?;
+    let record = PoolRecord::decode(&raw)?;
+    let mut volumes = BTreeMap::new();
+    for item in txn.iter(meta::VOLUMES)? {
+        let (k, v) = item?;
+        volumes.insert(k, VolumeRecord::decode(&v)?);
+    }
+    let mut zeroing = BTreeMap::new();
+    for item in txn.iter(meta::ZEROING)? {
+        let (id, v) = item?;
+        zeroing.insert(id, meta::decode_ranges(&v)?);
+    }
+    let mut snapshots = BTreeMap::new();
+    for item in txn.iter(meta::SNAPSHOTS)? {
+        let (k, v) = item?;
+        snapshots.insert(k, VolumeRecord::decode(&v)?);
+    }
+    let mut segment_ids = HashSet::new();
+    for item in txn.iter(meta::SEGMENTS)? {
+        segment_ids.insert(item?.0);
+    }
+    Ok(Catalog {
+        record,
+        volumes,
+        snapshots,
+        zeroing,
+        segment_ids,
+        dedup_runs: Runs::load(&txn)?,
+    })
+}
+
+/// Step 3: moves an older pool to this format version.
+fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<()> {
+    if record.version >= meta::POOL_FORMAT_VERSION {
+        return Ok(());
+    }
+    // The store moved its tables to this version's layout when it opened, and the chunk
+    // records move into pages here, in the transaction that rewrites the record, so older
+    // builds refuse the pool from now on.
+    tracing::info!(
+        "pool {}: format version {} upgraded to {}",
+        dir.display(),
+        record.version,
+        meta::POOL_FORMAT_VERSION
+    );
+    record.version = meta::POOL_FORMAT_VERSION;
+    let mut txn = db.write()?;
+    let moved = crate::chunk_table::upgrade(&mut txn)?;
+    if moved > 0 {
+        tracing::info!(
+            "pool {}: {moved} chunk records moved into pages",
+            dir.display()
+        );
+    }
+    txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
+    txn.commit()
+}
+
+/// Step 4: the changes journaled after the last commit, with their stamps; the record's
+/// commit counter moves past the highest stamp found.
+fn read_journal(disk: &dyn Disk, dir: &Path, catalog: &mut Catalog) -> Result<Vec<(u64, Change)>> {
+    let (journaled, highest_stamp) = crate::journal::read(disk, dir, catalog.record.commits)?;
+    // Batches resume after the last one journaled, so no stamp is ever used twice.
+    assert!(highest_stamp >= catalog.record.commits);
+    catalog.record.commits = highest_stamp;
+    Ok(journaled)
+}
+
+/// Step 5: opens the segment files and deletes those nothing references.
+fn open_chunk_store(
+    config: &PoolConfig,
+    dir: &Path,
+    catalog: &Catalog,
+    journaled: &[(u64, Change)],
+) -> Result<Segments> {
+    let mut keep = catalog.segment_ids.clone();
+    for (_, change) in journaled {
+        if let Change::Chunk {
+            rec, inline: None, ..
+        } = change
+        {
+            keep.insert(rec.segment);
+        }
+    }
+    name_prepare_threads();
+    let options = SegmentOptions {
+        writers: DATA_WRITERS + 1,
+        segment_bytes_max: config.segment_bytes_max,
+        next_id: catalog.record.next_segment_id,
+        direct_io: config.direct_io,
+        threads: config.threads,
+    };
+    let (segments, found) = Segments::open_on(config.disk.clone(), &dir.join("segments"), options)?;
+    for id in found.iter().filter(|id| !keep.contains(id)) {
+        // Written after the last commit and not journaled: nothing references it.
+        segments.remove(*id)?;
+    }
+    Ok(segments)
+}
+
+/// Step 6: the in-memory pool.
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    dir: &Path,
+    config: PoolConfig,
+    lock: Box<dyn Any + Send + Sync>,
+    db: Store,
+    fs_space: FsSpace,
+    segments: Segments,
+    journal: Journal,
+    catalog: Catalog,
+) -> Pool {
+    let Catalog {
+        record,
+        volumes,
+        snapshots,
+        dedup_runs,
+        ..
+    } = catalog;
+    let bloom = Bloom::with_capacity(
+        bloom_capacity(record.live_chunks, config.dedup_filter_min),
+        false,
+    );
+    let shards = (0..SHARDS)
+        .map(|_| {
+            Mutex::new(ShardState {
+                dirty: ShardBatch::default(),
+                committing: Arc::new(ShardBatch::default()),
+                dead_fps: FxHashSet::default(),
+                placing: FxHashSet::default(),
+            })
+        })
+        .collect();
+    let (thick_unwritten, thick_blocks) = crate::provision::thick_totals(volumes.values());
+    // Registered before anything can commit (see layer_filter.rs); built in the background.
+    let layer_filters = LayerFilters::pending(
+        volumes
+            .values()
+            .chain(snapshots.values())
+            .flat_map(|r| format::referenced_layers(&r.layers))
+            .collect::<HashSet<u64>>(),
+    );
+    let states = |records: BTreeMap<String, VolumeRecord>, read_only: bool| {
+        records
+            .into_iter()
+            .map(|(name, r)| {
+                let state = new_volume_state(name.clone(), &r, read_only);
+                (name, Arc::new(state))
+            })
+            .collect()
+    };
+    let meta_bytes = db.disk_bytes() + journal.disk_bytes();
+    let inner = Arc::new(Inner {
+        dir: dir.to_path_buf(),
+        db,
+        segments,
+        journal,
+        bloom: RwLock::new(Arc::new(bloom)),
+        dedup_runs: RwLock::new(Arc::new(dedup_runs)),
+        layer_filters,
+        fs_space,
+        shards,
+        volumes: RwLock::new(states(volumes, false)),
+        snapshots: RwLock::new(states(snapshots, true)),
+        deleted: Mutex::new(Vec::new()),
+        gate: RwLock::new(()),
+        cut: AtomicU64::new(record.commits),
+        committed: AtomicU64::new(record.commits),
+        chunk_seq: AtomicU64::new(record.next_chunk_seq),
+        preparing: AtomicUsize::new(0),
+        frees: AtomicU64::new(0),
+        cores: match config.threads {
+            true => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            false => 1,
+        },
+        capacity_bytes: AtomicU64::new(record.capacity_bytes),
+        soft_threshold_pct: AtomicU64::new(record.soft_threshold_pct),
+        live_bytes: AtomicU64::new(record.live_bytes),
+        live_chunks: AtomicU64::new(record.live_chunks),
+        pending_bytes: AtomicI64::new(0),
+        thick_unwritten_blocks: AtomicI64::new(thick_unwritten as i64),
+        thick_blocks: AtomicI64::new(thick_blocks as i64),
+        reserve_lock: Mutex::new(()),
+        meta_bytes: AtomicU64::new(meta_bytes),
+        dirty_blocks: AtomicU64::new(0),
+        failed: Mutex::new(None),
+        soft_warned: AtomicBool::new(false),
+        last_io_ms: AtomicU64::new(0),
+        opened: std::time::Instant::now(),
+        catalog_generation: AtomicU64::new(0),
+        orphans_pending: AtomicBool::new(true),
+        background: Mutex::new(None),
+        rebuild_thread: Mutex::new(None),
+        wake: (Mutex::new(false), Condvar::new()),
+        commit: Mutex::new(CommitState { record }),
+        gc_lock: Mutex::new(()),
+        config,
+        _lock_file: lock,
+    });
+    Pool { inner }
+}
+
+/// Step 7a: zeroed ranges the last commit did not finish settling, before the journal's
+/// newer changes (see `commit.rs`); the next commit settles them.
+fn resume_zeroing(pool: &Pool, zeroing: BTreeMap<u64, Vec<(u64, u64)>>) {
+    for (id, ranges) in zeroing {
+        let volumes = pool.inner.volumes.read();
+        let Some(v) = volumes.values().find(|v| v.id == id) else {
+            continue;
+        };
+        let mut map = v.map.lock();
+        for (b0, b1) in ranges {
+            map.dirty.zero_under(b0, b1);
+        }
+        pool.inner.dirty_blocks.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Step 7b: replays the journaled changes and commits them.
+fn replay_journal(pool: &Pool, journaled: Vec<(u64, Change)>, dir: &Path) -> Result<()> {
+    if journaled.is_empty() {
+        return Ok(());
+    }
+    let replayed = journaled.len();
+    if let Err(e) = pool
+        .inner
+        .replay(journaled)
+        .and_then(|()| pool.inner.commit())
+    {
+        // Fail the pool so that dropping it does not commit a partial replay.
+        pool.inner.fail(&e);
+        return Err(e);
+    }
+    tracing::info!(
+        "pool {}: replayed {replayed} journaled changes",
+        dir.display()
+    );
+    Ok(())
+}
+
+/// Step 8: what runs once the pool is consistent.
+fn start(pool: &Pool) {
+    pool.inner.check_soft_threshold();
+    pool.rebuild_filters_async();
+    if let Err(e) = pool.inner.fs_space.restore_reserve_file() {
+        tracing::warn!("pool reserve file: {e}");
+    }
+    if pool.inner.config.background {
+        pool.start_background();
+    }
+}
