@@ -35,6 +35,10 @@ pub struct TargetConfig {
     pub vendor: String,
     /// Product identification in INQUIRY (16 chars).
     pub product: String,
+    /// Directory where the target keeps state that must survive a restart: persistent
+    /// reservations with APTPL (`reservations.json`). `None`: nothing is kept and APTPL is
+    /// refused (PTPL_C = 0).
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl TargetConfig {
@@ -51,6 +55,7 @@ impl TargetConfig {
             nop_in_interval: Some(std::time::Duration::from_secs(30)),
             vendor: "IBID".into(),
             product: "ibid volume".into(),
+            state_dir: None,
         }
     }
 }

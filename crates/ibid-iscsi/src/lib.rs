@@ -53,8 +53,9 @@ pub async fn serve_until(
     config
         .validate()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let target = scsi::Target::open(luns, config.clone())?;
     let shared = Arc::new(connection::Shared {
-        target: scsi::Target::new(luns, config.clone()),
+        target,
         cfg: config,
         registry: session::Registry::default(),
         conns: parking_lot::Mutex::new(Vec::new()),

@@ -8,6 +8,7 @@ pub mod block;
 pub mod cdb;
 pub mod info;
 pub mod pr;
+pub mod pr_store;
 pub mod xcopy;
 
 use crate::backend::{Lun, LunError, Luns};
@@ -119,6 +120,10 @@ pub fn alloc_trunc(mut v: Vec<u8>, alloc: u32) -> Vec<u8> {
 /// Per-LUN state shared by all sessions.
 #[derive(Default)]
 pub struct LunState {
+    /// Identity ([`Lun::id`]) of the device this state belongs to: if the LUN number comes
+    /// to address another device, its reservations and copy results are dropped (and the
+    /// new device's saved reservations loaded); pending unit attentions and known ports stay.
+    pub identity: Option<[u8; 16]>,
     /// SPC-2 RESERVE holder (initiator port).
     pub reserved_by: Option<String>,
     /// Persistent reservations.
@@ -159,6 +164,8 @@ pub struct Target {
     pub luns: Arc<dyn Luns>,
     /// Configuration (names for INQUIRY).
     pub cfg: TargetConfig,
+    /// Where reservations with APTPL are kept.
+    pub pr_store: pr_store::PrStore,
     state: Mutex<HashMap<u64, LunState>>,
 }
 
@@ -188,13 +195,44 @@ impl Ctx<'_> {
 }
 
 impl Target {
-    /// A target over `luns`.
+    /// A target over `luns` that keeps no state on disk (APTPL is refused), whatever
+    /// `cfg.state_dir` says.
     pub fn new(luns: Arc<dyn Luns>, cfg: TargetConfig) -> Self {
         Target {
             luns,
             cfg,
+            pr_store: pr_store::PrStore::none(),
             state: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// A target over `luns` keeping persistent reservations in `cfg.state_dir` (if set),
+    /// with what is saved there read back.
+    pub fn open(luns: Arc<dyn Luns>, cfg: TargetConfig) -> std::io::Result<Self> {
+        let pr_store = match &cfg.state_dir {
+            Some(dir) => pr_store::PrStore::open(dir)?,
+            None => pr_store::PrStore::none(),
+        };
+        Ok(Target {
+            luns,
+            cfg,
+            pr_store,
+            state: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Makes LUN `lun`'s state that of `dev`: on the first command, or when the number now
+    /// addresses another device, its saved reservations are loaded.
+    fn bind(&self, lun: u64, dev: &dyn Lun) {
+        let id = dev.id();
+        self.with_state(lun, |st| {
+            if st.identity != Some(id) {
+                st.identity = Some(id);
+                st.reserved_by = None;
+                st.copies.clear();
+                st.pr = self.pr_store.load(&id).unwrap_or_default();
+            }
+        });
     }
 
     /// Run `f` with LUN `lun`'s state locked.
@@ -214,6 +252,7 @@ impl Target {
         let Some(dev) = self.luns.open(lun) else {
             return Sense::lun_not_supported().into();
         };
+        self.bind(lun, dev.as_ref());
         let ctx = Ctx {
             target: self,
             nexus,
