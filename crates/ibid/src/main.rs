@@ -4,7 +4,9 @@
 mod api;
 mod cli;
 mod clients;
+mod durable;
 mod iscsi_luns;
+mod lun_map;
 mod metrics;
 mod nbd_exports;
 mod qos;
