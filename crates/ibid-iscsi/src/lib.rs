@@ -21,6 +21,7 @@ pub mod scsi;
 pub mod sense;
 pub mod session;
 pub mod text;
+mod workers;
 
 pub use backend::{Direction, Extent, Initiator, Lun, LunError, LunInfo, Luns};
 pub use config::{ChapConfig, ConfigError, TargetConfig};
@@ -54,8 +55,10 @@ pub async fn serve_until(
         .validate()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     let target = scsi::Target::open(luns, config.clone())?;
+    let workers = workers::Workers::start(config.workers)?;
     let shared = Arc::new(connection::Shared {
         target,
+        workers,
         cfg: config,
         registry: session::Registry::default(),
         conns: parking_lot::Mutex::new(Vec::new()),
