@@ -3,6 +3,12 @@
 //! counted in its [`VolumeIo`] (`protocol="iscsi"`; a snapshot's under `VOLUME@SNAPSHOT`), and
 //! a volume's reads and writes are charged to its QoS limits ([`Qos`]; snapshots are not
 //! limited).
+//!
+//! An EXTENDED COPY needs a moment when its volumes have no uncommitted change (the engine
+//! quiesces them, and gives up if they keep changing): ESXi's ATS heartbeats write to a
+//! datastore every few milliseconds while it clones a disk on it. So each volume has a gate:
+//! iSCSI writes pass it shared, a copy takes it exclusively for its duration, and the writes
+//! that arrive meanwhile wait for the copy (milliseconds) instead of failing it.
 
 use crate::clients::Clients;
 use crate::lun_map::{LunMap, Mapping};
@@ -25,7 +31,15 @@ pub struct PoolLuns {
     clients: Arc<Clients>,
     qos: Arc<Qos>,
     map: Arc<LunMap>,
+    /// Per volume id: iSCSI writes hold it shared, EXTENDED COPY exclusively.
+    gates: parking_lot::Mutex<std::collections::HashMap<u64, Arc<Gate>>>,
 }
+
+/// A volume's gate between its iSCSI writes and the copies that involve it.
+type Gate = parking_lot::RwLock<()>;
+
+/// Attempts of a copy the engine gave up on because its volumes kept changing.
+const COPY_TRIES: usize = 3;
 
 impl PoolLuns {
     /// Exports what `map` maps of `pool`, counting I/O in `metrics` and sessions in
@@ -46,7 +60,13 @@ impl PoolLuns {
             clients,
             qos,
             map,
+            gates: Default::default(),
         }
+    }
+
+    /// Volume `id`'s gate.
+    fn gate(&self, id: u64) -> Arc<Gate> {
+        self.gates.lock().entry(id).or_default().clone()
     }
 
     /// What LUN `lun` maps, reconciling the table with the pool first if the LUN is unknown
@@ -112,7 +132,13 @@ impl Luns for PoolLuns {
         // The target opens the LUN for every command: this lookup is one shared lock, like
         // the engine's volume lookup just above.
         let io = self.metrics.volume(&mapping.name(), Protocol::Iscsi);
-        Some(Arc::new(VolumeLun { volume, id, io }))
+        let gate = self.gate(mapping.volume_id);
+        Some(Arc::new(VolumeLun {
+            volume,
+            id,
+            io,
+            gate,
+        }))
     }
 
     fn copy_range(
@@ -123,13 +149,26 @@ impl Luns for PoolLuns {
         dst_off: u64,
         len: u64,
     ) -> Result<(), LunError> {
-        let (src, _) = self.volume_by_lun(src_lun).ok_or(LunError::NoSuchLun)?;
+        let (src, src_map) = self.volume_by_lun(src_lun).ok_or(LunError::NoSuchLun)?;
         let (dst, dst_map) = self.volume_by_lun(dst_lun).ok_or(LunError::NoSuchLun)?;
-        self.metrics
-            .volume(&dst_map.name(), Protocol::Iscsi)
-            .record(Op::Copy, len, || dst.copy_from(&src, src_off, dst_off, len))
-            .map(|_| ())
-            .map_err(to_lun_error)
+        // Both gates, in id order (no deadlock between copies in opposite directions).
+        let mut ids = vec![src_map.volume_id, dst_map.volume_id];
+        ids.sort_unstable();
+        ids.dedup();
+        let gates: Vec<Arc<Gate>> = ids.iter().map(|&id| self.gate(id)).collect();
+        let _held: Vec<_> = gates.iter().map(|g| g.write()).collect();
+        let io = self.metrics.volume(&dst_map.name(), Protocol::Iscsi);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match io.record(Op::Copy, len, || dst.copy_from(&src, src_off, dst_off, len)) {
+                Ok(_) => return Ok(()),
+                Err(Error::Metadata(m)) if tries < COPY_TRIES && m.contains("kept changing") => {
+                    tracing::debug!("copy retried: {m}");
+                }
+                Err(e) => return Err(to_lun_error(e)),
+            }
+        }
     }
 
     fn space_warning(&self) -> bool {
@@ -176,6 +215,8 @@ struct VolumeLun {
     volume: Volume,
     id: [u8; 16],
     io: Arc<VolumeIo>,
+    /// The volume's gate (writes hold it shared; see the module's comment).
+    gate: Arc<Gate>,
 }
 
 impl Lun for VolumeLun {
@@ -199,6 +240,7 @@ impl Lun for VolumeLun {
     }
 
     fn write(&self, off: u64, data: &[u8], fua: bool) -> Result<(), LunError> {
+        let _gate = self.gate.read();
         self.io
             .record(Op::Write, data.len() as u64, || {
                 self.volume.write(off, data, fua)
@@ -207,6 +249,7 @@ impl Lun for VolumeLun {
     }
 
     fn write_zeroes(&self, off: u64, len: u64) -> Result<(), LunError> {
+        let _gate = self.gate.read();
         self.io
             .record(Op::WriteZeroes, len, || {
                 self.volume.write_zeroes(off, len, false)
@@ -226,6 +269,7 @@ impl Lun for VolumeLun {
         expected: &[u8],
         new: &[u8],
     ) -> Result<Option<u64>, LunError> {
+        let _gate = self.gate.read();
         self.io
             .record(Op::CompareAndWrite, new.len() as u64, || {
                 self.volume.compare_and_write(off, expected, new, false)
