@@ -11,9 +11,9 @@
 #   --time N    seconds per iscsi-perf run (default 10)
 #   --rounds N  rounds (default 2)
 #
-# Per system and round: iscsi-perf random 4 KiB reads QD32 (-r -m 32 -b 8), sequential 1 MiB
-# reads QD8 (-m 8 -b 2048), and qemu-img convert of the whole LUN out to qemu's null driver
-# (reads only, nothing written). Prints one tab-separated line per measurement, with the
+# Per system and round, on a freshly started target: qemu-img convert of the whole LUN out to
+# qemu's null driver (reads only, nothing written; it also warms the caches), then iscsi-perf
+# random 4 KiB reads QD32 (-r -m 32 -b 8) and sequential 1 MiB reads QD8 (-m 8 -b 2048). Prints one tab-separated line per measurement, with the
 # load average before it.
 set -euo pipefail
 
@@ -70,14 +70,14 @@ done
 measure() { # measure SYSTEM URL
     local load r m
     load=$(cut -d' ' -f1-3 /proc/loadavg)
-    r=$(iscsi-perf -r -m 32 -b 8 -t "$T" -i iqn.2026-11.org.ibid:reads "$2" 2>&1 | tr '\r' '\n' \
-        | grep 'iops average' | tail -1 | sed -E 's/.*iops average ([0-9]+) .*/\1/')
-    m=$(iscsi-perf -m 8 -b 2048 -t "$T" -i iqn.2026-11.org.ibid:reads "$2" 2>&1 | tr '\r' '\n' \
-        | grep 'iops average' | tail -1 | sed -E 's/.*\(([0-9]+) MB\/s\).*/\1/')
     local t0 t1
     t0=$(date +%s.%N)
     qemu-img convert -n -f raw "$2" --target-image-opts "driver=null-co,size=$SIZE_B"
     t1=$(date +%s.%N)
+    r=$(iscsi-perf -r -m 32 -b 8 -t "$T" -i iqn.2026-11.org.ibid:reads "$2" 2>&1 | tr '\r' '\n' \
+        | grep 'iops average' | tail -1 | sed -E 's/.*iops average ([0-9]+) .*/\1/')
+    m=$(iscsi-perf -m 8 -b 2048 -t "$T" -i iqn.2026-11.org.ibid:reads "$2" 2>&1 | tr '\r' '\n' \
+        | grep 'iops average' | tail -1 | sed -E 's/.*\(([0-9]+) MB\/s\).*/\1/')
     printf '%s\t%s\trand4k_qd32_iops=%s\tseq1m_qd8_MBps=%s\tconvert_out_MBps=%.0f\tload=%s\n' \
         "$ROUND" "$1" "$r" "$m" "$(echo "$SIZE_B / ($t1 - $t0) / 1000000" | bc -l)" "$load" | tee -a "$OUT/results.tsv"
 }

@@ -176,7 +176,8 @@ pub async fn run(sock: TcpStream, shared: Arc<Shared>) {
     let mut conn = Conn {
         shared: shared.clone(),
         params,
-        nexus,
+        nexus: Arc::new(nexus),
+        luns: Arc::default(),
         discovery: outcome.session_type == SessionType::Discovery,
         window,
         tx,
@@ -384,7 +385,9 @@ enum Flow {
 struct Conn {
     shared: Arc<Shared>,
     params: Params,
-    nexus: Nexus,
+    nexus: Arc<Nexus>,
+    /// The LUN handles this connection's commands use.
+    luns: Arc<crate::scsi::LunCache>,
     discovery: bool,
     window: Arc<Window>,
     tx: mpsc::Sender<Out>,
@@ -657,6 +660,7 @@ impl Conn {
         );
         let shared = self.shared.clone();
         let nexus = self.nexus.clone();
+        let luns = self.luns.clone();
         let running = self.running.clone();
         let window = self.window.clone();
         let tx = self.tx.clone();
@@ -672,8 +676,11 @@ impl Conn {
         };
         // The command runs and answers on a worker: one hand-off per command.
         let job = move || {
-            let run =
-                std::panic::AssertUnwindSafe(|| shared.target.execute(&nexus, lun, &cdb, &data));
+            let run = std::panic::AssertUnwindSafe(|| {
+                shared
+                    .target
+                    .execute_cached(&nexus, lun, &cdb, &data, &luns)
+            });
             let resp = std::panic::catch_unwind(run)
                 .unwrap_or_else(|_| Response::check(Sense::new(0x4, 0x44, 0x00)));
             running.lock().remove(&itt);

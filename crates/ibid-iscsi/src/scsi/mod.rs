@@ -158,6 +158,36 @@ impl LunState {
     }
 }
 
+/// The LUN handles one connection has opened, reused while [`Luns::generation`] stays the
+/// same (no LUN added, removed or renumbered): a command then costs no [`Luns::open`].
+#[derive(Default)]
+pub struct LunCache {
+    open: Mutex<HashMap<u64, CachedLun>>,
+}
+
+/// A LUN handle and the inventory generation it was opened at.
+type CachedLun = (u64, Arc<dyn Lun>);
+
+impl LunCache {
+    /// LUN `lun`'s handle: the cached one if the LUN inventory has not changed since it was
+    /// opened, else a fresh one.
+    pub fn get(&self, luns: &dyn Luns, lun: u64) -> Option<Arc<dyn Lun>> {
+        let generation = luns.generation();
+        if let Some((g, dev)) = self.open.lock().get(&lun) {
+            if *g == generation {
+                return Some(dev.clone());
+            }
+        }
+        let dev = luns.open(lun);
+        let mut open = self.open.lock();
+        match &dev {
+            Some(d) => open.insert(lun, (generation, d.clone())),
+            None => open.remove(&lun),
+        };
+        dev
+    }
+}
+
 /// The SCSI side of the target: LUNs plus the shared per-LUN state.
 pub struct Target {
     /// The backend.
@@ -242,6 +272,18 @@ impl Target {
 
     /// Execute one command.
     pub fn execute(&self, nexus: &Nexus, lun: u64, cdb_bytes: &[u8], data: &[u8]) -> Response {
+        self.execute_cached(nexus, lun, cdb_bytes, data, &LunCache::default())
+    }
+
+    /// Execute one command, taking the LUN's handle from `cache` (one per connection).
+    pub fn execute_cached(
+        &self,
+        nexus: &Nexus,
+        lun: u64,
+        cdb_bytes: &[u8],
+        data: &[u8],
+        cache: &LunCache,
+    ) -> Response {
         let op = match cdb::parse(cdb_bytes) {
             Ok(op) => op,
             Err(s) => return s.into(),
@@ -249,7 +291,7 @@ impl Target {
         if let Some(r) = self.lun_independent(nexus, lun, &op) {
             return r;
         }
-        let Some(dev) = self.luns.open(lun) else {
+        let Some(dev) = cache.get(self.luns.as_ref(), lun) else {
             return Sense::lun_not_supported().into();
         };
         self.bind(lun, dev.as_ref());
