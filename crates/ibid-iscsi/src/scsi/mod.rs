@@ -251,20 +251,6 @@ impl Target {
         })
     }
 
-    /// Makes LUN `lun`'s state that of `dev`: on the first command, or when the number now
-    /// addresses another device, its saved reservations are loaded.
-    fn bind(&self, lun: u64, dev: &dyn Lun) {
-        let id = dev.id();
-        self.with_state(lun, |st| {
-            if st.identity != Some(id) {
-                st.identity = Some(id);
-                st.reserved_by = None;
-                st.copies.clear();
-                st.pr = self.pr_store.load(&id).unwrap_or_default();
-            }
-        });
-    }
-
     /// Run `f` with LUN `lun`'s state locked.
     pub fn with_state<R>(&self, lun: u64, f: impl FnOnce(&mut LunState) -> R) -> R {
         f(self.state.lock().entry(lun).or_default())
@@ -294,7 +280,6 @@ impl Target {
         let Some(dev) = cache.get(self.luns.as_ref(), lun) else {
             return Sense::lun_not_supported().into();
         };
-        self.bind(lun, dev.as_ref());
         let ctx = Ctx {
             target: self,
             nexus,
@@ -302,11 +287,8 @@ impl Target {
             dev,
             data,
         };
-        if let Some(r) = self.pending_unit_attention(&ctx, &op) {
+        if let Some(r) = self.admit(&ctx, &op) {
             return r;
-        }
-        if self.conflicts(&ctx, &op) {
-            return Response::conflict();
         }
         dispatch(&ctx, op)
     }
@@ -322,45 +304,54 @@ impl Target {
         }
     }
 
-    fn pending_unit_attention(&self, ctx: &Ctx, op: &Op) -> Option<Response> {
-        if matches!(
+    /// What a command meets in its LUN's state before it runs, under one lock: the state
+    /// bound to its device (see [`LunState::identity`]), then a pending unit attention
+    /// (INQUIRY, REPORT LUNS and REQUEST SENSE pass them), then a reservation conflict.
+    fn admit(&self, ctx: &Ctx, op: &Op) -> Option<Response> {
+        let check_ua = !matches!(
             op,
             Op::Inquiry { .. } | Op::ReportLuns { .. } | Op::RequestSense { .. }
-        ) {
-            return None;
-        }
-        let warn = self.luns.space_warning();
+        );
+        let warn = check_ua && self.luns.space_warning();
         let now = (self.luns.generation(), ctx.dev.size());
+        let id = ctx.dev.id();
         let port = &ctx.nexus.port;
-        ctx.with_state(|st| {
-            if let Some(s) = inventory_change(st.ports.insert(port.clone(), now), now) {
-                return Some(s.into());
-            }
-            if warn && st.space_told.insert(port.clone()) {
-                return Some(Sense::soft_threshold().into());
-            }
-            if !warn {
-                st.space_told.remove(port);
-            }
-            st.ua
-                .get_mut(port)
-                .and_then(|q| q.pop_front())
-                .map(Response::check)
-        })
-    }
-
-    fn conflicts(&self, ctx: &Ctx, op: &Op) -> bool {
         let class = access_class(op);
         ctx.with_state(|st| {
-            if let Some(holder) = &st.reserved_by {
-                if holder != &ctx.nexus.port
-                    && class != Access::Always
-                    && !matches!(op, Op::Release)
-                {
-                    return true;
+            if st.identity != Some(id) {
+                st.identity = Some(id);
+                st.reserved_by = None;
+                st.copies.clear();
+                st.pr = self.pr_store.load(&id).unwrap_or_default();
+            }
+            if check_ua {
+                let before = match st.ports.get_mut(port) {
+                    Some(seen) => Some(std::mem::replace(seen, now)),
+                    None => {
+                        st.ports.insert(port.clone(), now);
+                        None
+                    }
+                };
+                if let Some(s) = inventory_change(before, now) {
+                    return Some(s.into());
+                }
+                if warn && !st.space_told.contains(port) {
+                    st.space_told.insert(port.clone());
+                    return Some(Sense::soft_threshold().into());
+                }
+                if !warn && !st.space_told.is_empty() {
+                    st.space_told.remove(port);
+                }
+                if let Some(s) = st.ua.get_mut(port).and_then(|q| q.pop_front()) {
+                    return Some(Response::check(s));
                 }
             }
-            st.pr.conflicts(&ctx.nexus.port, class)
+            if let Some(holder) = &st.reserved_by {
+                if holder != port && class != Access::Always && !matches!(op, Op::Release) {
+                    return Some(Response::conflict());
+                }
+            }
+            st.pr.conflicts(port, class).then(Response::conflict)
         })
     }
 
