@@ -172,7 +172,14 @@ pub async fn run(sock: TcpStream, shared: Arc<Shared>) {
     let window = Arc::new(Window::new(outcome.cmdsn, shared.cfg.queue_depth));
     let (tx, rx) = mpsc::channel(OUT_QUEUE_LEN);
     let params = outcome.params.clone();
-    let writer = tokio::spawn(writer(wr, rx, params.clone(), window.clone(), statsn));
+    let writer = tokio::spawn(writer(
+        wr,
+        rx,
+        params.clone(),
+        window.clone(),
+        statsn,
+        shared.clone(),
+    ));
     let mut conn = Conn {
         shared: shared.clone(),
         params,
@@ -285,6 +292,7 @@ async fn writer(
     params: Params,
     window: Arc<Window>,
     mut statsn: u32,
+    shared: Arc<Shared>,
 ) {
     let mut wr = tokio::io::BufWriter::with_capacity(WRITE_BUFFER, wr);
     let mut stamp = |p: &mut Pdu, status: bool| {
@@ -317,7 +325,12 @@ async fn writer(
             }
             Out::Data(mut p, buf, range, status) => {
                 stamp(&mut p, status);
-                write_data_in(&mut wr, &mut p, &buf[range], &params).await
+                let sent = write_data_in(&mut wr, &mut p, &buf[range], &params).await;
+                // The last Data-In of a command holds the last reference: the buffer is free.
+                if let Ok(buf) = Arc::try_unwrap(buf) {
+                    shared.target.buffers.give(buf);
+                }
+                sent
             }
             Out::Close => break,
         };

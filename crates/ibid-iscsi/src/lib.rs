@@ -12,6 +12,7 @@
 //! per command family), [`sense`], and [`memory`] (an in-memory backend).
 
 pub mod backend;
+mod buffers;
 pub mod config;
 mod connection;
 pub mod login;

@@ -196,6 +196,8 @@ pub struct Target {
     pub cfg: TargetConfig,
     /// Where reservations with APTPL are kept.
     pub pr_store: pr_store::PrStore,
+    /// Read buffers, reused once their data is sent.
+    pub(crate) buffers: crate::buffers::Buffers,
     state: Mutex<HashMap<u64, LunState>>,
 }
 
@@ -232,6 +234,7 @@ impl Target {
             luns,
             cfg,
             pr_store: pr_store::PrStore::none(),
+            buffers: Default::default(),
             state: Mutex::new(HashMap::new()),
         }
     }
@@ -247,6 +250,7 @@ impl Target {
             luns,
             cfg,
             pr_store,
+            buffers: Default::default(),
             state: Mutex::new(HashMap::new()),
         })
     }
