@@ -172,8 +172,9 @@ fn listed_luns(srv: &Server) -> Vec<u64> {
 }
 
 /// LUNs are configuration: a volume created with a LUN gets it, others the lowest free one;
-/// REPORT LUNS lists them in order; a volume can be moved; a pool from before the LUN table
-/// keeps its old numbers (id − 1); everything survives a restart.
+/// REPORT LUNS lists them in order; a volume can be moved, and a session using another LUN
+/// gets REPORTED LUNS DATA HAS CHANGED; a pool from before the LUN table keeps its old
+/// numbers (id − 1); everything survives a restart.
 #[test]
 fn lun_numbers_are_configuration_and_survive_restarts() {
     require("iscsi-ls");
@@ -233,9 +234,33 @@ fn lun_numbers_are_configuration_and_survive_restarts() {
         "qemu-io",
         &["-f", "raw", "-c", "read -P 0x4a 0 64k", &srv.url("a")],
     );
+    // A session using LUN 1 is told when another volume moves: REPORTED LUNS DATA HAS
+    // CHANGED at its next command.
+    let mut waiter = Command::new(initiator_program())
+        .args(["ua-wait", srv.iscsi.as_deref().expect("iscsi"), IQN, "1"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ibid_initiator ua-wait");
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(waiter.stdout.as_mut().expect("stdout")),
+        &mut ready,
+    )
+    .expect("read");
+    assert_eq!(ready.trim(), "ready");
+    let (status, v) = api_call(&srv, "PATCH", "/api/v1/volumes/d", Some(r#"{"lun": 12}"#));
+    assert_eq!((status, v["lun"].as_u64()), (200, Some(12)), "{v}");
+    std::io::Write::write_all(waiter.stdin.as_mut().expect("stdin"), b"go\n").expect("write");
+    let out = waiter.wait_with_output().expect("ua-wait");
+    assert!(
+        out.status.success(),
+        "no REPORTED LUNS DATA HAS CHANGED after a move: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let dir = srv.stop();
     let srv = Server::start_in(dir, &["--no-default-volume"]);
-    assert_eq!(listed_luns(&srv), [1, 2, 4, 9]);
+    assert_eq!(listed_luns(&srv), [1, 2, 4, 12]);
     let (_, v) = api_call(&srv, "GET", "/api/v1/volumes/e", None);
     assert_eq!(v["lun"].as_u64(), Some(1), "{v}");
 }

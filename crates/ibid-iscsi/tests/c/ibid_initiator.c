@@ -16,6 +16,10 @@
  *       As initiator pr-b (a new session, after a target restart): key 0xa1 is still
  *       registered and holds Write Exclusive, so pr-b's WRITE conflicts and its READ does
  *       not; then pr-b registers, preempts 0xa1, writes, and clears everything.
+ *   ibid_initiator ua-wait  PORTAL IQN LUN
+ *       Log in, TEST UNIT READY LUN until it is GOOD, print "ready", wait for a line on
+ *       stdin (the test changes the LUN inventory meanwhile), then TEST UNIT READY again:
+ *       it must be UNIT ATTENTION / REPORTED LUNS DATA HAS CHANGED (3Fh/0Eh).
  * Exit status 0 on success; messages on stderr.
  */
 #include <inttypes.h>
@@ -304,12 +308,40 @@ static int cmd_pr_check(const char *portal, const char *iqn, int lun) {
     return 0;
 }
 
+static int cmd_ua_wait(const char *portal, const char *iqn, int lun) {
+    struct iscsi_context *c = login(portal, iqn, "iqn.2026-11.org.ibid:ua", lun);
+    for (int i = 0; i < 10; i++) {
+        struct scsi_task *t = iscsi_testunitready_sync(c, lun);
+        int good = t && t->status == SCSI_STATUS_GOOD;
+        if (t) scsi_free_scsi_task(t);
+        if (good) break;
+    }
+    printf("ready\n");
+    fflush(stdout);
+    char line[16];
+    if (!fgets(line, sizeof line, stdin)) return 1;
+    struct scsi_task *t = iscsi_testunitready_sync(c, lun);
+    if (!t || t->status != SCSI_STATUS_CHECK_CONDITION || t->sense.key != SCSI_SENSE_UNIT_ATTENTION
+        || t->sense.ascq != 0x3f0e) {
+        fprintf(stderr, "TEST UNIT READY: status %d sense %x/%04x, want UNIT ATTENTION 3F/0E\n",
+                t ? t->status : -1, t ? t->sense.key : 0, t ? t->sense.ascq : 0);
+        return 1;
+    }
+    scsi_free_scsi_task(t);
+    t = iscsi_testunitready_sync(c, lun);
+    if (!ok(t, "test unit ready after the unit attention")) return 1;
+    iscsi_logout_sync(c);
+    printf("ua ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 4 && !strcmp(argv[1], "xcopy")) return cmd_xcopy(argv[2], argv[3]);
     if (argc >= 6 && !strcmp(argv[1], "caw")) return cmd_caw(argv[2], argv[3], atoi(argv[4]), argv[5]);
     if (argc >= 4 && !strcmp(argv[1], "digest")) return cmd_digest(argv[2], argv[3]);
     if (argc >= 6 && !strcmp(argv[1], "chap"))
         return cmd_chap(argv[2], argv[3], argv[4], argv[5], argc >= 8 ? argv[6] : NULL, argc >= 8 ? argv[7] : NULL);
+    if (argc >= 5 && !strcmp(argv[1], "ua-wait")) return cmd_ua_wait(argv[2], argv[3], atoi(argv[4]));
     if (argc >= 5 && !strcmp(argv[1], "pr-set")) return cmd_pr_set(argv[2], argv[3], atoi(argv[4]));
     if (argc >= 5 && !strcmp(argv[1], "pr-check")) return cmd_pr_check(argv[2], argv[3], atoi(argv[4]));
     fprintf(stderr, "usage: see the comment at the top of ibid_initiator.c\n");
