@@ -1129,15 +1129,27 @@ async fn export_snapshot(
 }
 
 /// `DELETE /api/v1/volumes/{name}/snapshots/{snapshot}/export`: the snapshot's LUN goes away
-/// (initiators get REPORTED LUNS DATA HAS CHANGED); 404 if it was not exported.
+/// (initiators get REPORTED LUNS DATA HAS CHANGED); 404 if it was not exported, 409 `in_use`
+/// while iSCSI sessions use it, unless `?force=true`.
 async fn unexport_snapshot(
     State(api): State<Api>,
     Path((name, snapshot)): Path<(String, String)>,
+    query: Result<Query<DeleteQuery>, QueryRejection>,
 ) -> ApiResult<StatusCode> {
+    let force = delete_query(query)?;
     blocking(move || {
         let info = snapshot_info(&api.pool, &name, &snapshot)?;
-        api.luns
-            .unexport_snapshot(info.id, &format!("{name}@{snapshot}"))?;
+        let export = format!("{name}@{snapshot}");
+        let sessions: Vec<ClientView> = api
+            .clients
+            .of_export(&export)
+            .into_iter()
+            .filter(|c| c.protocol == "iscsi")
+            .collect();
+        if api.luns.lun_of_snapshot(info.id).is_some() {
+            check_unused(&format!("the iSCSI LUN of {export:?}"), &sessions, force)?;
+        }
+        api.luns.unexport_snapshot(info.id, &export)?;
         Ok(StatusCode::NO_CONTENT)
     })
     .await

@@ -266,8 +266,8 @@ fn lun_numbers_are_configuration_and_survive_restarts() {
 }
 
 /// A snapshot exported as a LUN is read-only: it reads the data of the moment it was taken,
-/// writes fail (DATA PROTECT), and libiscsi's ReadOnly suite passes on it; unexported, the LUN
-/// is gone.
+/// writes fail (DATA PROTECT), and libiscsi's ReadOnly suite passes on it; unexporting it is
+/// refused while a session uses it, unless forced; unexported, the LUN is gone.
 #[test]
 fn snapshot_exported_read_only() {
     require("iscsi-test-cu");
@@ -329,14 +329,32 @@ fn snapshot_exported_read_only() {
             &srv.iscsi_url(7),
         ],
     );
-    let (status, v) = api_call(
-        &srv,
-        "DELETE",
-        "/api/v1/volumes/vm/snapshots/golden/export",
-        None,
-    );
+    // While a session uses the snapshot's LUN, unexporting it is refused unless forced.
+    let mut held = Command::new("qemu-io")
+        .args(["-r", "-f", "raw", &srv.iscsi_url(7)])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu-io");
+    let mut in_use = false;
+    for _ in 0..100 {
+        let (_, v) = api_call(&srv, "GET", "/api/v1/volumes/vm", None);
+        if v["clients"].as_array().is_some_and(|c| !c.is_empty()) {
+            assert_eq!(v["clients"][0]["export"], "vm@golden", "{v}");
+            in_use = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(in_use, "the qemu-io session was never listed");
+    let path = "/api/v1/volumes/vm/snapshots/golden/export";
+    let (status, v) = api_call(&srv, "DELETE", path, None);
+    assert_eq!((status, v["code"].as_str()), (409, Some("in_use")), "{v}");
+    let (status, v) = api_call(&srv, "DELETE", &format!("{path}?force=true"), None);
     assert_eq!(status, 204, "{v}");
     assert_eq!(listed_luns(&srv), [0]);
+    let _ = held.kill();
+    let _ = held.wait();
 }
 
 /// Persistent reservations: libiscsi's reservation suites pass with two initiators; a

@@ -49,12 +49,16 @@ pub enum SnapshotCmd {
         #[arg(long)]
         lun: Option<u64>,
     },
-    /// Stop exporting a snapshot over iSCSI (its LUN disappears; initiators rescan).
+    /// Stop exporting a snapshot over iSCSI (its LUN disappears; initiators rescan). Refused
+    /// while iSCSI sessions use it (exit 4, `in_use`), unless --force.
     Unexport {
         /// VOLUME@SNAPSHOT (or VOLUME SNAPSHOT).
         volume: String,
         /// Snapshot name.
         name: Option<String>,
+        /// Unexport even with sessions using it: their commands to it fail from then on.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -97,11 +101,16 @@ pub fn run(ctx: &Ctx, cmd: SnapshotCmd) -> Result<(), CliError> {
             )?;
             print_snapshots(ctx, &s, std::slice::from_ref(&s))
         }
-        SnapshotCmd::Unexport { volume, name } => {
+        SnapshotCmd::Unexport {
+            volume,
+            name,
+            force,
+        } => {
             let (volume, name) = names(&volume, name.as_deref())?;
+            let force = if force { "?force=true" } else { "" };
             ctx.client.delete(
                 &format!(
-                    "/volumes/{}/snapshots/{}/export",
+                    "/volumes/{}/snapshots/{}/export{force}",
                     segment(volume),
                     segment(name)
                 ),
