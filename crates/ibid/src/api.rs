@@ -243,6 +243,12 @@ struct Resize {
 #[serde(deny_unknown_fields)]
 struct CreateSnapshot {
     name: String,
+    /// Export the new snapshot read-only over iSCSI at once (at `lun`, or the lowest free LUN).
+    #[serde(default)]
+    export: bool,
+    /// The iSCSI LUN to export it as (implies `export`).
+    #[serde(default)]
+    lun: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -1094,7 +1100,20 @@ async fn create_snapshot(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let req = body(req)?;
     blocking(move || {
+        if let Some(lun) = req.lun {
+            api.luns.check_available(lun)?;
+        }
         let info = api.pool.create_snapshot(&name, &req.name)?;
+        if req.export || req.lun.is_some() {
+            if let Err(e) = api
+                .luns
+                .export_snapshot(&api.pool, &name, &req.name, req.lun)
+            {
+                // The snapshot cannot get the LUN asked for: it must not stay behind.
+                api.pool.delete_snapshot(&name, &req.name)?;
+                return Err(e);
+            }
+        }
         Ok((StatusCode::CREATED, Json(snapshot_json(&info, &api.luns))))
     })
     .await
@@ -1178,7 +1197,7 @@ async fn delete_snapshot(
             force,
         )?;
         pool.delete_snapshot(&name, &snapshot)?;
-        if let Err(e) = luns.refresh(&pool) {
+        if let Err(e) = luns.reconcile_now(&pool) {
             tracing::error!("LUN table: {e:#}");
         }
         clients.forget_export(&export);

@@ -109,8 +109,9 @@ fn to_lun_error(e: Error) -> LunError {
 }
 
 impl Luns for PoolLuns {
+    /// REPORT LUNS reconciles the table first (a deleted snapshot's export goes).
     fn list(&self) -> Vec<LunInfo> {
-        if let Err(e) = self.map.refresh(&self.pool) {
+        if let Err(e) = self.map.reconcile_now(&self.pool) {
             tracing::error!("LUN table: {e:#}");
         }
         self.map
@@ -186,13 +187,10 @@ impl Luns for PoolLuns {
     /// A volume's QoS entry exists once it has had limits or an NBD connection: one shared
     /// lock per command, like the metrics lookup in `open`. Snapshots are not limited.
     fn throttle(&self, lun: u64, direction: Direction, bytes: u64) -> Duration {
-        match self.map.get(lun) {
-            Some(m) if m.snapshot.is_none() => self
-                .qos
-                .get(m.volume_id)
-                .map_or(Duration::ZERO, |q| q.charge(direction.into(), bytes)),
-            _ => Duration::ZERO,
-        }
+        self.map
+            .volume_id(lun)
+            .and_then(|id| self.qos.get(id))
+            .map_or(Duration::ZERO, |q| q.charge(direction.into(), bytes))
     }
 
     fn connected(&self, lun: u64, initiator: &Arc<ibid_iscsi::Initiator>) {

@@ -116,6 +116,16 @@ impl LunMap {
         self.luns.read().get(&lun).cloned()
     }
 
+    /// The volume id LUN `lun` exports, if it exports a volume (not a snapshot): a lookup that
+    /// copies no names, for per-command use.
+    pub fn volume_id(&self, lun: u64) -> Option<u64> {
+        self.luns
+            .read()
+            .get(&lun)
+            .filter(|m| m.snapshot.is_none())
+            .map(|m| m.volume_id)
+    }
+
     /// Every mapping, in LUN order.
     pub fn list(&self) -> Vec<Mapping> {
         self.luns.read().values().cloned().collect()
@@ -146,6 +156,13 @@ impl LunMap {
         if self.seen_catalog.load(Relaxed) == pool.catalog_generation() {
             return Ok(());
         }
+        let _guard = self.saving.lock();
+        self.reconcile(pool, false)
+    }
+
+    /// Reconciles the table with the pool now, whatever the catalog generation says (deleting
+    /// a snapshot does not move it): mappings of what no longer exists go.
+    pub fn reconcile_now(&self, pool: &Pool) -> anyhow::Result<()> {
         let _guard = self.saving.lock();
         self.reconcile(pool, false)
     }

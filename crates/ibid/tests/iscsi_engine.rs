@@ -282,7 +282,7 @@ fn snapshot_exported_read_only() {
         "/api/v1/volumes/vm/snapshots",
         Some(r#"{"name": "golden"}"#),
     );
-    assert_eq!(status, 201, "{v}");
+    assert_eq!((status, &v["lun"]), (201, &serde_json::Value::Null), "{v}");
     let (status, v) = api_call(
         &srv,
         "POST",
@@ -290,6 +290,35 @@ fn snapshot_exported_read_only() {
         Some(r#"{"lun": 7}"#),
     );
     assert_eq!((status, v["lun"].as_u64()), (200, Some(7)), "{v}");
+    // Exported at creation: at the LUN asked for; a taken LUN leaves no snapshot behind.
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm/snapshots",
+        Some(r#"{"name": "taken", "lun": 7}"#),
+    );
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (409, Some("lun_in_use")),
+        "{v}"
+    );
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm/snapshots",
+        Some(r#"{"name": "second", "export": true}"#),
+    );
+    assert_eq!((status, v["lun"].as_u64()), (201, Some(1)), "{v}");
+    let (_, list) = api_call(&srv, "GET", "/api/v1/volumes/vm/snapshots", None);
+    let names: Vec<&str> = list
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|s| s["name"].as_str())
+        .collect();
+    assert!(!names.contains(&"taken"), "{list}");
+    let (status, _) = api_call(&srv, "DELETE", "/api/v1/volumes/vm/snapshots/second", None);
+    assert_eq!(status, 204);
     run(
         "qemu-io",
         &["-f", "raw", "-c", "write -P 0x22 0 1M", &srv.iscsi_url(0)],

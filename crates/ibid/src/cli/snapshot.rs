@@ -14,12 +14,19 @@ use serde_json::{json, Value};
 /// Snapshot commands.
 #[derive(Subcommand)]
 pub enum SnapshotCmd {
-    /// Snapshot a volume: `ibid snapshot create vm1 golden` (or `vm1@golden`).
+    /// Snapshot a volume: `ibid snapshot create vm1 golden` (or `vm1@golden`); with
+    /// `--export` (or `--lun N`) it is also exported read-only over iSCSI at once.
     Create {
         /// Volume (or VOLUME@SNAPSHOT).
         volume: String,
         /// Snapshot name.
         name: Option<String>,
+        /// Export the snapshot read-only over iSCSI (at the lowest free LUN, or --lun).
+        #[arg(long)]
+        export: bool,
+        /// iSCSI LUN to export it as (implies --export).
+        #[arg(long)]
+        lun: Option<u64>,
     },
     /// List the snapshots of a volume, or of every volume.
     List {
@@ -65,11 +72,23 @@ pub enum SnapshotCmd {
 /// Runs a snapshot command.
 pub fn run(ctx: &Ctx, cmd: SnapshotCmd) -> Result<(), CliError> {
     match cmd {
-        SnapshotCmd::Create { volume, name } => {
+        SnapshotCmd::Create {
+            volume,
+            name,
+            export,
+            lun,
+        } => {
             let (volume, name) = names(&volume, name.as_deref())?;
+            let mut body = json!({ "name": name });
+            if export {
+                body["export"] = true.into();
+            }
+            if let Some(l) = lun {
+                body["lun"] = l.into();
+            }
             let s = ctx.client.post(
                 &format!("/volumes/{}/snapshots", segment(volume)),
-                json!({ "name": name }),
+                body,
                 &format!("snapshotting {volume} as {name}"),
             )?;
             print_snapshots(ctx, &s, std::slice::from_ref(&s))
