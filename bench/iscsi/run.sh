@@ -184,7 +184,7 @@ start_ibid() {
         kill -0 "$IBID_PID" 2>/dev/null || { cat "$OUT/logs/ibid.log" >&2; return 1; }
         sleep 0.1
     done
-    # "volume NAME SIZE iSCSI LUN N ..." in the banner (LUN = volume id - 1)
+    # "volume NAME SIZE iSCSI LUN N ..." in the banner (the LUN table; see `ibid volume list`)
     for r in $ROLES; do
         eval "LUN_$r=$(awk -v n="$r" '$1 == "volume" && $2 == n { for (i = 1; i < NF; i++) if ($i == "LUN") print $(i + 1) }' "$OUT/logs/ibid.log")"
     done

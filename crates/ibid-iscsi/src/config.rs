@@ -35,6 +35,12 @@ pub struct TargetConfig {
     pub vendor: String,
     /// Product identification in INQUIRY (16 chars).
     pub product: String,
+    /// Directory where the target keeps state that must survive a restart: persistent
+    /// reservations with APTPL (`reservations.json`). `None`: nothing is kept and APTPL is
+    /// refused (PTPL_C = 0).
+    pub state_dir: Option<std::path::PathBuf>,
+    /// Threads that run commands for all sessions (at least one).
+    pub workers: usize,
 }
 
 impl TargetConfig {
@@ -51,9 +57,15 @@ impl TargetConfig {
             nop_in_interval: Some(std::time::Duration::from_secs(30)),
             vendor: "IBID".into(),
             product: "ibid volume".into(),
+            state_dir: None,
+            workers: WORKERS_DEFAULT,
         }
     }
 }
+
+/// Default number of command threads: one per command of an initiator at queue depth 32, so
+/// such an initiator's commands all run at once (the NBD server's measured best on 2 cores).
+pub const WORKERS_DEFAULT: usize = 32;
 
 /// Shortest CHAP secret accepted, in bytes (RFC 7143 12.1.3: 96 bits).
 pub const CHAP_SECRET_MIN_LEN: usize = 12;

@@ -1,10 +1,14 @@
 //! One iSCSI connection: login, then the full feature phase.
 //!
 //! A reader loop owns all per-connection state (pending writes, R2T
-//! bookkeeping) and never blocks on storage; each ready SCSI command runs in
-//! its own task (`spawn_blocking` for the backend call) and sends its
-//! Data-In/Response through a single writer task, which assigns StatSN and
-//! stamps ExpCmdSN/MaxCmdSN in send order.
+//! bookkeeping) and never blocks on storage; each ready SCSI command runs on
+//! the target's worker threads (after an asynchronous wait if its LUN is
+//! throttled), which also build its Data-In/Response and hands them to a single writer
+//! task; the writer assigns StatSN, stamps ExpCmdSN/MaxCmdSN in send order and
+//! writes through a buffer it flushes whenever its queue runs empty, so
+//! responses that complete together leave in one system call. Data-In PDUs
+//! carry slices of the command's read buffer: the data is not copied between
+//! the backend's buffer and the socket.
 
 use crate::backend::Direction;
 use crate::config::TargetConfig;
@@ -41,6 +45,9 @@ pub const MAX_PENDING_WRITE_BYTES: u64 = 128 << 20;
 const WRITE_RESERVE_MAX: usize = 1 << 20;
 /// Outgoing PDUs queued per connection before senders wait.
 const OUT_QUEUE_LEN: usize = 256;
+/// The writer's buffer: small PDUs completing together are sent in one write; larger data
+/// goes to the socket straight from the command's buffer.
+const WRITE_BUFFER: usize = 64 << 10;
 /// How long a TMF or logout waits for running commands to finish.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Poll interval while draining.
@@ -54,6 +61,8 @@ pub struct Shared {
     pub cfg: TargetConfig,
     /// Logged-in sessions.
     pub registry: Registry,
+    /// The threads that run commands.
+    pub(crate) workers: crate::workers::Workers,
     /// Running-task tables of all connections (for resets across sessions).
     pub conns: Mutex<Vec<Weak<RunningMap>>>,
 }
@@ -163,11 +172,19 @@ pub async fn run(sock: TcpStream, shared: Arc<Shared>) {
     let window = Arc::new(Window::new(outcome.cmdsn, shared.cfg.queue_depth));
     let (tx, rx) = mpsc::channel(OUT_QUEUE_LEN);
     let params = outcome.params.clone();
-    let writer = tokio::spawn(writer(wr, rx, params.clone(), window.clone(), statsn));
+    let writer = tokio::spawn(writer(
+        wr,
+        rx,
+        params.clone(),
+        window.clone(),
+        statsn,
+        shared.clone(),
+    ));
     let mut conn = Conn {
         shared: shared.clone(),
         params,
-        nexus,
+        nexus: Arc::new(nexus),
+        luns: Arc::default(),
         discovery: outcome.session_type == SessionType::Discovery,
         window,
         tx,
@@ -262,38 +279,88 @@ async fn write(wr: &mut OwnedWriteHalf, mut p: Pdu) -> Option<()> {
 enum Out {
     /// Send a PDU; `status` advances StatSN.
     Pdu(Pdu, bool),
+    /// Send a Data-In PDU (without data of its own) carrying `range` of a command's read
+    /// buffer; `status` advances StatSN.
+    Data(Pdu, Arc<Vec<u8>>, std::ops::Range<usize>, bool),
     /// Flush and close the connection.
     Close,
 }
 
 async fn writer(
-    mut wr: OwnedWriteHalf,
+    wr: OwnedWriteHalf,
     mut rx: mpsc::Receiver<Out>,
     params: Params,
     window: Arc<Window>,
     mut statsn: u32,
+    shared: Arc<Shared>,
 ) {
-    while let Some(m) = rx.recv().await {
-        match m {
-            Out::Pdu(mut p, status) => {
-                p.set32(24, statsn);
-                if status {
-                    statsn = statsn.wrapping_add(1);
-                }
-                p.set32(28, window.exp_cmdsn());
-                p.set32(32, window.max_cmdsn());
-                if wr
-                    .write_all(&p.encode(params.header_digest, params.data_digest))
-                    .await
-                    .is_err()
-                {
+    let mut wr = tokio::io::BufWriter::with_capacity(WRITE_BUFFER, wr);
+    let mut stamp = |p: &mut Pdu, status: bool| {
+        p.set32(24, statsn);
+        if status {
+            statsn = statsn.wrapping_add(1);
+        }
+        p.set32(28, window.exp_cmdsn());
+        p.set32(32, window.max_cmdsn());
+    };
+    loop {
+        let m = match rx.try_recv() {
+            Ok(m) => m,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                if wr.flush().await.is_err() {
                     break;
                 }
+                match rx.recv().await {
+                    Some(m) => m,
+                    None => break,
+                }
+            }
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+        };
+        let sent = match m {
+            Out::Pdu(mut p, status) => {
+                stamp(&mut p, status);
+                wr.write_all(&p.encode(params.header_digest, params.data_digest))
+                    .await
+            }
+            Out::Data(mut p, buf, range, status) => {
+                stamp(&mut p, status);
+                let sent = write_data_in(&mut wr, &mut p, &buf[range], &params).await;
+                // The last Data-In of a command holds the last reference: the buffer is free.
+                if let Ok(buf) = Arc::try_unwrap(buf) {
+                    shared.target.buffers.give(buf);
+                }
+                sent
             }
             Out::Close => break,
+        };
+        if sent.is_err() {
+            break;
         }
     }
+    let _ = wr.flush().await;
     let _ = wr.shutdown().await;
+}
+
+/// Writes Data-In PDU `p` with `data` as its data segment, without copying the data into a
+/// PDU of its own.
+async fn write_data_in(
+    wr: &mut tokio::io::BufWriter<OwnedWriteHalf>,
+    p: &mut Pdu,
+    data: &[u8],
+    params: &Params,
+) -> std::io::Result<()> {
+    wr.write_all(&p.encode_head(data.len(), params.header_digest, 0))
+        .await?;
+    wr.write_all(data).await?;
+    let pad = [0u8; 3];
+    let pad = &pad[..pdu::pad4(data.len()) - data.len()];
+    wr.write_all(pad).await?;
+    if params.data_digest && !data.is_empty() {
+        let crc = crc32c::crc32c_append(crc32c::crc32c(data), pad);
+        wr.write_all(&crc.to_le_bytes()).await?;
+    }
+    Ok(())
 }
 
 /// A write command collecting its Data-Out.
@@ -331,7 +398,9 @@ enum Flow {
 struct Conn {
     shared: Arc<Shared>,
     params: Params,
-    nexus: Nexus,
+    nexus: Arc<Nexus>,
+    /// The LUN handles this connection's commands use.
+    luns: Arc<crate::scsi::LunCache>,
     discovery: bool,
     window: Arc<Window>,
     tx: mpsc::Sender<Out>,
@@ -604,6 +673,7 @@ impl Conn {
         );
         let shared = self.shared.clone();
         let nexus = self.nexus.clone();
+        let luns = self.luns.clone();
         let running = self.running.clone();
         let window = self.window.clone();
         let tx = self.tx.clone();
@@ -617,15 +687,14 @@ impl Conn {
             }
             _ => Duration::ZERO,
         };
-        tokio::spawn(async move {
-            if !delay.is_zero() {
-                tokio::time::sleep(delay).await;
-            }
-            let job = tokio::task::spawn_blocking(move || {
-                shared.target.execute(&nexus, lun, &cdb, &data)
+        // The command runs and answers on a worker: one hand-off per command.
+        let job = move || {
+            let run = std::panic::AssertUnwindSafe(|| {
+                shared
+                    .target
+                    .execute_cached(&nexus, lun, &cdb, &data, &luns)
             });
-            let resp = job
-                .await
+            let resp = std::panic::catch_unwind(run)
                 .unwrap_or_else(|_| Response::check(Sense::new(0x4, 0x44, 0x00)));
             running.lock().remove(&itt);
             window.end();
@@ -639,10 +708,21 @@ impl Conn {
                 },
                 _ => return,
             };
-            for (p, status) in response_pdus(&task, resp, limits) {
-                let _ = tx.send(Out::Pdu(p, status)).await;
+            for out in response_pdus(&task, resp, limits) {
+                if tx.blocking_send(out).is_err() {
+                    return;
+                }
             }
-        });
+        };
+        if delay.is_zero() {
+            self.shared.workers.submit(Box::new(job));
+        } else {
+            let shared = self.shared.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                shared.workers.submit(Box::new(job));
+            });
+        }
     }
 
     fn spawn_response(&self, task: TaskInfo, resp: Response) {
@@ -654,8 +734,8 @@ impl Conn {
         };
         tokio::spawn(async move {
             window.end();
-            for (p, status) in response_pdus(&task, resp, limits) {
-                let _ = tx.send(Out::Pdu(p, status)).await;
+            for out in response_pdus(&task, resp, limits) {
+                let _ = tx.send(out).await;
             }
         });
     }
@@ -840,7 +920,9 @@ async fn keepalive(
 }
 
 /// Build the Data-In PDUs and final status for a finished command.
-fn response_pdus(task: &TaskInfo, resp: Response, limits: Limits) -> Vec<(Pdu, bool)> {
+/// The PDUs answering `task`: Data-In (slices of the response's data, the last one carrying
+/// the status when it is GOOD) and, unless the status went with the data, a SCSI Response.
+fn response_pdus(task: &TaskInfo, resp: Response, limits: Limits) -> Vec<Out> {
     let TaskInfo {
         itt,
         lun_raw,
@@ -863,6 +945,7 @@ fn response_pdus(task: &TaskInfo, resp: Response, limits: Limits) -> Vec<(Pdu, b
     let good = resp.status == STATUS_GOOD && resp.sense.is_none();
     let chunks = data_in_chunks(data.len(), limits);
     let n_chunks = chunks.len();
+    let data = Arc::new(data);
     for (i, (off, len, end_of_burst)) in chunks.into_iter().enumerate() {
         let last = i + 1 == n_chunks;
         let mut p = Pdu::new(OP_DATA_IN);
@@ -871,7 +954,6 @@ fn response_pdus(task: &TaskInfo, resp: Response, limits: Limits) -> Vec<(Pdu, b
         p.set32(20, RESERVED_TAG);
         p.set32(36, i as u32);
         p.set32(40, off as u32);
-        p.data = data[off..off + len].to_vec();
         let collapse = last && good;
         if end_of_burst {
             p.bhs[1] = FLAG_FINAL;
@@ -881,7 +963,7 @@ fn response_pdus(task: &TaskInfo, resp: Response, limits: Limits) -> Vec<(Pdu, b
             p.bhs[3] = resp.status;
             p.set32(44, residual);
         }
-        out.push((p, collapse));
+        out.push(Out::Data(p, data.clone(), off..off + len, collapse));
     }
     if good && n_chunks > 0 {
         return out;
@@ -897,7 +979,7 @@ fn response_pdus(task: &TaskInfo, resp: Response, limits: Limits) -> Vec<(Pdu, b
         p.data.extend_from_slice(&(sd.len() as u16).to_be_bytes());
         p.data.extend_from_slice(&sd);
     }
-    out.push((p, true));
+    out.push(Out::Pdu(p, true));
     out
 }
 

@@ -12,6 +12,7 @@
 //! per command family), [`sense`], and [`memory`] (an in-memory backend).
 
 pub mod backend;
+mod buffers;
 pub mod config;
 mod connection;
 pub mod login;
@@ -21,6 +22,7 @@ pub mod scsi;
 pub mod sense;
 pub mod session;
 pub mod text;
+mod workers;
 
 pub use backend::{Direction, Extent, Initiator, Lun, LunError, LunInfo, Luns};
 pub use config::{ChapConfig, ConfigError, TargetConfig};
@@ -53,8 +55,11 @@ pub async fn serve_until(
     config
         .validate()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let target = scsi::Target::open(luns, config.clone())?;
+    let workers = workers::Workers::start(config.workers)?;
     let shared = Arc::new(connection::Shared {
-        target: scsi::Target::new(luns, config.clone()),
+        target,
+        workers,
         cfg: config,
         registry: session::Registry::default(),
         conns: parking_lot::Mutex::new(Vec::new()),

@@ -216,15 +216,8 @@ impl Pdu {
 
     /// Encode the PDU with the given digests; sets the length fields.
     pub fn encode(&mut self, header_digest: bool, data_digest: bool) -> Vec<u8> {
-        self.bhs[4] = (self.ahs.len() / 4) as u8;
-        set_u24(&mut self.bhs[5..8], self.data.len());
         let padded = pad4(self.data.len());
-        let mut out = Vec::with_capacity(BHS_LEN + self.ahs.len() + padded + 8);
-        out.extend_from_slice(&self.bhs);
-        out.extend_from_slice(&self.ahs);
-        if header_digest {
-            out.extend_from_slice(&header_crc(&self.bhs, &self.ahs).to_le_bytes());
-        }
+        let mut out = self.encode_head(self.data.len(), header_digest, padded + 4);
         if !self.data.is_empty() {
             let start = out.len();
             out.extend_from_slice(&self.data);
@@ -233,6 +226,21 @@ impl Pdu {
                 let crc = crc32c::crc32c(&out[start..]);
                 out.extend_from_slice(&crc.to_le_bytes());
             }
+        }
+        out
+    }
+
+    /// The header of this PDU for a data segment of `data_len` bytes sent apart from it
+    /// (BHS, AHS, header digest), with room for `extra` more bytes; the segment then follows,
+    /// padded to 4 bytes, and its CRC32C digest if negotiated.
+    pub fn encode_head(&mut self, data_len: usize, header_digest: bool, extra: usize) -> Vec<u8> {
+        self.bhs[4] = (self.ahs.len() / 4) as u8;
+        set_u24(&mut self.bhs[5..8], data_len);
+        let mut out = Vec::with_capacity(BHS_LEN + self.ahs.len() + DIGEST_LEN + extra);
+        out.extend_from_slice(&self.bhs);
+        out.extend_from_slice(&self.ahs);
+        if header_digest {
+            out.extend_from_slice(&header_crc(&self.bhs, &self.ahs).to_le_bytes());
         }
         out
     }

@@ -13,6 +13,7 @@
 //! Engine calls block (they may fsync), so every handler runs them on the blocking pool.
 
 use crate::clients::{ClientView, Clients};
+use crate::lun_map::LunMap;
 use crate::qos::{Limits, Qos};
 use crate::units::{format_exact, parse_size};
 use axum::extract::rejection::{JsonRejection, QueryRejection};
@@ -36,6 +37,7 @@ pub const BODY_BYTES_MAX: usize = 64 << 10;
 const DRAIN_BYTES_MAX: u64 = 4 << 20;
 
 /// An API error: HTTP status, stable code, message.
+#[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     code: &'static str,
@@ -52,8 +54,8 @@ impl ApiError {
         }
     }
 
-    /// An error with this status, stable code and message.
-    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    /// An error answer with `status`, a stable `code` and `message`.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,
             code,
@@ -70,7 +72,8 @@ impl ApiError {
         )
     }
 
-    fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+    /// A 409 with `code` and `message`.
+    pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::CONFLICT,
             code,
@@ -176,6 +179,26 @@ struct CreateVolume {
     /// QoS limits, as `PATCH .../qos` takes them (null or absent: no limit).
     #[serde(default)]
     qos: Option<Value>,
+    /// iSCSI LUN number (absent: the lowest free one).
+    #[serde(default)]
+    lun: Option<u64>,
+}
+
+/// `PATCH /api/v1/volumes/{name}`: the settings of a volume that change by assignment.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PatchVolume {
+    /// The iSCSI LUN number to move the volume to.
+    lun: u64,
+}
+
+/// `POST .../snapshots/{snapshot}/export`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExportSnapshot {
+    /// iSCSI LUN number (absent: the lowest free one).
+    #[serde(default)]
+    lun: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -221,6 +244,12 @@ struct Resize {
 #[serde(deny_unknown_fields)]
 struct CreateSnapshot {
     name: String,
+    /// Export the new snapshot read-only over iSCSI at once (at `lun`, or the lowest free LUN).
+    #[serde(default)]
+    export: bool,
+    /// The iSCSI LUN to export it as (implies `export`).
+    #[serde(default)]
+    lun: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -245,6 +274,7 @@ struct Api {
     pool: Pool,
     clients: Arc<Clients>,
     qos: Arc<Qos>,
+    luns: Arc<LunMap>,
 }
 
 impl axum::extract::FromRef<Api> for Pool {
@@ -266,6 +296,8 @@ struct VolumeView {
     created_unix_s: u64,
     /// Number of snapshots of the volume.
     snapshots: usize,
+    /// iSCSI LUN number (null only if all LUNs are taken).
+    lun: Option<u64>,
     /// QoS limits (null: none), shared by all the volume's connections.
     qos: Limits,
     /// Open connections using the volume or its snapshots (NBD, iSCSI): what deleting it would
@@ -284,6 +316,7 @@ impl VolumeView {
             snapshots,
             clients: api.clients.of_volume_and_snapshots(&v.name),
             qos: api.qos.limits(v.id),
+            lun: api.luns.lun_of_volume(v.id),
             name: v.name,
             id: v.id,
             format: v.format.as_str(),
@@ -333,11 +366,13 @@ fn stats_json(s: &PoolStats) -> Value {
     })
 }
 
-fn snapshot_json(s: &SnapshotInfo) -> Value {
+/// A snapshot as the API shows it; `lun` is its iSCSI LUN while exported, else null.
+fn snapshot_json(s: &SnapshotInfo, luns: &LunMap) -> Value {
     json!({
         "volume": s.volume,
         "name": s.name,
         "id": s.id,
+        "lun": luns.lun_of_snapshot(s.id),
         "size_bytes": s.size_bytes,
         "mapped_blocks": s.mapped_blocks,
         "created_unix_s": s.created_unix_s,
@@ -521,6 +556,7 @@ pub fn router(
     pool: Pool,
     clients: Arc<Clients>,
     qos: Arc<Qos>,
+    luns: Arc<LunMap>,
     access: Access,
     request_timeout: Duration,
 ) -> Router {
@@ -539,7 +575,9 @@ pub fn router(
         .route("/api/v1/volumes", get(list_volumes).post(create_volume))
         .route(
             "/api/v1/volumes/{name}",
-            get(describe_volume).delete(delete_volume),
+            get(describe_volume)
+                .delete(delete_volume)
+                .patch(patch_volume),
         )
         .route("/api/v1/volumes/{name}/resize", post(resize_volume))
         .route("/api/v1/volumes/{name}/format", post(set_format))
@@ -557,9 +595,18 @@ pub fn router(
             "/api/v1/volumes/{name}/snapshots/{snapshot}",
             axum::routing::delete(delete_snapshot),
         )
+        .route(
+            "/api/v1/volumes/{name}/snapshots/{snapshot}/export",
+            post(export_snapshot).delete(unexport_snapshot),
+        )
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
-        .with_state(Api { pool, clients, qos })
+        .with_state(Api {
+            pool,
+            clients,
+            qos,
+            luns,
+        })
         .layer(middleware::from_fn(volume_not_snapshot))
         .layer(middleware::from_fn_with_state(request_timeout, read_body))
         .layer(middleware::from_fn_with_state(access, authorize))
@@ -727,15 +774,24 @@ async fn create_volume(
         Some(v) => Limits::default().patched(qos_patch(v)?).map_err(invalid)?,
     };
     blocking(move || {
-        api.pool
-            .create_volume_with_format(&req.name, size, format.unwrap_or_default())?;
-        if !limits.is_unlimited() {
-            let id = api.pool.volume(&req.name)?.id();
-            if let Err(e) = api.qos.update(id, &req.name, |_| Ok(limits)) {
-                // The volume cannot get the limits asked for: it must not stay behind.
-                api.pool.delete_volume(&req.name)?;
-                return Err(e);
+        if let Some(lun) = req.lun {
+            api.luns.check_available(lun)?;
+        }
+        let id = api
+            .pool
+            .create_volume_with_format(&req.name, size, format.unwrap_or_default())?
+            .id();
+        let settings = api.luns.assign(&api.pool, id, req.lun).and_then(|_| {
+            if limits.is_unlimited() {
+                return Ok(());
             }
+            api.qos.update(id, &req.name, |_| Ok(limits)).map(|_| ())
+        });
+        if let Err(e) = settings {
+            // The volume cannot get the LUN or limits asked for: it must not stay behind.
+            api.pool.delete_volume(&req.name)?;
+            refresh_luns(&api);
+            return Err(e);
         }
         created(&api, &req.name)
     })
@@ -776,12 +832,42 @@ async fn set_qos(
     .await
 }
 
+/// `PATCH /api/v1/volumes/{name}` with `{"lun": N}`: moves the volume to iSCSI LUN `N`
+/// (409 `lun_in_use` if another volume or snapshot has it). Initiators get REPORTED LUNS DATA
+/// HAS CHANGED at their next command. Answers with the volume.
+async fn patch_volume(
+    State(api): State<Api>,
+    Path(name): Path<String>,
+    req: Body<PatchVolume>,
+) -> ApiResult<Json<VolumeView>> {
+    let req = body(req)?;
+    blocking(move || {
+        let id = api.pool.volume(&name)?.id();
+        api.luns.assign(&api.pool, id, Some(req.lun))?;
+        Ok(Json(VolumeView::new(volume_info(&api.pool, &name)?, &api)))
+    })
+    .await
+}
+
+/// Reconciles the LUN table after the pool's catalog changed (a volume or snapshot gone, a
+/// clone made); a failure to write the table is logged, the next change retries.
+fn refresh_luns(api: &Api) {
+    if let Err(e) = api.luns.refresh(&api.pool) {
+        tracing::error!("LUN table: {e:#}");
+    }
+}
+
 async fn describe_volume(
     State(api): State<Api>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<Value>> {
     blocking(move || {
-        let Api { pool, clients, qos } = api;
+        let Api {
+            pool,
+            clients,
+            qos,
+            luns,
+        } = api;
         let volume = pool.volume(&name)?;
         let space = volume.space()?;
         let info = volume_info(&pool, &name)?;
@@ -790,6 +876,7 @@ async fn describe_volume(
             "id": volume.id(),
             "format": info.format.as_str(),
             "created_unix_s": info.created_unix_s,
+            "lun": luns.lun_of_volume(volume.id()),
             "size_bytes": space.size_bytes,
             "blocks": space.size_bytes.div_ceil(4096),
             "mapped_blocks": space.mapped_blocks,
@@ -802,7 +889,7 @@ async fn describe_volume(
             "shared_blocks": space.shared_blocks,
             "exclusive_physical_bytes": space.exclusive_physical_bytes,
             "shared_physical_bytes": space.shared_physical_bytes,
-            "snapshots": pool.list_snapshots(Some(&name)).iter().map(snapshot_json).collect::<Vec<_>>(),
+            "snapshots": pool.list_snapshots(Some(&name)).iter().map(|s| snapshot_json(s, &luns)).collect::<Vec<_>>(),
             "clients": clients.of_volume_and_snapshots(&name),
             "qos": qos.limits(volume.id()),
             "qos_throttled_requests": qos.get(volume.id()).map_or(0, |q| q.throttled_requests()),
@@ -869,6 +956,7 @@ async fn delete_volume(
             force,
         )?;
         api.pool.delete_volume(&name)?;
+        refresh_luns(&api);
         api.clients.forget_volume(&name);
         if let Err(e) = api.qos.forget(id) {
             // The volume is gone; its row is dropped at the next start.
@@ -919,6 +1007,8 @@ async fn clone_volume(
                 return Err(e.into());
             }
         }
+        let id = pool.volume(&req.name)?.id();
+        api.luns.assign(pool, id, None)?;
         created(&api, &req.name)
     })
     .await
@@ -1030,27 +1120,96 @@ async fn copy_range(
 }
 
 async fn list_snapshots(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<Vec<Value>>> {
-    pool.volume(&name)?;
+    api.pool.volume(&name)?;
     Ok(Json(
-        pool.list_snapshots(Some(&name))
+        api.pool
+            .list_snapshots(Some(&name))
             .iter()
-            .map(snapshot_json)
+            .map(|s| snapshot_json(s, &api.luns))
             .collect(),
     ))
 }
 
 async fn create_snapshot(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
     req: Body<CreateSnapshot>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let req = body(req)?;
     blocking(move || {
-        let info = pool.create_snapshot(&name, &req.name)?;
-        Ok((StatusCode::CREATED, Json(snapshot_json(&info))))
+        if let Some(lun) = req.lun {
+            api.luns.check_available(lun)?;
+        }
+        let info = api.pool.create_snapshot(&name, &req.name)?;
+        if req.export || req.lun.is_some() {
+            if let Err(e) = api
+                .luns
+                .export_snapshot(&api.pool, &name, &req.name, req.lun)
+            {
+                // The snapshot cannot get the LUN asked for: it must not stay behind.
+                api.pool.delete_snapshot(&name, &req.name)?;
+                return Err(e);
+            }
+        }
+        Ok((StatusCode::CREATED, Json(snapshot_json(&info, &api.luns))))
+    })
+    .await
+}
+
+/// The snapshot `name@snapshot`'s description (404 if the volume or the snapshot is missing).
+fn snapshot_info(pool: &Pool, name: &str, snapshot: &str) -> ApiResult<SnapshotInfo> {
+    pool.volume(name)?;
+    Ok(pool
+        .list_snapshots(Some(name))
+        .into_iter()
+        .find(|s| s.name == snapshot)
+        .ok_or_else(|| Error::NotFound(format!("{name}@{snapshot}")))?)
+}
+
+/// `POST /api/v1/volumes/{name}/snapshots/{snapshot}/export`, body `{"lun": N}` or `{}`:
+/// exports the snapshot read-only over iSCSI as LUN `N` (or the lowest free one); kept in the
+/// pool until unexported or deleted. Answers with the snapshot, `lun` set.
+async fn export_snapshot(
+    State(api): State<Api>,
+    Path((name, snapshot)): Path<(String, String)>,
+    req: Body<ExportSnapshot>,
+) -> ApiResult<Json<Value>> {
+    let req = body(req)?;
+    blocking(move || {
+        api.luns
+            .export_snapshot(&api.pool, &name, &snapshot, req.lun)?;
+        let info = snapshot_info(&api.pool, &name, &snapshot)?;
+        Ok(Json(snapshot_json(&info, &api.luns)))
+    })
+    .await
+}
+
+/// `DELETE /api/v1/volumes/{name}/snapshots/{snapshot}/export`: the snapshot's LUN goes away
+/// (initiators get REPORTED LUNS DATA HAS CHANGED); 404 if it was not exported, 409 `in_use`
+/// while iSCSI sessions use it, unless `?force=true`.
+async fn unexport_snapshot(
+    State(api): State<Api>,
+    Path((name, snapshot)): Path<(String, String)>,
+    query: Result<Query<DeleteQuery>, QueryRejection>,
+) -> ApiResult<StatusCode> {
+    let force = delete_query(query)?;
+    blocking(move || {
+        let info = snapshot_info(&api.pool, &name, &snapshot)?;
+        let export = format!("{name}@{snapshot}");
+        let sessions: Vec<ClientView> = api
+            .clients
+            .of_export(&export)
+            .into_iter()
+            .filter(|c| c.protocol == "iscsi")
+            .collect();
+        if api.luns.lun_of_snapshot(info.id).is_some() {
+            check_unused(&format!("the iSCSI LUN of {export:?}"), &sessions, force)?;
+        }
+        api.luns.unexport_snapshot(info.id, &export)?;
+        Ok(StatusCode::NO_CONTENT)
     })
     .await
 }
@@ -1062,7 +1221,12 @@ async fn delete_snapshot(
 ) -> ApiResult<StatusCode> {
     let force = delete_query(query)?;
     blocking(move || {
-        let Api { pool, clients, .. } = api;
+        let Api {
+            pool,
+            clients,
+            luns,
+            ..
+        } = api;
         // A missing volume is named as such, not as a missing snapshot of it.
         pool.volume(&name)?;
         pool.snapshot(&name, &snapshot)?;
@@ -1073,6 +1237,9 @@ async fn delete_snapshot(
             force,
         )?;
         pool.delete_snapshot(&name, &snapshot)?;
+        if let Err(e) = luns.reconcile_now(&pool) {
+            tracing::error!("LUN table: {e:#}");
+        }
         clients.forget_export(&export);
         Ok(StatusCode::NO_CONTENT)
     })

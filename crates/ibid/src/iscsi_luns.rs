@@ -1,9 +1,17 @@
-//! The iSCSI target's view of the pool: one LUN per volume. A volume's LUN number is its
-//! volume id minus one, so it never changes while the volume exists and is never reused.
-//! Every command that reaches a volume is counted in its [`VolumeIo`] (`protocol="iscsi"`),
-//! and reads and writes are charged to its QoS limits ([`Qos`]).
+//! The iSCSI target's view of the pool: one LUN per volume, and one per snapshot exported
+//! read-only, as the LUN table ([`LunMap`]) says. Every command that reaches a volume is
+//! counted in its [`VolumeIo`] (`protocol="iscsi"`; a snapshot's under `VOLUME@SNAPSHOT`), and
+//! a volume's reads and writes are charged to its QoS limits ([`Qos`]; snapshots are not
+//! limited).
+//!
+//! An EXTENDED COPY needs a moment when its volumes have no uncommitted change (the engine
+//! quiesces them, and gives up if they keep changing): ESXi's ATS heartbeats write to a
+//! datastore every few milliseconds while it clones a disk on it. So each volume has a gate:
+//! iSCSI writes pass it shared, a copy takes it exclusively for its duration, and the writes
+//! that arrive meanwhile wait for the copy (milliseconds) instead of failing it.
 
 use crate::clients::Clients;
+use crate::lun_map::{LunMap, Mapping};
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use crate::qos::Qos;
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
@@ -11,8 +19,6 @@ use ibid_iscsi::{Direction, Extent, Lun, LunError, LunInfo, Luns};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Highest LUN number SAM allows with flat addressing; volumes beyond it are not exported.
-const LUN_MAX: u64 = 16383;
 /// Extents returned per GET LBA STATUS at most (initiators ask again from where it ends).
 const LBA_STATUS_EXTENTS_MAX: usize = 256;
 
@@ -24,12 +30,27 @@ pub struct PoolLuns {
     metrics: Arc<Metrics>,
     clients: Arc<Clients>,
     qos: Arc<Qos>,
+    map: Arc<LunMap>,
+    /// Per volume id: iSCSI writes hold it shared, EXTENDED COPY exclusively.
+    gates: parking_lot::Mutex<std::collections::HashMap<u64, Arc<Gate>>>,
 }
 
+/// A volume's gate between its iSCSI writes and the copies that involve it.
+type Gate = parking_lot::RwLock<()>;
+
+/// Attempts of a copy the engine gave up on because its volumes kept changing.
+const COPY_TRIES: usize = 3;
+
 impl PoolLuns {
-    /// Exports every volume of `pool`, counting I/O in `metrics` and sessions in `clients`,
-    /// limited by `qos`.
-    pub fn new(pool: Pool, metrics: Arc<Metrics>, clients: Arc<Clients>, qos: Arc<Qos>) -> Self {
+    /// Exports what `map` maps of `pool`, counting I/O in `metrics` and sessions in
+    /// `clients`, limited by `qos`.
+    pub fn new(
+        pool: Pool,
+        metrics: Arc<Metrics>,
+        clients: Arc<Clients>,
+        qos: Arc<Qos>,
+        map: Arc<LunMap>,
+    ) -> Self {
         let dir = std::fs::canonicalize(pool.dir()).unwrap_or_else(|_| pool.dir().to_path_buf());
         let pool_identity = *blake3::hash(dir.as_os_str().as_encoded_bytes()).as_bytes();
         PoolLuns {
@@ -38,11 +59,39 @@ impl PoolLuns {
             metrics,
             clients,
             qos,
+            map,
+            gates: Default::default(),
         }
     }
 
-    fn volume_by_lun(&self, lun: u64) -> Option<Volume> {
-        self.pool.volume_by_id(lun + 1).ok()
+    /// Volume `id`'s gate.
+    fn gate(&self, id: u64) -> Arc<Gate> {
+        self.gates.lock().entry(id).or_default().clone()
+    }
+
+    /// What LUN `lun` maps, reconciling the table with the pool first if the LUN is unknown
+    /// (a volume created by a path that did not map it yet).
+    fn mapping(&self, lun: u64) -> Option<Mapping> {
+        if let Some(m) = self.map.get(lun) {
+            return Some(m);
+        }
+        if let Err(e) = self.map.refresh(&self.pool) {
+            tracing::error!("LUN table: {e:#}");
+        }
+        self.map.get(lun)
+    }
+
+    /// The volume or read-only snapshot LUN `lun` exports, with its export name.
+    fn volume_by_lun(&self, lun: u64) -> Option<(Volume, Mapping)> {
+        let m = self.mapping(lun)?;
+        let volume = match &m.snapshot {
+            None => self.pool.volume_by_id(m.volume_id).ok()?,
+            Some(s) => {
+                let snap = self.pool.snapshot(&m.volume, s).ok()?;
+                (Some(snap.id()) == m.snapshot_id).then_some(snap)?
+            }
+        };
+        Some((volume, m))
     }
 }
 
@@ -60,28 +109,37 @@ fn to_lun_error(e: Error) -> LunError {
 }
 
 impl Luns for PoolLuns {
+    /// REPORT LUNS reconciles the table first (a deleted snapshot's export goes).
     fn list(&self) -> Vec<LunInfo> {
-        self.pool
-            .list_volumes_now()
+        if let Err(e) = self.map.reconcile_now(&self.pool) {
+            tracing::error!("LUN table: {e:#}");
+        }
+        self.map
+            .list()
             .into_iter()
-            .filter(|v| v.id - 1 <= LUN_MAX)
-            .map(|v| LunInfo {
-                lun: v.id - 1,
-                name: v.name,
+            .map(|m| LunInfo {
+                lun: m.lun,
+                name: m.name(),
             })
             .collect()
     }
 
     fn open(&self, lun: u64) -> Option<Arc<dyn Lun>> {
-        let volume = self.volume_by_lun(lun)?;
+        let (volume, mapping) = self.volume_by_lun(lun)?;
         let mut h = blake3::Hasher::new();
         h.update(&self.pool_identity);
         h.update(&volume.id().to_le_bytes());
         let id: [u8; 16] = h.finalize().as_bytes()[..16].try_into().expect("16 bytes");
         // The target opens the LUN for every command: this lookup is one shared lock, like
         // the engine's volume lookup just above.
-        let io = self.metrics.volume(volume.name(), Protocol::Iscsi);
-        Some(Arc::new(VolumeLun { volume, id, io }))
+        let io = self.metrics.volume(&mapping.name(), Protocol::Iscsi);
+        let gate = self.gate(mapping.volume_id);
+        Some(Arc::new(VolumeLun {
+            volume,
+            id,
+            io,
+            gate,
+        }))
     }
 
     fn copy_range(
@@ -92,37 +150,55 @@ impl Luns for PoolLuns {
         dst_off: u64,
         len: u64,
     ) -> Result<(), LunError> {
-        let src = self.volume_by_lun(src_lun).ok_or(LunError::NoSuchLun)?;
-        let dst = self.volume_by_lun(dst_lun).ok_or(LunError::NoSuchLun)?;
-        self.metrics
-            .volume(dst.name(), Protocol::Iscsi)
-            .record(Op::Copy, len, || dst.copy_from(&src, src_off, dst_off, len))
-            .map(|_| ())
-            .map_err(to_lun_error)
+        let (src, src_map) = self.volume_by_lun(src_lun).ok_or(LunError::NoSuchLun)?;
+        let (dst, dst_map) = self.volume_by_lun(dst_lun).ok_or(LunError::NoSuchLun)?;
+        // Both gates, in id order (no deadlock between copies in opposite directions).
+        let mut ids = vec![src_map.volume_id, dst_map.volume_id];
+        ids.sort_unstable();
+        ids.dedup();
+        let gates: Vec<Arc<Gate>> = ids.iter().map(|&id| self.gate(id)).collect();
+        let _held: Vec<_> = gates.iter().map(|g| g.write()).collect();
+        let io = self.metrics.volume(&dst_map.name(), Protocol::Iscsi);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match io.record(Op::Copy, len, || dst.copy_from(&src, src_off, dst_off, len)) {
+                Ok(_) => return Ok(()),
+                Err(Error::Metadata(m)) if tries < COPY_TRIES && m.contains("kept changing") => {
+                    tracing::debug!("copy retried: {m}");
+                }
+                Err(e) => return Err(to_lun_error(e)),
+            }
+        }
     }
 
     fn space_warning(&self) -> bool {
         self.pool.soft_threshold_exceeded()
     }
 
+    /// The pool's catalog (volumes, snapshots, sizes) and the LUN table: both only grow, so
+    /// their sum changes whenever either does.
     fn generation(&self) -> u64 {
-        self.pool.catalog_generation()
+        self.pool
+            .catalog_generation()
+            .wrapping_add(self.map.generation())
     }
 
     /// A volume's QoS entry exists once it has had limits or an NBD connection: one shared
-    /// lock per command, like the metrics lookup in `open`.
+    /// lock per command, like the metrics lookup in `open`. Snapshots are not limited.
     fn throttle(&self, lun: u64, direction: Direction, bytes: u64) -> Duration {
-        self.qos
-            .get(lun + 1)
+        self.map
+            .volume_id(lun)
+            .and_then(|id| self.qos.get(id))
             .map_or(Duration::ZERO, |q| q.charge(direction.into(), bytes))
     }
 
     fn connected(&self, lun: u64, initiator: &Arc<ibid_iscsi::Initiator>) {
-        if let Some(volume) = self.volume_by_lun(lun) {
+        if let Some((_, mapping)) = self.volume_by_lun(lun) {
             let weak = Arc::downgrade(initiator);
             let alive: std::sync::Weak<dyn std::any::Any + Send + Sync> = weak;
             self.clients.add(
-                volume.name(),
+                &mapping.name(),
                 "iscsi",
                 initiator.peer,
                 Some(initiator.name.clone()),
@@ -137,6 +213,8 @@ struct VolumeLun {
     volume: Volume,
     id: [u8; 16],
     io: Arc<VolumeIo>,
+    /// The volume's gate (writes hold it shared; see the module's comment).
+    gate: Arc<Gate>,
 }
 
 impl Lun for VolumeLun {
@@ -145,7 +223,7 @@ impl Lun for VolumeLun {
     }
 
     fn read_only(&self) -> bool {
-        false
+        self.volume.read_only()
     }
 
     fn id(&self) -> [u8; 16] {
@@ -160,6 +238,7 @@ impl Lun for VolumeLun {
     }
 
     fn write(&self, off: u64, data: &[u8], fua: bool) -> Result<(), LunError> {
+        let _gate = self.gate.read();
         self.io
             .record(Op::Write, data.len() as u64, || {
                 self.volume.write(off, data, fua)
@@ -168,6 +247,7 @@ impl Lun for VolumeLun {
     }
 
     fn write_zeroes(&self, off: u64, len: u64) -> Result<(), LunError> {
+        let _gate = self.gate.read();
         self.io
             .record(Op::WriteZeroes, len, || {
                 self.volume.write_zeroes(off, len, false)
@@ -187,6 +267,7 @@ impl Lun for VolumeLun {
         expected: &[u8],
         new: &[u8],
     ) -> Result<Option<u64>, LunError> {
+        let _gate = self.gate.read();
         self.io
             .record(Op::CompareAndWrite, new.len() as u64, || {
                 self.volume.compare_and_write(off, expected, new, false)
@@ -207,5 +288,58 @@ impl Lun for VolumeLun {
                 mapped: e.kind == ExtentKind::Data,
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The target sees the LUN table: LUNs listed in order, a snapshot export read-only, and
+    /// a move changes the generation (the target's REPORTED LUNS DATA HAS CHANGED).
+    #[test]
+    fn luns_follow_the_table() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = Pool::create(
+            dir.path().join("pool"),
+            ibid_engine::PoolConfig {
+                capacity_bytes: Some(1 << 30),
+                background: false,
+                ..ibid_engine::PoolConfig::default()
+            },
+        )
+        .expect("pool");
+        let a = pool.create_volume("a", 1 << 20).expect("a").id();
+        pool.create_volume("b", 1 << 20).expect("b");
+        pool.create_snapshot("a", "s").expect("snapshot");
+        let map = Arc::new(LunMap::open(&pool).expect("map"));
+        let luns = PoolLuns::new(
+            pool.clone(),
+            Arc::new(Metrics::default()),
+            Arc::new(Clients::default()),
+            Arc::new(Qos::in_memory()),
+            map.clone(),
+        );
+        map.export_snapshot(&pool, "a", "s", Some(6))
+            .expect("export");
+        let before = luns.generation();
+        map.assign(&pool, a, Some(9)).expect("move");
+        assert_ne!(luns.generation(), before);
+        let listed: Vec<(u64, String)> = luns.list().into_iter().map(|l| (l.lun, l.name)).collect();
+        assert_eq!(
+            listed,
+            [
+                (1, "b".to_string()),
+                (6, "a@s".to_string()),
+                (9, "a".to_string())
+            ]
+        );
+        let snap = luns.open(6).expect("snapshot LUN");
+        assert!(snap.read_only());
+        assert_eq!(snap.write(0, &[1; 512], false), Err(LunError::ReadOnly));
+        assert!(!luns.open(9).expect("volume LUN").read_only());
+        assert!(luns.open(0).is_none(), "a's old LUN is free");
+        drop(luns);
+        pool.close().expect("close");
     }
 }

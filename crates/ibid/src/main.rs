@@ -4,8 +4,10 @@
 mod api;
 mod cli;
 mod clients;
+mod durable;
 mod history;
 mod iscsi_luns;
+mod lun_map;
 mod metrics;
 mod nbd_exports;
 mod qos;

@@ -465,25 +465,13 @@ impl Qos {
 /// Writes the table crash-safely: a temporary file, synced, renamed over `path`, directory
 /// synced.
 fn save(path: &Path, rows: BTreeMap<u64, Row>) -> anyhow::Result<()> {
-    use std::io::Write;
     let table = Table {
         version: FILE_VERSION,
         volumes: rows.into_values().collect(),
     };
-    let text = serde_json::to_string_pretty(&table)?;
-    let tmp = path.with_extension("json.tmp");
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.write_all(b"\n")?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        if let Some(dir) = path.parent() {
-            std::fs::File::open(dir)?.sync_all()?;
-        }
-        Ok(())
-    };
-    write().map_err(|e| anyhow::anyhow!("write the QoS limits to {}: {e}", path.display()))
+    let text = serde_json::to_string_pretty(&table)? + "\n";
+    crate::durable::write_file(path, text.as_bytes())
+        .map_err(|e| anyhow::anyhow!("write the QoS limits to {}: {e}", path.display()))
 }
 
 #[cfg(test)]

@@ -236,7 +236,8 @@ async fn serve(
         .transpose()?;
     let http_addr = http_listener.as_ref().map(|l| l.local_addr()).transpose()?;
     let signalled = shutdown_signal();
-    print_banner(&pool, opts, nbd_addr, iscsi_addr, http_addr);
+    let lun_map = Arc::new(crate::lun_map::LunMap::open(&pool)?);
+    print_banner(&pool, &lun_map, opts, nbd_addr, iscsi_addr, http_addr);
     let metrics = Arc::new(Metrics::default());
     let qos = Arc::new(crate::qos::Qos::open(&pool)?);
     let clients = Arc::new(crate::clients::Clients::default());
@@ -256,8 +257,12 @@ async fn serve(
                     metrics.clone(),
                     clients.clone(),
                     qos.clone(),
+                    lun_map.clone(),
                 ));
-                let config = ibid_iscsi::TargetConfig::new(opts.iqn.clone());
+                let config = ibid_iscsi::TargetConfig {
+                    state_dir: Some(pool.dir().to_path_buf()),
+                    ..ibid_iscsi::TargetConfig::new(opts.iqn.clone())
+                };
                 ibid_iscsi::serve_until(listener, luns, config, stopped(stop_rx.clone()))
                     .await
                     .context("iSCSI target")
@@ -309,6 +314,7 @@ async fn serve(
                         pool.clone(),
                         clients.clone(),
                         qos.clone(),
+                        lun_map.clone(),
                         access,
                         opts.http_timeout,
                     ))
@@ -424,6 +430,7 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 
 fn print_banner(
     pool: &Pool,
+    luns: &crate::lun_map::LunMap,
     opts: &ServeOptions,
     nbd: SocketAddr,
     iscsi: Option<SocketAddr>,
@@ -444,7 +451,7 @@ fn print_banner(
     }
     if let Some(iscsi) = iscsi {
         println!(
-            "  iSCSI iscsi://{iscsi}/{}/LUN   (target {}; LUN = volume id - 1)",
+            "  iSCSI iscsi://{iscsi}/{}/LUN   (target {}; LUNs: ibid volume list)",
             opts.iqn, opts.iqn
         );
     }
@@ -453,12 +460,22 @@ fn print_banner(
         println!("  no volumes yet: create one with  ibid volume create vm1 --size 50G");
     }
     for v in &volumes {
+        let lun = luns
+            .lun_of_volume(v.id)
+            .map_or_else(|| "-".to_string(), |l| l.to_string());
         println!(
             "  volume {:<20} {:>10}  iSCSI LUN {:<4}  e.g.  nbdinfo nbd://{nbd}/{}",
             v.name,
             format_size(v.size_bytes),
-            v.id - 1,
+            lun,
             v.name
+        );
+    }
+    for m in luns.list().iter().filter(|m| m.snapshot.is_some()) {
+        println!(
+            "  snapshot {:<18} read-only   iSCSI LUN {}",
+            m.name(),
+            m.lun
         );
     }
     if let Some(v) = volumes.first() {

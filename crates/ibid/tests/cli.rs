@@ -894,7 +894,8 @@ fn volumes_with_connected_clients_are_not_deleted_without_force() {
     ok(&srv, &["volume", "delete", "vm2"]);
     drop(held);
     // An iSCSI session (qemu-io through libiscsi) that has opened vm3's LUN.
-    let _held = Held::start("qemu-io", &["-f", "raw", &srv.iscsi_url(2)]);
+    let lun = u64_of(&json(&srv, &["volume", "describe", "vm3"]), "lun");
+    let _held = Held::start("qemu-io", &["-f", "raw", &srv.iscsi_url(lun)]);
     let d = wait_for_clients(&srv, "vm3", 1);
     let client = &d["clients"][0];
     assert_eq!(client["protocol"], "iscsi", "{d}");
@@ -1449,7 +1450,7 @@ fn qos_limits_a_volume_across_connections_and_protocols_and_survive_a_restart() 
 /// Writes `count` 4 KiB blocks, one at a time, to `volume` over iSCSI (qemu-io, one login);
 /// returns how long that took.
 fn iscsi_writes(srv: &Server, volume: &str, count: u64) -> std::time::Duration {
-    let lun = u64_of(&json(srv, &["volume", "describe", volume]), "id") - 1;
+    let lun = u64_of(&json(srv, &["volume", "describe", volume]), "lun");
     let mut args: Vec<String> = vec!["-f".into(), "raw".into()];
     for i in 0..count {
         args.extend(["-c".to_string(), format!("write -P 7 {}k 4k", i * 4)]);

@@ -1,12 +1,13 @@
 //! End to end over iSCSI: `ibid serve` on a real pool, driven by libiscsi's conformance suite
-//! (the VAAI suites and the I/O basics), qemu-img through `iscsi://`, and a libiscsi program
-//! issuing EXTENDED COPY — whose copies must add no space to the pool. The full suite runs
-//! against the target with in-memory LUNs in `ibid-iscsi`'s own tests; here it proves the
-//! engine behind the target.
+//! (the VAAI suites and the I/O basics, the reservation suites across a restart, the ReadOnly
+//! suite on an exported snapshot), qemu-img through `iscsi://`, and a libiscsi program issuing
+//! EXTENDED COPY — whose copies must add no space to the pool — and persistent reservations
+//! with APTPL. The full suite runs against the target with in-memory LUNs in `ibid-iscsi`'s own
+//! tests; here it proves the engine and the server's LUN table behind the target.
 
 mod common;
 
-use common::{make_image, require, run, Server, IQN};
+use common::{api_call, make_image, require, run, Server, IQN};
 use ibid_engine::{Pool, PoolConfig};
 use std::process::Command;
 
@@ -27,6 +28,17 @@ const SUITES: &[&str] = &[
 /// Tests that fail because the test is wrong for a 512e LUN (see docs/ISCSI.md).
 const KNOWN_TEST_DEFECTS: &[&str] = &["UnmapSingle"];
 
+/// The reservation suites (libiscsi's Prin*/Prout*), run with two initiator names.
+const RESERVATION_SUITES: &[&str] = &[
+    "SCSI.PrinReadKeys",
+    "SCSI.PrinServiceactionRange",
+    "SCSI.PrinReportCapabilities",
+    "SCSI.ProutRegister",
+    "SCSI.ProutReserve",
+    "SCSI.ProutClear",
+    "SCSI.ProutPreempt",
+];
+
 #[test]
 fn libiscsi_vaai_suites_pass_on_the_engine() {
     require("iscsi-test-cu");
@@ -38,8 +50,19 @@ fn libiscsi_vaai_suites_pass_on_the_engine() {
         "lun1=64M",
         "--no-default-volume",
     ]);
+    let failures = run_suites(&srv.iscsi_url(0), SUITES);
+    assert!(
+        failures.is_empty(),
+        "iscsi-test-cu failures on the engine: {failures:#?}"
+    );
+}
+
+/// Runs each of `suites` (one process each, under `timeout`) against `url` with two initiator
+/// names; returns the failures (known test defects aside). Every suite must run a test, and
+/// none may run only skipped tests.
+fn run_suites(url: &str, suites: &[&str]) -> Vec<String> {
     let mut failures = Vec::new();
-    for suite in SUITES {
+    for suite in suites {
         let out = Command::new("timeout")
             .args(["180", "iscsi-test-cu", "-d", "-v", "-t", suite])
             .args([
@@ -48,7 +71,7 @@ fn libiscsi_vaai_suites_pass_on_the_engine() {
                 "-I",
                 "iqn.2026-11.org.ibid:test-b",
             ])
-            .arg(srv.iscsi_url(0))
+            .arg(url)
             .output()
             .expect("run iscsi-test-cu");
         let text = String::from_utf8_lossy(&out.stdout).to_string()
@@ -73,6 +96,16 @@ fn libiscsi_vaai_suites_pass_on_the_engine() {
             ran > 0 || text.contains("Test:"),
             "{suite} ran no test:\n{text}"
         );
+        let passed_asserts = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("asserts"))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+        assert!(
+            passed_asserts > 0,
+            "{suite} checked nothing (all skipped?):\n{text}"
+        );
         if !failed.is_empty() || out.status.code() == Some(124) {
             failures.push(format!(
                 "{suite}: {failed:?} (exit {:?})",
@@ -80,10 +113,297 @@ fn libiscsi_vaai_suites_pass_on_the_engine() {
             ));
         }
     }
+    failures
+}
+
+/// Builds the libiscsi test program `ibid_initiator.c`; returns its path.
+fn initiator_program() -> std::path::PathBuf {
+    require("cc");
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../ibid-iscsi/tests/c/ibid_initiator.c");
+    let bin = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("ibid_initiator_e2e");
+    static BUILT: std::sync::Once = std::sync::Once::new();
+    BUILT.call_once(|| {
+        let tmp = bin.with_extension("tmp");
+        let st = Command::new("cc")
+            .args(["-O1", "-o"])
+            .arg(&tmp)
+            .arg(&src)
+            .arg("-liscsi")
+            .status()
+            .expect("cc");
+        assert!(
+            st.success(),
+            "building {src:?} failed: is libiscsi-dev installed?"
+        );
+        std::fs::rename(&tmp, &bin).expect("install the test program");
+    });
+    bin
+}
+
+/// Runs `ibid_initiator MODE PORTAL IQN ARGS...`, which must succeed.
+fn initiator(srv: &Server, mode: &str, args: &[&str]) {
+    let out = Command::new(initiator_program())
+        .args([mode, srv.iscsi.as_deref().expect("iscsi"), IQN])
+        .args(args)
+        .output()
+        .expect("run ibid_initiator");
     assert!(
-        failures.is_empty(),
-        "iscsi-test-cu failures on the engine: {failures:#?}"
+        out.status.success(),
+        "ibid_initiator {mode} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The LUN numbers `iscsi-ls` lists, in its order (REPORT LUNS).
+fn listed_luns(srv: &Server) -> Vec<u64> {
+    let out = run(
+        "iscsi-ls",
+        &[
+            "-s",
+            &format!("iscsi://{}", srv.iscsi.as_deref().expect("iscsi")),
+        ],
+    );
+    out.lines()
+        .filter_map(|l| l.trim().strip_prefix("Lun:"))
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// LUNs are configuration: a volume created with a LUN gets it, others the lowest free one;
+/// REPORT LUNS lists them in order; a volume can be moved, and a session using another LUN
+/// gets REPORTED LUNS DATA HAS CHANGED; a pool from before the LUN table keeps its old
+/// numbers (id − 1); everything survives a restart.
+#[test]
+fn lun_numbers_are_configuration_and_survive_restarts() {
+    require("iscsi-ls");
+    let srv = Server::start(&[
+        "--volume",
+        "a=16M",
+        "--volume",
+        "b=16M",
+        "--volume",
+        "c=16M",
+        "--no-default-volume",
+    ]);
+    // A pool that had no table: today's numbers (volume id - 1) are kept.
+    assert_eq!(listed_luns(&srv), [0, 1, 2]);
+    let (status, v) = api_call(&srv, "DELETE", "/api/v1/volumes/b", None);
+    assert_eq!(status, 204, "{v}");
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes",
+        Some(r#"{"name": "d", "size": "16M", "lun": 9}"#),
+    );
+    assert_eq!((status, v["lun"].as_u64()), (201, Some(9)), "{v}");
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes",
+        Some(r#"{"name": "e", "size": "16M"}"#),
+    );
+    assert_eq!(
+        (status, v["lun"].as_u64()),
+        (201, Some(1)),
+        "lowest free: {v}"
+    );
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes",
+        Some(r#"{"name": "f", "size": "16M", "lun": 9}"#),
+    );
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (409, Some("lun_in_use")),
+        "{v}"
+    );
+    let (status, _) = api_call(&srv, "GET", "/api/v1/volumes/f", None);
+    assert_eq!(status, 404, "a refused create leaves no volume behind");
+    let (status, v) = api_call(&srv, "PATCH", "/api/v1/volumes/a", Some(r#"{"lun": 4}"#));
+    assert_eq!((status, v["lun"].as_u64()), (200, Some(4)), "{v}");
+    assert_eq!(listed_luns(&srv), [1, 2, 4, 9]);
+    // The LUN reaches the volume it names: write through LUN 4, read it through NBD as "a".
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x4a 0 64k", &srv.iscsi_url(4)],
+    );
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0x4a 0 64k", &srv.url("a")],
+    );
+    // A session using LUN 1 is told when another volume moves: REPORTED LUNS DATA HAS
+    // CHANGED at its next command.
+    let mut waiter = Command::new(initiator_program())
+        .args(["ua-wait", srv.iscsi.as_deref().expect("iscsi"), IQN, "1"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ibid_initiator ua-wait");
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(waiter.stdout.as_mut().expect("stdout")),
+        &mut ready,
+    )
+    .expect("read");
+    assert_eq!(ready.trim(), "ready");
+    let (status, v) = api_call(&srv, "PATCH", "/api/v1/volumes/d", Some(r#"{"lun": 12}"#));
+    assert_eq!((status, v["lun"].as_u64()), (200, Some(12)), "{v}");
+    std::io::Write::write_all(waiter.stdin.as_mut().expect("stdin"), b"go\n").expect("write");
+    let out = waiter.wait_with_output().expect("ua-wait");
+    assert!(
+        out.status.success(),
+        "no REPORTED LUNS DATA HAS CHANGED after a move: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = srv.stop();
+    let srv = Server::start_in(dir, &["--no-default-volume"]);
+    assert_eq!(listed_luns(&srv), [1, 2, 4, 12]);
+    let (_, v) = api_call(&srv, "GET", "/api/v1/volumes/e", None);
+    assert_eq!(v["lun"].as_u64(), Some(1), "{v}");
+}
+
+/// A snapshot exported as a LUN is read-only: it reads the data of the moment it was taken,
+/// writes fail (DATA PROTECT), and libiscsi's ReadOnly suite passes on it; unexporting it is
+/// refused while a session uses it, unless forced; unexported, the LUN is gone.
+#[test]
+fn snapshot_exported_read_only() {
+    require("iscsi-test-cu");
+    let srv = Server::start(&["--volume", "vm=16M", "--no-default-volume"]);
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x11 0 1M", &srv.iscsi_url(0)],
+    );
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm/snapshots",
+        Some(r#"{"name": "golden"}"#),
+    );
+    assert_eq!((status, &v["lun"]), (201, &serde_json::Value::Null), "{v}");
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm/snapshots/golden/export",
+        Some(r#"{"lun": 7}"#),
+    );
+    assert_eq!((status, v["lun"].as_u64()), (200, Some(7)), "{v}");
+    // Exported at creation: at the LUN asked for; a taken LUN leaves no snapshot behind.
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm/snapshots",
+        Some(r#"{"name": "taken", "lun": 7}"#),
+    );
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (409, Some("lun_in_use")),
+        "{v}"
+    );
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm/snapshots",
+        Some(r#"{"name": "second", "export": true}"#),
+    );
+    assert_eq!((status, v["lun"].as_u64()), (201, Some(1)), "{v}");
+    let (_, list) = api_call(&srv, "GET", "/api/v1/volumes/vm/snapshots", None);
+    let names: Vec<&str> = list
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|s| s["name"].as_str())
+        .collect();
+    assert!(!names.contains(&"taken"), "{list}");
+    let (status, _) = api_call(&srv, "DELETE", "/api/v1/volumes/vm/snapshots/second", None);
+    assert_eq!(status, 204);
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x22 0 1M", &srv.iscsi_url(0)],
+    );
+    run(
+        "qemu-io",
+        &[
+            "-r",
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0x11 0 1M",
+            &srv.iscsi_url(7),
+        ],
+    );
+    // qemu reads the write-protect bit of MODE SENSE and refuses to open the LUN for writing;
+    // the ReadOnly suite checks that every write command gets DATA PROTECT.
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x33 0 4k", &srv.iscsi_url(7)])
+        .output()
+        .expect("qemu-io");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && text.contains("write protected"),
+        "a read-write open of the snapshot LUN: {text}"
+    );
+    let failures = run_suites(&srv.iscsi_url(7), &["SCSI.ReadOnly"]);
+    assert!(failures.is_empty(), "{failures:#?}");
+    run(
+        "qemu-io",
+        &[
+            "-r",
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0x11 0 1M",
+            &srv.iscsi_url(7),
+        ],
+    );
+    // While a session uses the snapshot's LUN, unexporting it is refused unless forced.
+    let mut held = Command::new("qemu-io")
+        .args(["-r", "-f", "raw", &srv.iscsi_url(7)])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu-io");
+    let mut in_use = false;
+    for _ in 0..100 {
+        let (_, v) = api_call(&srv, "GET", "/api/v1/volumes/vm", None);
+        if v["clients"].as_array().is_some_and(|c| !c.is_empty()) {
+            assert_eq!(v["clients"][0]["export"], "vm@golden", "{v}");
+            in_use = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(in_use, "the qemu-io session was never listed");
+    let path = "/api/v1/volumes/vm/snapshots/golden/export";
+    let (status, v) = api_call(&srv, "DELETE", path, None);
+    assert_eq!((status, v["code"].as_str()), (409, Some("in_use")), "{v}");
+    let (status, v) = api_call(&srv, "DELETE", &format!("{path}?force=true"), None);
+    assert_eq!(status, 204, "{v}");
+    assert_eq!(listed_luns(&srv), [0]);
+    let _ = held.kill();
+    let _ = held.wait();
+}
+
+/// Persistent reservations: libiscsi's reservation suites pass with two initiators; a
+/// registration and a Write Exclusive reservation made with APTPL survive a restart of the
+/// target (another initiator still conflicts, then preempts); the suites pass again after it.
+#[test]
+fn persistent_reservations_survive_a_restart() {
+    require("iscsi-test-cu");
+    let srv = Server::start(&["--volume", "shared=16M", "--no-default-volume"]);
+    let failures = run_suites(&srv.iscsi_url(0), RESERVATION_SUITES);
+    assert!(failures.is_empty(), "before the restart: {failures:#?}");
+    initiator(&srv, "pr-set", &["0"]);
+    let dir = srv.stop();
+    let saved = std::fs::read_to_string(dir.path().join("pool/reservations.json"))
+        .expect("reservations.json");
+    assert!(saved.contains("pr-a"), "{saved}");
+    let srv = Server::start_in(dir, &["--no-default-volume"]);
+    initiator(&srv, "pr-check", &["0"]);
+    let failures = run_suites(&srv.iscsi_url(0), RESERVATION_SUITES);
+    assert!(failures.is_empty(), "after the restart: {failures:#?}");
 }
 
 /// qemu-img writes an image through iSCSI; NBD reads the same bytes back.
@@ -140,21 +460,7 @@ fn qemu_img_through_iscsi_and_the_same_data_through_nbd() {
 /// by the program, and the pool holds no more distinct chunks than the source data.
 #[test]
 fn xcopy_through_libiscsi_adds_no_space() {
-    require("cc");
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../ibid-iscsi/tests/c/ibid_initiator.c");
-    let bin = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("ibid_initiator_e2e");
-    let st = Command::new("cc")
-        .args(["-O1", "-o"])
-        .arg(&bin)
-        .arg(&src)
-        .arg("-liscsi")
-        .status()
-        .expect("cc");
-    assert!(
-        st.success(),
-        "building {src:?} failed: is libiscsi-dev installed?"
-    );
+    let bin = initiator_program();
     let srv = Server::start(&[
         "--volume",
         "a=64M",
@@ -193,6 +499,73 @@ fn xcopy_through_libiscsi_adds_no_space() {
         s.unique_chunks > 0 && s.unique_chunks <= 256,
         "unique chunks {}",
         s.unique_chunks
+    );
+    pool.verify().expect("verify");
+    pool.close().expect("close");
+}
+
+/// What an ESXi host does to a datastore LUN (`esxi_datastore.c`, libiscsi): eager-zeroing
+/// 16 GiB with WRITE SAME in 1 MiB commands, 8 in flight, then cloning 64 MiB of distinct data
+/// with EXTENDED COPY in 4 MiB segments, 8 in flight, within the LUN and to another LUN, while
+/// four other initiators beat with COMPARE AND WRITE on their own sectors and on one shared
+/// lock sector. The program checks the data, that no lock update was lost and that no command
+/// took over 1 s; the pool then holds the data once: zeroing and copies added no space.
+#[test]
+fn esxi_datastore_workload() {
+    require("cc");
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../ibid-iscsi/tests/c/esxi_datastore.c");
+    let bin = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("esxi_datastore");
+    let st = Command::new("cc")
+        .args(["-O1", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .args(["-liscsi", "-lpthread"])
+        .status()
+        .expect("cc");
+    assert!(st.success(), "building {src:?} failed");
+    let srv = Server::start(&[
+        "--volume",
+        "datastore=16G",
+        "--volume",
+        "other=256M",
+        "--no-default-volume",
+    ]);
+    let out = Command::new(&bin)
+        .args([srv.iscsi.as_deref().expect("iscsi"), IQN, "0", "1"])
+        .args(["16384", "64", "4"])
+        .output()
+        .expect("run esxi_datastore");
+    let figures = String::from_utf8_lossy(&out.stdout).to_string();
+    eprintln!("{figures}");
+    assert!(
+        out.status.success(),
+        "esxi_datastore failed: {figures}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = srv.stop();
+    let pool = Pool::open(
+        dir.path().join("pool"),
+        PoolConfig {
+            background: false,
+            ..PoolConfig::default()
+        },
+    )
+    .expect("open");
+    let s = pool.stats();
+    let data = 64u64 << 20;
+    // Three logical copies of the data, plus the heartbeat and lock sectors' 4 KiB blocks.
+    assert!(
+        s.logical_written_bytes >= 3 * data && s.logical_written_bytes <= 3 * data + (64 << 10),
+        "logical written {}",
+        s.logical_written_bytes
+    );
+    // Stored once: the copies share it, the zeroing stored nothing.
+    assert!(
+        s.unique_chunks <= data / 4096 + 16,
+        "unique chunks {} for {} blocks of data",
+        s.unique_chunks,
+        data / 4096
     );
     pool.verify().expect("verify");
     pool.close().expect("close");

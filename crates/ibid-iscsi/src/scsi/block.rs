@@ -68,10 +68,14 @@ fn read(ctx: &Ctx, rw: Rw) -> Result<Response, Sense> {
         return Err(Sense::invalid_cdb(0));
     }
     range(ctx, rw.lba, rw.blocks as u64)?;
-    let mut buf = vec![0u8; rw.blocks as usize * BLOCK_SIZE as usize];
-    ctx.dev
-        .read(rw.lba * BLOCK_SIZE, &mut buf)
-        .map_err(|e| lun_error_sense(&e))?;
+    let mut buf = ctx
+        .target
+        .buffers
+        .take(rw.blocks as usize * BLOCK_SIZE as usize);
+    if let Err(e) = ctx.dev.read(rw.lba * BLOCK_SIZE, &mut buf) {
+        // Partly overwritten: never reused (its old content must not reach another reader).
+        return Err(lun_error_sense(&e));
+    }
     Ok(Response::good(buf))
 }
 

@@ -346,11 +346,12 @@ pub fn report_luns(target: &Target, select: u8, alloc: u32) -> Response {
         return Sense::invalid_cdb(6).into();
     }
     // 01h: well-known LUs; 10h/12h: administrative/subsidiary LUs: none here.
-    let luns = if matches!(select, 0x01 | 0x10 | 0x12) {
+    let mut luns = if matches!(select, 0x01 | 0x10 | 0x12) {
         Vec::new()
     } else {
         target.luns.list()
     };
+    luns.sort_by_key(|l| l.lun);
     let mut d = vec![0u8; 8];
     d[0..4].copy_from_slice(&((luns.len() * 8) as u32).to_be_bytes());
     for l in luns {

@@ -8,6 +8,7 @@ pub mod block;
 pub mod cdb;
 pub mod info;
 pub mod pr;
+pub mod pr_store;
 pub mod xcopy;
 
 use crate::backend::{Lun, LunError, Luns};
@@ -119,6 +120,10 @@ pub fn alloc_trunc(mut v: Vec<u8>, alloc: u32) -> Vec<u8> {
 /// Per-LUN state shared by all sessions.
 #[derive(Default)]
 pub struct LunState {
+    /// Identity ([`Lun::id`]) of the device this state belongs to: if the LUN number comes
+    /// to address another device, its reservations and copy results are dropped (and the
+    /// new device's saved reservations loaded); pending unit attentions and known ports stay.
+    pub identity: Option<[u8; 16]>,
     /// SPC-2 RESERVE holder (initiator port).
     pub reserved_by: Option<String>,
     /// Persistent reservations.
@@ -153,12 +158,46 @@ impl LunState {
     }
 }
 
+/// The LUN handles one connection has opened, reused while [`Luns::generation`] stays the
+/// same (no LUN added, removed or renumbered): a command then costs no [`Luns::open`].
+#[derive(Default)]
+pub struct LunCache {
+    open: Mutex<HashMap<u64, CachedLun>>,
+}
+
+/// A LUN handle and the inventory generation it was opened at.
+type CachedLun = (u64, Arc<dyn Lun>);
+
+impl LunCache {
+    /// LUN `lun`'s handle: the cached one if the LUN inventory has not changed since it was
+    /// opened, else a fresh one.
+    pub fn get(&self, luns: &dyn Luns, lun: u64) -> Option<Arc<dyn Lun>> {
+        let generation = luns.generation();
+        if let Some((g, dev)) = self.open.lock().get(&lun) {
+            if *g == generation {
+                return Some(dev.clone());
+            }
+        }
+        let dev = luns.open(lun);
+        let mut open = self.open.lock();
+        match &dev {
+            Some(d) => open.insert(lun, (generation, d.clone())),
+            None => open.remove(&lun),
+        };
+        dev
+    }
+}
+
 /// The SCSI side of the target: LUNs plus the shared per-LUN state.
 pub struct Target {
     /// The backend.
     pub luns: Arc<dyn Luns>,
     /// Configuration (names for INQUIRY).
     pub cfg: TargetConfig,
+    /// Where reservations with APTPL are kept.
+    pub pr_store: pr_store::PrStore,
+    /// Read buffers, reused once their data is sent.
+    pub(crate) buffers: crate::buffers::Buffers,
     state: Mutex<HashMap<u64, LunState>>,
 }
 
@@ -188,13 +227,32 @@ impl Ctx<'_> {
 }
 
 impl Target {
-    /// A target over `luns`.
+    /// A target over `luns` that keeps no state on disk (APTPL is refused), whatever
+    /// `cfg.state_dir` says.
     pub fn new(luns: Arc<dyn Luns>, cfg: TargetConfig) -> Self {
         Target {
             luns,
             cfg,
+            pr_store: pr_store::PrStore::none(),
+            buffers: Default::default(),
             state: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// A target over `luns` keeping persistent reservations in `cfg.state_dir` (if set),
+    /// with what is saved there read back.
+    pub fn open(luns: Arc<dyn Luns>, cfg: TargetConfig) -> std::io::Result<Self> {
+        let pr_store = match &cfg.state_dir {
+            Some(dir) => pr_store::PrStore::open(dir)?,
+            None => pr_store::PrStore::none(),
+        };
+        Ok(Target {
+            luns,
+            cfg,
+            pr_store,
+            buffers: Default::default(),
+            state: Mutex::new(HashMap::new()),
+        })
     }
 
     /// Run `f` with LUN `lun`'s state locked.
@@ -204,6 +262,18 @@ impl Target {
 
     /// Execute one command.
     pub fn execute(&self, nexus: &Nexus, lun: u64, cdb_bytes: &[u8], data: &[u8]) -> Response {
+        self.execute_cached(nexus, lun, cdb_bytes, data, &LunCache::default())
+    }
+
+    /// Execute one command, taking the LUN's handle from `cache` (one per connection).
+    pub fn execute_cached(
+        &self,
+        nexus: &Nexus,
+        lun: u64,
+        cdb_bytes: &[u8],
+        data: &[u8],
+        cache: &LunCache,
+    ) -> Response {
         let op = match cdb::parse(cdb_bytes) {
             Ok(op) => op,
             Err(s) => return s.into(),
@@ -211,7 +281,7 @@ impl Target {
         if let Some(r) = self.lun_independent(nexus, lun, &op) {
             return r;
         }
-        let Some(dev) = self.luns.open(lun) else {
+        let Some(dev) = cache.get(self.luns.as_ref(), lun) else {
             return Sense::lun_not_supported().into();
         };
         let ctx = Ctx {
@@ -221,11 +291,8 @@ impl Target {
             dev,
             data,
         };
-        if let Some(r) = self.pending_unit_attention(&ctx, &op) {
+        if let Some(r) = self.admit(&ctx, &op) {
             return r;
-        }
-        if self.conflicts(&ctx, &op) {
-            return Response::conflict();
         }
         dispatch(&ctx, op)
     }
@@ -241,45 +308,54 @@ impl Target {
         }
     }
 
-    fn pending_unit_attention(&self, ctx: &Ctx, op: &Op) -> Option<Response> {
-        if matches!(
+    /// What a command meets in its LUN's state before it runs, under one lock: the state
+    /// bound to its device (see [`LunState::identity`]), then a pending unit attention
+    /// (INQUIRY, REPORT LUNS and REQUEST SENSE pass them), then a reservation conflict.
+    fn admit(&self, ctx: &Ctx, op: &Op) -> Option<Response> {
+        let check_ua = !matches!(
             op,
             Op::Inquiry { .. } | Op::ReportLuns { .. } | Op::RequestSense { .. }
-        ) {
-            return None;
-        }
-        let warn = self.luns.space_warning();
+        );
+        let warn = check_ua && self.luns.space_warning();
         let now = (self.luns.generation(), ctx.dev.size());
+        let id = ctx.dev.id();
         let port = &ctx.nexus.port;
-        ctx.with_state(|st| {
-            if let Some(s) = inventory_change(st.ports.insert(port.clone(), now), now) {
-                return Some(s.into());
-            }
-            if warn && st.space_told.insert(port.clone()) {
-                return Some(Sense::soft_threshold().into());
-            }
-            if !warn {
-                st.space_told.remove(port);
-            }
-            st.ua
-                .get_mut(port)
-                .and_then(|q| q.pop_front())
-                .map(Response::check)
-        })
-    }
-
-    fn conflicts(&self, ctx: &Ctx, op: &Op) -> bool {
         let class = access_class(op);
         ctx.with_state(|st| {
-            if let Some(holder) = &st.reserved_by {
-                if holder != &ctx.nexus.port
-                    && class != Access::Always
-                    && !matches!(op, Op::Release)
-                {
-                    return true;
+            if st.identity != Some(id) {
+                st.identity = Some(id);
+                st.reserved_by = None;
+                st.copies.clear();
+                st.pr = self.pr_store.load(&id).unwrap_or_default();
+            }
+            if check_ua {
+                let before = match st.ports.get_mut(port) {
+                    Some(seen) => Some(std::mem::replace(seen, now)),
+                    None => {
+                        st.ports.insert(port.clone(), now);
+                        None
+                    }
+                };
+                if let Some(s) = inventory_change(before, now) {
+                    return Some(s.into());
+                }
+                if warn && !st.space_told.contains(port) {
+                    st.space_told.insert(port.clone());
+                    return Some(Sense::soft_threshold().into());
+                }
+                if !warn && !st.space_told.is_empty() {
+                    st.space_told.remove(port);
+                }
+                if let Some(s) = st.ua.get_mut(port).and_then(|q| q.pop_front()) {
+                    return Some(Response::check(s));
                 }
             }
-            st.pr.conflicts(&ctx.nexus.port, class)
+            if let Some(holder) = &st.reserved_by {
+                if holder != port && class != Access::Always && !matches!(op, Op::Release) {
+                    return Some(Response::conflict());
+                }
+            }
+            st.pr.conflicts(port, class).then(Response::conflict)
         })
     }
 

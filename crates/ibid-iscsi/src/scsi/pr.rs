@@ -1,7 +1,9 @@
 //! Reservations: SPC-2 RESERVE/RELEASE and SPC-4 persistent reservations
 //! (PERSISTENT RESERVE IN/OUT). Registrations are held in memory per LUN and
-//! keyed by initiator port; persistence across power loss (APTPL) is not
-//! offered and is reported so (PTPL_C = 0).
+//! keyed by initiator port; when the last REGISTER set APTPL, the LUN's state is
+//! also written to the target's [`super::pr_store::PrStore`] before the command
+//! completes, and comes back after a restart (PTPL_C is reported when the target
+//! has a state directory to keep it in).
 
 use super::{alloc_trunc, param_list, Access, Ctx, Response};
 use crate::sense::{Sense, KEY_ILLEGAL_REQUEST};
@@ -39,6 +41,8 @@ pub struct PrState {
     pub registrations: Vec<(String, u64)>,
     /// The reservation, if any.
     pub reservation: Option<Reservation>,
+    /// Activate Persist Through Power Loss: set by the last REGISTER's APTPL bit.
+    pub aptpl: bool,
 }
 
 fn all_registrants(ty: u8) -> bool {
@@ -125,7 +129,10 @@ pub fn pr_in(ctx: &Ctx, sa: u8, alloc: u32) -> Response {
     let d = ctx.with_state(|st| match sa {
         0 => Ok(read_keys(&st.pr)),
         1 => Ok(read_reservation(&st.pr)),
-        2 => Ok(report_capabilities()),
+        2 => Ok(report_capabilities(
+            ctx.target.pr_store.durable(),
+            st.pr.aptpl,
+        )),
         3 => Ok(read_full_status(&st.pr)),
         _ => Err(Sense::invalid_cdb(1)),
     });
@@ -165,9 +172,19 @@ fn read_reservation(pr: &PrState) -> Vec<u8> {
     with_len_header(pr.generation, body)
 }
 
-fn report_capabilities() -> Vec<u8> {
+/// REPORT CAPABILITIES: PTPL_C if APTPL can be honoured, PTPL_A if it is active.
+fn report_capabilities(ptpl_capable: bool, ptpl_active: bool) -> Vec<u8> {
     // Length 8; TMV with the type mask: WR_EX_AR, EX_AC_RO, WR_EX_RO, EX_AC, WR_EX | EX_AC_AR.
-    vec![0, 8, 0, 0x80, 0x80 | 0x40 | 0x20 | 0x08 | 0x02, 0x01, 0, 0]
+    vec![
+        0,
+        8,
+        u8::from(ptpl_capable),
+        0x80 | u8::from(ptpl_active),
+        0x80 | 0x40 | 0x20 | 0x08 | 0x02,
+        0x01,
+        0,
+        0,
+    ]
 }
 
 /// iSCSI TransportID, initiator port format (SPC-4 7.6.4.6).
@@ -245,24 +262,40 @@ pub fn pr_out(ctx: &Ctx, sa: u8, scope: u8, ty: u8, len: u32) -> Response {
         Ok(p) => p,
         Err(s) => return s.into(),
     };
-    if params.aptpl {
+    let store = &ctx.target.pr_store;
+    if params.aptpl && matches!(sa, 0 | 6) && !store.durable() {
         return Sense::invalid_param(20).into();
     }
     let port = ctx.nexus.port.clone();
-    let all_ports: Vec<String> =
-        ctx.with_state(|st| st.pr.registrations.iter().map(|(p, _)| p.clone()).collect());
+    let id = ctx.dev.id();
     let r = ctx.with_state(|st| {
+        let all_ports: Vec<String> = st.pr.registrations.iter().map(|(p, _)| p.clone()).collect();
+        let mut pr = st.pr.clone();
         let out = match sa {
-            0 | 6 => register(&mut st.pr, &port, &params, sa == 6),
-            1 => reserve_pr(&mut st.pr, &port, &params, scope, ty),
-            2 => release_pr(&mut st.pr, &port, &params, scope, ty),
-            3 => clear(&mut st.pr, &port, &params),
-            _ => preempt(&mut st.pr, &port, &params, scope, ty),
+            0 | 6 => register(&mut pr, &port, &params, sa == 6),
+            1 => reserve_pr(&mut pr, &port, &params, scope, ty),
+            2 => release_pr(&mut pr, &port, &params, scope, ty),
+            3 => clear(&mut pr, &port, &params),
+            _ => preempt(&mut pr, &port, &params, scope, ty),
         };
-        if let Ok(Some(ua)) = &out {
-            st.ua_all_but(&all_ports, &port, *ua);
+        let ua = out?;
+        if matches!(sa, 0 | 6) {
+            pr.aptpl = params.aptpl;
         }
-        out
+        // Durable before the command completes; if it cannot be, nothing changes.
+        if let Err(e) = store.save(&id, &pr) {
+            tracing::error!("saving persistent reservations: {e}");
+            return Err(Some(Sense::new(
+                crate::sense::KEY_HARDWARE_ERROR,
+                0x44,
+                0x00,
+            )));
+        }
+        st.pr = pr;
+        if let Some(ua) = ua {
+            st.ua_all_but(&all_ports, &port, ua);
+        }
+        Ok(ua)
     });
     match r {
         Ok(_) => Response::good(Vec::new()),

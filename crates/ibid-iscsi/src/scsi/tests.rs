@@ -223,3 +223,52 @@ fn mode_select_only_restates_current_values() {
         Some(0x26)
     );
 }
+
+/// A connection's cached LUN handle is reused while the inventory stays the same and dropped
+/// when it changes: after LUN 0 comes to address another device, the same cache reaches it.
+#[test]
+fn lun_cache_follows_inventory_changes() {
+    use crate::backend::LunInfo;
+    use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    struct Renumbered {
+        generation: AtomicU64,
+        opens: AtomicU64,
+        devs: [Arc<dyn Lun>; 2],
+    }
+    impl Luns for Renumbered {
+        fn list(&self) -> Vec<LunInfo> {
+            Vec::new()
+        }
+        fn open(&self, lun: u64) -> Option<Arc<dyn Lun>> {
+            self.opens.fetch_add(1, SeqCst);
+            (lun == 0).then(|| self.devs[(self.generation.load(SeqCst) % 2) as usize].clone())
+        }
+        fn copy_range(&self, _: u64, _: u64, _: u64, _: u64, _: u64) -> Result<(), LunError> {
+            Err(LunError::OutOfRange)
+        }
+        fn generation(&self) -> u64 {
+            self.generation.load(SeqCst)
+        }
+    }
+    let mut mem = MemLuns::new(1 << 30, 80);
+    let a: Arc<dyn Lun> = mem.add(0, 1 << 20, false);
+    let b: Arc<dyn Lun> = mem.add(1, 2 << 20, false);
+    assert_ne!(a.id(), b.id());
+    let luns = Renumbered {
+        generation: AtomicU64::new(0),
+        opens: AtomicU64::new(0),
+        devs: [a.clone(), b.clone()],
+    };
+    let cache = LunCache::default();
+    for _ in 0..3 {
+        assert_eq!(cache.get(&luns, 0).map(|d| d.id()), Some(a.id()));
+    }
+    assert_eq!(
+        luns.opens.load(SeqCst),
+        1,
+        "opened once while nothing changed"
+    );
+    luns.generation.store(1, SeqCst);
+    assert_eq!(cache.get(&luns, 0).map(|d| d.id()), Some(b.id()));
+    assert!(cache.get(&luns, 5).is_none());
+}

@@ -9,6 +9,17 @@
  *       Log in with CRC32C header digests, write and read back.
  *   ibid_initiator chap   PORTAL IQN USER PASS [TUSER TPASS]
  *       Log in with (mutual) CHAP, then TEST UNIT READY.
+ *   ibid_initiator pr-set   PORTAL IQN LUN
+ *       As initiator pr-a: REGISTER key 0xa1 with APTPL, RESERVE Write Exclusive;
+ *       checks REPORT CAPABILITIES (PTPL_C, PTPL_A) and READ KEYS.
+ *   ibid_initiator pr-check PORTAL IQN LUN
+ *       As initiator pr-b (a new session, after a target restart): key 0xa1 is still
+ *       registered and holds Write Exclusive, so pr-b's WRITE conflicts and its READ does
+ *       not; then pr-b registers, preempts 0xa1, writes, and clears everything.
+ *   ibid_initiator ua-wait  PORTAL IQN LUN
+ *       Log in, TEST UNIT READY LUN until it is GOOD, print "ready", wait for a line on
+ *       stdin (the test changes the LUN inventory meanwhile), then TEST UNIT READY again:
+ *       it must be UNIT ATTENTION / REPORTED LUNS DATA HAS CHANGED (3Fh/0Eh).
  * Exit status 0 on success; messages on stderr.
  */
 #include <inttypes.h>
@@ -204,12 +215,135 @@ static int cmd_chap(const char *portal, const char *iqn, const char *user, const
     return 0;
 }
 
+#define PR_KEY_A 0xa1
+#define PR_KEY_B 0xb2
+
+static struct scsi_task *prout(struct iscsi_context *c, int lun, int sa, int type,
+                               uint64_t key, uint64_t sa_key, int aptpl) {
+    struct scsi_persistent_reserve_out_basic p;
+    memset(&p, 0, sizeof p);
+    p.reservation_key = key;
+    p.service_action_reservation_key = sa_key;
+    p.aptpl = aptpl;
+    return iscsi_persistent_reserve_out_sync(c, lun, sa, 0, type, &p);
+}
+
+/* Whether READ KEYS lists `key`; -1 on error. */
+static int has_key(struct iscsi_context *c, int lun, uint64_t key) {
+    struct scsi_task *t = iscsi_persistent_reserve_in_sync(c, lun, SCSI_PERSISTENT_RESERVE_READ_KEYS, 255);
+    if (!ok(t, "read keys")) return -1;
+    struct scsi_persistent_reserve_in_read_keys *k = scsi_datain_unmarshall(t);
+    int found = 0;
+    for (int i = 0; k && i < k->num_keys; i++) found |= k->keys[i] == key;
+    scsi_free_scsi_task(t);
+    return found;
+}
+
+static int cmd_pr_set(const char *portal, const char *iqn, int lun) {
+    struct iscsi_context *c = login(portal, iqn, "iqn.2026-11.org.ibid:pr-a", lun);
+    struct scsi_task *t = prout(c, lun, SCSI_PERSISTENT_RESERVE_REGISTER_AND_IGNORE_EXISTING_KEY, 0, 0, PR_KEY_A, 1);
+    if (!ok(t, "register with APTPL")) return 1;
+    scsi_free_scsi_task(t);
+    t = prout(c, lun, SCSI_PERSISTENT_RESERVE_RESERVE, SCSI_PERSISTENT_RESERVE_TYPE_WRITE_EXCLUSIVE, PR_KEY_A, 0, 0);
+    if (!ok(t, "reserve")) return 1;
+    scsi_free_scsi_task(t);
+    t = iscsi_persistent_reserve_in_sync(c, lun, SCSI_PERSISTENT_RESERVE_REPORT_CAPABILITIES, 8);
+    if (!ok(t, "report capabilities")) return 1;
+    /* SPC-4 6.15.4: PTPL_C is bit 0 of byte 2, PTPL_A bit 0 of byte 3. */
+    unsigned char *caps = t->datain.data;
+    if (t->datain.size < 8 || !(caps[2] & 1) || !(caps[3] & 1)) {
+        fprintf(stderr, "capabilities %02x %02x: want PTPL_C and PTPL_A\n",
+                t->datain.size >= 4 ? caps[2] : 0, t->datain.size >= 4 ? caps[3] : 0);
+        return 1;
+    }
+    scsi_free_scsi_task(t);
+    if (has_key(c, lun, PR_KEY_A) != 1) { fprintf(stderr, "key not registered\n"); return 1; }
+    iscsi_logout_sync(c);
+    iscsi_destroy_context(c);
+    printf("pr-set ok\n");
+    return 0;
+}
+
+static int cmd_pr_check(const char *portal, const char *iqn, int lun) {
+    struct iscsi_context *c = login(portal, iqn, "iqn.2026-11.org.ibid:pr-b", lun);
+    unsigned char buf[BS];
+    memset(buf, 0x3c, sizeof buf);
+    /* The restart's unit attention (if any) is consumed by the first command. */
+    struct scsi_task *t = iscsi_testunitready_sync(c, lun);
+    if (t) scsi_free_scsi_task(t);
+    if (has_key(c, lun, PR_KEY_A) != 1) { fprintf(stderr, "key 0xa1 lost across the restart\n"); return 1; }
+    t = iscsi_persistent_reserve_in_sync(c, lun, SCSI_PERSISTENT_RESERVE_READ_RESERVATION, 255);
+    if (!ok(t, "read reservation")) return 1;
+    struct scsi_persistent_reserve_in_read_reservation *r = scsi_datain_unmarshall(t);
+    if (!r || !r->reserved || r->reservation_key != PR_KEY_A || r->pr_type != SCSI_PERSISTENT_RESERVE_TYPE_WRITE_EXCLUSIVE) {
+        fprintf(stderr, "reservation lost across the restart\n");
+        return 1;
+    }
+    scsi_free_scsi_task(t);
+    t = iscsi_write10_sync(c, lun, 0, buf, BS, BS, 0, 0, 0, 0, 0);
+    if (!t || t->status != SCSI_STATUS_RESERVATION_CONFLICT) {
+        fprintf(stderr, "write by a non-holder: status %d, want RESERVATION CONFLICT\n", t ? t->status : -1);
+        return 1;
+    }
+    scsi_free_scsi_task(t);
+    t = iscsi_read10_sync(c, lun, 0, BS, BS, 0, 0, 0, 0, 0);
+    if (!ok(t, "read by a non-holder")) return 1;
+    scsi_free_scsi_task(t);
+    t = prout(c, lun, SCSI_PERSISTENT_RESERVE_REGISTER_AND_IGNORE_EXISTING_KEY, 0, 0, PR_KEY_B, 1);
+    if (!ok(t, "register b")) return 1;
+    scsi_free_scsi_task(t);
+    t = prout(c, lun, SCSI_PERSISTENT_RESERVE_PREEMPT, SCSI_PERSISTENT_RESERVE_TYPE_WRITE_EXCLUSIVE, PR_KEY_B, PR_KEY_A, 1);
+    if (!ok(t, "preempt a")) return 1;
+    scsi_free_scsi_task(t);
+    if (has_key(c, lun, PR_KEY_A) != 0) { fprintf(stderr, "0xa1 still registered\n"); return 1; }
+    t = iscsi_write10_sync(c, lun, 0, buf, BS, BS, 0, 0, 0, 0, 0);
+    if (!ok(t, "write by the new holder")) return 1;
+    scsi_free_scsi_task(t);
+    t = prout(c, lun, SCSI_PERSISTENT_RESERVE_CLEAR, 0, PR_KEY_B, 0, 0);
+    if (!ok(t, "clear")) return 1;
+    scsi_free_scsi_task(t);
+    iscsi_logout_sync(c);
+    iscsi_destroy_context(c);
+    printf("pr-check ok\n");
+    return 0;
+}
+
+static int cmd_ua_wait(const char *portal, const char *iqn, int lun) {
+    struct iscsi_context *c = login(portal, iqn, "iqn.2026-11.org.ibid:ua", lun);
+    for (int i = 0; i < 10; i++) {
+        struct scsi_task *t = iscsi_testunitready_sync(c, lun);
+        int good = t && t->status == SCSI_STATUS_GOOD;
+        if (t) scsi_free_scsi_task(t);
+        if (good) break;
+    }
+    printf("ready\n");
+    fflush(stdout);
+    char line[16];
+    if (!fgets(line, sizeof line, stdin)) return 1;
+    struct scsi_task *t = iscsi_testunitready_sync(c, lun);
+    if (!t || t->status != SCSI_STATUS_CHECK_CONDITION || t->sense.key != SCSI_SENSE_UNIT_ATTENTION
+        || t->sense.ascq != 0x3f0e) {
+        fprintf(stderr, "TEST UNIT READY: status %d sense %x/%04x, want UNIT ATTENTION 3F/0E\n",
+                t ? t->status : -1, t ? t->sense.key : 0, t ? t->sense.ascq : 0);
+        return 1;
+    }
+    scsi_free_scsi_task(t);
+    t = iscsi_testunitready_sync(c, lun);
+    if (!ok(t, "test unit ready after the unit attention")) return 1;
+    iscsi_logout_sync(c);
+    printf("ua ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 4 && !strcmp(argv[1], "xcopy")) return cmd_xcopy(argv[2], argv[3]);
     if (argc >= 6 && !strcmp(argv[1], "caw")) return cmd_caw(argv[2], argv[3], atoi(argv[4]), argv[5]);
     if (argc >= 4 && !strcmp(argv[1], "digest")) return cmd_digest(argv[2], argv[3]);
     if (argc >= 6 && !strcmp(argv[1], "chap"))
         return cmd_chap(argv[2], argv[3], argv[4], argv[5], argc >= 8 ? argv[6] : NULL, argc >= 8 ? argv[7] : NULL);
+    if (argc >= 5 && !strcmp(argv[1], "ua-wait")) return cmd_ua_wait(argv[2], argv[3], atoi(argv[4]));
+    if (argc >= 5 && !strcmp(argv[1], "pr-set")) return cmd_pr_set(argv[2], argv[3], atoi(argv[4]));
+    if (argc >= 5 && !strcmp(argv[1], "pr-check")) return cmd_pr_check(argv[2], argv[3], atoi(argv[4]));
     fprintf(stderr, "usage: see the comment at the top of ibid_initiator.c\n");
     return 2;
 }

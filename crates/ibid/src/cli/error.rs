@@ -56,9 +56,8 @@ impl Exit {
     pub fn from_api(code: &str, status: u16) -> Exit {
         match code {
             "not_found" => Exit::NotFound,
-            "already_exists" | "cannot_reserve" | "wrong_format" | "read_only" | "in_use" => {
-                Exit::Conflict
-            }
+            "already_exists" | "cannot_reserve" | "wrong_format" | "read_only" | "in_use"
+            | "lun_in_use" | "already_exported" => Exit::Conflict,
             "no_space" => Exit::NoSpace,
             "unauthorized" => Exit::Unauthorized,
             "bad_request" | "invalid_argument" | "out_of_range" => Exit::Usage,

@@ -45,7 +45,7 @@ pub enum ClientCommand {
         #[command(subcommand)]
         cmd: volume::VolumeCmd,
     },
-    /// Manage snapshots: create, list, delete.
+    /// Manage snapshots: create, list, delete, export read-only over iSCSI.
     Snapshot {
         #[command(subcommand)]
         cmd: snapshot::SnapshotCmd,

@@ -1,4 +1,5 @@
-//! `ibid snapshot ...`: create, list and delete a volume's snapshots. A snapshot is named
+//! `ibid snapshot ...`: create, list and delete a volume's snapshots, and export one read-only
+//! over iSCSI (and unexport it). A snapshot is named
 //! `VOLUME SNAPSHOT` or `VOLUME@SNAPSHOT`, as NBD exports and clone sources name it.
 
 use super::client::segment;
@@ -13,12 +14,19 @@ use serde_json::{json, Value};
 /// Snapshot commands.
 #[derive(Subcommand)]
 pub enum SnapshotCmd {
-    /// Snapshot a volume: `ibid snapshot create vm1 golden` (or `vm1@golden`).
+    /// Snapshot a volume: `ibid snapshot create vm1 golden` (or `vm1@golden`); with
+    /// `--export` (or `--lun N`) it is also exported read-only over iSCSI at once.
     Create {
         /// Volume (or VOLUME@SNAPSHOT).
         volume: String,
         /// Snapshot name.
         name: Option<String>,
+        /// Export the snapshot read-only over iSCSI (at the lowest free LUN, or --lun).
+        #[arg(long)]
+        export: bool,
+        /// iSCSI LUN to export it as (implies --export).
+        #[arg(long)]
+        lun: Option<u64>,
     },
     /// List the snapshots of a volume, or of every volume.
     List {
@@ -36,16 +44,51 @@ pub enum SnapshotCmd {
         #[arg(long)]
         force: bool,
     },
+    /// Export a snapshot read-only over iSCSI, e.g. `ibid snapshot export vm1@golden --lun 5`,
+    /// so a host or backup proxy can mount it; kept until unexported or the snapshot deleted.
+    /// Writes to it fail with DATA PROTECT / WRITE PROTECTED.
+    Export {
+        /// VOLUME@SNAPSHOT (or VOLUME SNAPSHOT).
+        volume: String,
+        /// Snapshot name.
+        name: Option<String>,
+        /// iSCSI LUN number, 0 to 16383 (default: the lowest free one).
+        #[arg(long)]
+        lun: Option<u64>,
+    },
+    /// Stop exporting a snapshot over iSCSI (its LUN disappears; initiators rescan). Refused
+    /// while iSCSI sessions use it (exit 4, `in_use`), unless --force.
+    Unexport {
+        /// VOLUME@SNAPSHOT (or VOLUME SNAPSHOT).
+        volume: String,
+        /// Snapshot name.
+        name: Option<String>,
+        /// Unexport even with sessions using it: their commands to it fail from then on.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 /// Runs a snapshot command.
 pub fn run(ctx: &Ctx, cmd: SnapshotCmd) -> Result<(), CliError> {
     match cmd {
-        SnapshotCmd::Create { volume, name } => {
+        SnapshotCmd::Create {
+            volume,
+            name,
+            export,
+            lun,
+        } => {
             let (volume, name) = names(&volume, name.as_deref())?;
+            let mut body = json!({ "name": name });
+            if export {
+                body["export"] = true.into();
+            }
+            if let Some(l) = lun {
+                body["lun"] = l.into();
+            }
             let s = ctx.client.post(
                 &format!("/volumes/{}/snapshots", segment(volume)),
-                json!({ "name": name }),
+                body,
                 &format!("snapshotting {volume} as {name}"),
             )?;
             print_snapshots(ctx, &s, std::slice::from_ref(&s))
@@ -59,6 +102,45 @@ pub fn run(ctx: &Ctx, cmd: SnapshotCmd) -> Result<(), CliError> {
                 None => all_snapshots(ctx)?,
             };
             print_snapshots(ctx, &list, array(&list, "")?)
+        }
+        SnapshotCmd::Export { volume, name, lun } => {
+            let (volume, name) = names(&volume, name.as_deref())?;
+            let body = match lun {
+                Some(l) => json!({ "lun": l }),
+                None => json!({}),
+            };
+            let s = ctx.client.post(
+                &format!(
+                    "/volumes/{}/snapshots/{}/export",
+                    segment(volume),
+                    segment(name)
+                ),
+                body,
+                &format!("exporting {volume}@{name}"),
+            )?;
+            print_snapshots(ctx, &s, std::slice::from_ref(&s))
+        }
+        SnapshotCmd::Unexport {
+            volume,
+            name,
+            force,
+        } => {
+            let (volume, name) = names(&volume, name.as_deref())?;
+            let force = if force { "?force=true" } else { "" };
+            ctx.client.delete(
+                &format!(
+                    "/volumes/{}/snapshots/{}/export{force}",
+                    segment(volume),
+                    segment(name)
+                ),
+                &format!("unexporting {volume}@{name}"),
+            )?;
+            if ctx.json {
+                print_json(&json!({ "unexported": format!("{volume}@{name}") }));
+            } else {
+                println!("snapshot {volume}@{name} is no longer exported over iSCSI");
+            }
+            Ok(())
         }
         SnapshotCmd::Delete {
             volume,
@@ -128,8 +210,9 @@ fn print_snapshots(ctx: &Ctx, doc: &Value, snapshots: &[Value]) -> Result<(), Cl
             size(u64_field(s, "size_bytes")?),
             size(u64_field(s, "mapped_blocks")? * BLOCK_BYTES),
             timestamp(u64_field(s, "created_unix_s")?),
+            super::volume::lun_text(s),
         ]);
     }
-    print_table(&["SNAPSHOT", "SIZE", "MAPPED", "CREATED"], 1, &rows);
+    print_table(&["SNAPSHOT", "SIZE", "MAPPED", "CREATED", "LUN"], 1, &rows);
     Ok(())
 }

@@ -25,8 +25,20 @@ pub enum VolumeCmd {
         /// thin (default), lazyzeroedthick (zeroedthick) or eagerzeroedthick.
         #[arg(long, value_parser = parse_format)]
         format: Option<String>,
+        /// iSCSI LUN number, 0 to 16383 (default: the lowest free one).
+        #[arg(long)]
+        lun: Option<u64>,
         #[command(flatten)]
         qos: QosArgs,
+    },
+    /// Move a volume to another iSCSI LUN number, e.g. `ibid volume set-lun vm1 3`. Refused if
+    /// another volume or snapshot has it (exit 4, `lun_in_use`); initiators are told that the
+    /// LUN inventory changed (REPORTED LUNS DATA HAS CHANGED) and rescan.
+    SetLun {
+        /// Volume name.
+        name: String,
+        /// The new LUN number, 0 to 16383.
+        lun: u64,
     },
     /// List the volumes.
     List,
@@ -127,8 +139,17 @@ pub fn run(ctx: &Ctx, cmd: VolumeCmd) -> Result<(), CliError> {
             name,
             size,
             format,
+            lun,
             qos,
-        } => create(ctx, &name, size, format, &qos),
+        } => create(ctx, &name, size, format, lun, &qos),
+        VolumeCmd::SetLun { name, lun } => {
+            let v = ctx.client.patch(
+                &format!("/volumes/{}", segment(&name)),
+                json!({ "lun": lun }),
+                &format!("moving {name} to LUN {lun}"),
+            )?;
+            show_volume(ctx, &v)
+        }
         VolumeCmd::Qos {
             name,
             limits,
@@ -267,11 +288,15 @@ fn create(
     name: &str,
     size: u64,
     format: Option<String>,
+    lun: Option<u64>,
     qos: &QosArgs,
 ) -> Result<(), CliError> {
     let mut body = json!({ "name": name, "size": size });
     if let Some(f) = format {
         body["format"] = f.into();
+    }
+    if let Some(l) = lun {
+        body["lun"] = l.into();
     }
     let limits = qos.body(false);
     if !limits.is_empty() {
@@ -294,6 +319,7 @@ fn list(ctx: &Ctx) -> Result<(), CliError> {
         rows.push(vec![
             str_field(vol, "name")?.to_string(),
             str_field(vol, "format")?.to_string(),
+            lun_text(vol),
             size(u64_field(vol, "size_bytes")?),
             size(u64_field(vol, "mapped_blocks")? * BLOCK_BYTES),
             size(u64_field(vol, "tbz_blocks")? * BLOCK_BYTES),
@@ -301,11 +327,18 @@ fn list(ctx: &Ctx) -> Result<(), CliError> {
         ]);
     }
     print_table(
-        &["NAME", "FORMAT", "SIZE", "MAPPED", "TBZ", "RESERVED"],
+        &["NAME", "FORMAT", "LUN", "SIZE", "MAPPED", "TBZ", "RESERVED"],
         2,
         &rows,
     );
     Ok(())
+}
+
+/// A volume's or snapshot's `lun` field: the number, or `-` when it has none.
+pub fn lun_text(v: &Value) -> String {
+    v["lun"]
+        .as_u64()
+        .map_or_else(|| "-".to_string(), |l| l.to_string())
 }
 
 fn describe(ctx: &Ctx, name: &str) -> Result<(), CliError> {
@@ -345,6 +378,7 @@ fn describe(ctx: &Ctx, name: &str) -> Result<(), CliError> {
     print_fields(&[
         ("name", str_field(&d, "name")?.to_string()),
         ("id", u64_field(&d, "id")?.to_string()),
+        ("lun", lun_text(&d)),
         ("format", str_field(&d, "format")?.to_string()),
         ("created", timestamp(u64_field(&d, "created_unix_s")?)),
         ("size", format!("{} ({size_bytes} bytes)", size(size_bytes))),
@@ -512,6 +546,7 @@ fn show_volume(ctx: &Ctx, v: &Value) -> Result<(), CliError> {
     let thick = format != "thin";
     print_fields(&[
         ("name", str_field(v, "name")?.to_string()),
+        ("lun", lun_text(v)),
         ("format", format.to_string()),
         ("size", size(u64_field(v, "size_bytes")?)),
         (
