@@ -291,7 +291,13 @@ class Ibid:
         return dt, info
 
     def delete(self, vol):
-        st, body = self.api("DELETE", f"/volumes/{vol}")
+        # A client that just exited may not be seen disconnected yet (the volume is in use for
+        # a moment): retry for a few seconds before giving up.
+        for _ in range(50):
+            st, body = self.api("DELETE", f"/volumes/{vol}")
+            if st != 409 or (body or {}).get("code") != "in_use":
+                break
+            time.sleep(0.1)
         if st not in (200, 204):
             raise RuntimeError(f"delete {vol}: {st} {body}")
 
