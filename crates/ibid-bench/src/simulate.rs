@@ -52,13 +52,14 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
     };
     let seeds = seed_range(&a.seeds)?;
     let started = Instant::now();
-    let (mut n, mut cuts, mut ops, mut failures) = (0u64, 0u64, 0u64, 0u64);
+    let (mut n, mut cuts, mut ops, mut failures, mut faults) = (0u64, 0u64, 0u64, 0u64, 0u64);
     for seed in seeds {
         n += 1;
         match simulator::run(seed, &options) {
             Ok(out) => {
                 cuts += out.power_cuts;
                 ops += out.operations;
+                faults += out.faults;
                 if a.twice {
                     let again = simulator::run(seed, &options);
                     if again.as_ref().ok() != Some(&out) {
@@ -69,8 +70,9 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
                 }
                 if a.verbose {
                     println!(
-                        "seed {seed}: {} power cuts, {} operations, {} I/O operations, digest {:016x}",
-                        out.power_cuts, out.operations, out.io_operations, out.digest
+                        "seed {seed}: {} power cuts, {} operations, {} I/O operations, {} faults, \
+                         digest {:016x}",
+                        out.power_cuts, out.operations, out.io_operations, out.faults, out.digest
                     );
                 }
             }
@@ -82,7 +84,8 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         }
     }
     println!(
-        "simulated {n} seeds: {cuts} power cuts, {ops} operations, {failures} failures ({:.1} s)",
+        "simulated {n} seeds: {cuts} power cuts, {ops} operations, {failures} failures \
+         ({faults} injected I/O errors fired, {:.1} s)",
         started.elapsed().as_secs_f64()
     );
     if failures > 0 {

@@ -19,8 +19,14 @@
 //! - `verify` (counts, references, accounting) passes.
 //!
 //! Between cuts, every read is checked against the bytes the model holds now.
+//!
+//! About one operation in 60 also arms an I/O error (EIO, or ENOSPC for a write) on one of the
+//! next reads, writes or syncs of a segment, the journal or the metadata store. An operation
+//! that fails after such an error fired is treated like one the power cut: the pool is dropped,
+//! the power cut, and the same checks run (a read must fail or return the model's bytes; a
+//! write or flush must fail, or be durable as acknowledged).
 
-use crate::disk::{Rng, SimDisk};
+use crate::disk::{Fault, FaultOp, Rng, SimDisk};
 use crate::error::Error;
 use crate::format::VolumeFormat;
 use crate::{Pool, PoolConfig};
@@ -62,6 +68,8 @@ pub struct SimOutcome {
     pub operations: u64,
     /// Mutating I/O operations of the disk.
     pub io_operations: u64,
+    /// Injected I/O errors that fired.
+    pub faults: u64,
     /// The disk's digest of its I/O (equal for two runs of the same seed).
     pub digest: u64,
 }
@@ -173,6 +181,7 @@ pub fn run(seed: u64, options: &SimOptions) -> Result<SimOutcome, SimFailure> {
             power_cuts: stats.power_cuts,
             operations: sim.operations,
             io_operations: stats.ops,
+            faults: stats.faults,
             digest: stats.digest,
         }),
         Err(message) => Err(SimFailure {
@@ -190,6 +199,8 @@ struct Sim {
     pool: Option<Pool>,
     model: Model,
     operations: u64,
+    /// Injected faults that had fired at the last recovery.
+    faults_seen: u64,
     log: Vec<String>,
 }
 
@@ -218,6 +229,7 @@ impl Sim {
             pool: None,
             model: Model::default(),
             operations: 0,
+            faults_seen: 0,
             log: Vec::new(),
         }
     }
@@ -253,9 +265,10 @@ impl Sim {
         self.pool.as_ref().expect("the pool is open")
     }
 
-    /// An engine error: the power cut, or a failure of the run.
+    /// An engine error: the power cut or an injected fault fired (the pool is then cut and
+    /// checked as after any cut), or a failure of the run.
     fn engine(&self, what: &str, e: Error) -> Stop {
-        if self.disk.is_off() {
+        if self.disk.is_off() || self.disk.stats().faults > self.faults_seen {
             Stop::Cut
         } else {
             Stop::Failed(format!("{what}: {e}"))
@@ -322,6 +335,7 @@ impl Sim {
             }
         }
         self.disk.disarm();
+        self.faults_seen = self.disk.stats().faults;
         self.note("reopened".into());
         self.model = self.pick_catalog(before, after)?;
         self.check_after_cut()?;
@@ -409,8 +423,31 @@ impl Sim {
         Ok(())
     }
 
+    /// Makes one of the next reads, writes or syncs of a segment, the journal or the
+    /// metadata store fail with EIO or ENOSPC.
+    fn inject_fault(&mut self) {
+        let op = [FaultOp::Read, FaultOp::Write, FaultOp::Sync][self.rng.below(3) as usize];
+        let path = [".seg", "journal", "meta.redb"][self.rng.below(3) as usize];
+        let errno = if op == FaultOp::Write && self.rng.one_in(2) {
+            libc::ENOSPC
+        } else {
+            libc::EIO
+        };
+        let nth = 1 + self.rng.below(20);
+        self.note(format!("fault: {op:?} {path} #{nth} errno {errno}"));
+        self.disk.inject(Fault {
+            op,
+            path_contains: path.into(),
+            nth,
+            errno,
+        });
+    }
+
     /// One random operation.
     fn step(&mut self) -> Step {
+        if self.rng.one_in(60) {
+            self.inject_fault();
+        }
         match self.rng.below(100) {
             0..=29 => self.write(),
             30..=34 => self.zero(),

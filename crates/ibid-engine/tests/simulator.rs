@@ -9,13 +9,14 @@ use ibid_engine::simulator::{self, SimOptions};
 #[test]
 fn power_cuts_lose_nothing_durable() {
     let options = SimOptions::default();
-    let (mut cuts, mut ops) = (0, 0);
+    let (mut cuts, mut ops, mut faults) = (0, 0, 0);
     let mut failures = Vec::new();
     for seed in 0..48 {
         match simulator::run(seed, &options) {
             Ok(out) => {
                 cuts += out.power_cuts;
                 ops += out.operations;
+                faults += out.faults;
             }
             Err(f) => failures.push(f.to_string()),
         }
@@ -24,6 +25,8 @@ fn power_cuts_lose_nothing_durable() {
     // Each seed ends with a cut, and most have several before.
     assert!(cuts >= 48 * 3, "only {cuts} power cuts in 48 seeds");
     assert_eq!(ops, 48 * options.operations);
+    // Injected I/O errors fired in many seeds, and were survived like power cuts.
+    assert!(faults >= 10, "only {faults} injected I/O errors fired");
 }
 
 /// The same seed does the same I/O: a failure replays from its seed.
