@@ -7,7 +7,7 @@
 //! - [`FsDisk`]: the real filesystem (production), with `O_DIRECT` where the filesystem allows;
 //! - [`SimDisk`]: memory, for the simulator and tests. It keeps what was written since each
 //!   file's last sync apart from what is durable and, at a power cut, drops it, keeps a random
-//!   subset, or tears the last write; it injects I/O errors on chosen operations.
+//!   subset, or tears the last write; it injects I/O errors and latency on chosen operations.
 //!
 //! The metadata store's fjall backend keeps its own files and does not go through the seam: a
 //! pool on a [`SimDisk`] uses redb.

@@ -12,7 +12,8 @@
 //! A cut is armed with [`SimDisk::cut_after`]: the n-th mutating operation from then on
 //! (write, size change, sync, create, remove) fails with EIO instead of happening, and so does
 //! everything after it until [`SimDisk::power_cut`]. [`SimDisk::inject`] fails one chosen
-//! operation with a chosen errno (EIO, ENOSPC) and leaves the disk running.
+//! operation with a chosen errno (EIO, ENOSPC) and leaves the disk running;
+//! [`SimDisk::set_latency`] makes chosen operations slow.
 //!
 //! All randomness comes from the seed given to [`SimDisk::new`]: the same seed and the same
 //! sequence of operations leave the same bytes.
@@ -144,6 +145,8 @@ struct State {
     /// The power is off until [`SimDisk::power_cut`].
     off: bool,
     faults: Vec<(Fault, u64)>,
+    /// Extra time taken by operations of a kind on paths containing a substring.
+    latency: Vec<(FaultOp, String, std::time::Duration)>,
     locked: BTreeSet<PathBuf>,
     capacity: u64,
     stats: SimStats,
@@ -286,6 +289,29 @@ impl SimDisk {
         self.state.lock().faults.clear();
     }
 
+    /// Makes every operation of kind `op` on a path containing `path_contains` take `delay`
+    /// longer (a slow device; a zero delay removes it). Kept across power cuts.
+    pub fn set_latency(&self, op: FaultOp, path_contains: &str, delay: std::time::Duration) {
+        let mut st = self.state.lock();
+        st.latency
+            .retain(|(o, p, _)| !(*o == op && p == path_contains));
+        if !delay.is_zero() {
+            st.latency.push((op, path_contains.to_string(), delay));
+        }
+    }
+
+    /// Sleeps for the latency set for `op` on `path`, if any (outside the disk's lock).
+    fn wait(&self, op: FaultOp, path: &Path) {
+        let p = path.to_string_lossy();
+        let delay: std::time::Duration = (self.state.lock().latency.iter())
+            .filter(|(o, sub, _)| *o == op && p.contains(sub.as_str()))
+            .map(|(_, _, d)| *d)
+            .sum();
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+    }
+
     /// What the disk has seen so far.
     pub fn stats(&self) -> SimStats {
         self.state.lock().stats
@@ -425,6 +451,7 @@ impl SimFile {
 
 impl DiskFile for SimFile {
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.disk.wait(FaultOp::Read, &self.path);
         let mut st = self.disk.state.lock();
         st.check(self.generation)?;
         st.fault(FaultOp::Read, &self.path)?;
@@ -443,6 +470,7 @@ impl DiskFile for SimFile {
 
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.check_aligned(buf, offset)?;
+        self.disk.wait(FaultOp::Write, &self.path);
         let mut st = self.disk.state.lock();
         st.mutate(self.generation, 1, &self.path, offset, buf.len() as u64)?;
         st.fault(FaultOp::Write, &self.path)?;
@@ -465,6 +493,7 @@ impl DiskFile for SimFile {
     }
 
     fn sync_data(&self) -> io::Result<()> {
+        self.disk.wait(FaultOp::Sync, &self.path);
         let mut st = self.disk.state.lock();
         st.mutate(self.generation, 2, &self.path, 0, 0)?;
         st.fault(FaultOp::Sync, &self.path)?;
@@ -609,6 +638,7 @@ impl Disk for SimDisk {
     }
 
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.wait(FaultOp::Sync, dir);
         let mut st = self.state.lock();
         let generation = st.generation;
         st.mutate(generation, 6, dir, 0, 0)?;
@@ -719,6 +749,22 @@ mod tests {
         assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
         f.write_all_at(b"c", 2).unwrap();
         assert_eq!(d.stats().faults, 1);
+    }
+
+    #[test]
+    fn latency_slows_the_chosen_operations_only() {
+        let (d, f) = disk_with_file(1);
+        let ms = std::time::Duration::from_millis(40);
+        d.set_latency(FaultOp::Sync, "/p/f", ms);
+        let t = std::time::Instant::now();
+        f.write_all_at(b"a", 0).unwrap();
+        assert!(t.elapsed() < ms, "a write waited");
+        f.sync_data().unwrap();
+        assert!(t.elapsed() >= ms, "the sync did not wait");
+        d.set_latency(FaultOp::Sync, "/p/f", std::time::Duration::ZERO);
+        let t = std::time::Instant::now();
+        f.sync_data().unwrap();
+        assert!(t.elapsed() < ms);
     }
 
     #[test]
