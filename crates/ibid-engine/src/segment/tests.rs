@@ -160,8 +160,7 @@ fn appends_of_a_batch_go_back_to_back_through_a_free_writer() {
         assert_eq!(writer_of(&placed[0]), 0);
         check(&placed);
         segs.sync().unwrap();
-        let back: Vec<(Placement, Vec<u8>)> =
-            placed.into_iter().zip(payloads.clone()).collect();
+        let back: Vec<(Placement, Vec<u8>)> = placed.into_iter().zip(payloads.clone()).collect();
         read_back(&segs, &back).unwrap();
     });
 }
@@ -340,8 +339,7 @@ fn a_failed_background_write_fails_later_syncs_and_appends() {
         direct_io: false,
         threads: true,
     };
-    let (segs, _) =
-        Segments::open_on(Arc::new(disk.clone()), Path::new("/p"), options).unwrap();
+    let (segs, _) = Segments::open_on(Arc::new(disk.clone()), Path::new("/p"), options).unwrap();
     segs.append(0, 0, 0, &payload(0, 100), 1).unwrap();
     // The disk fails the next write to a segment.
     disk.inject(Fault {
