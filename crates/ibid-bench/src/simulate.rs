@@ -23,6 +23,10 @@ pub struct SimulateArgs {
     /// Run each seed twice and fail if the two runs' I/O differ (determinism check).
     #[arg(long)]
     twice: bool,
+    /// Run the engine's own threads (segment I/O and sync, ...): races are exercised, but a
+    /// seed no longer replays exactly.
+    #[arg(long)]
+    threads: bool,
     /// Print one line per seed.
     #[arg(long)]
     verbose: bool,
@@ -49,6 +53,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
     let options = SimOptions {
         operations: a.operations,
         cut_within_io: a.cut_within_io.max(1),
+        threads: a.threads,
     };
     let seeds = seed_range(&a.seeds)?;
     let started = Instant::now();

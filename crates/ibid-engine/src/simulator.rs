@@ -48,6 +48,9 @@ pub struct SimOptions {
     pub operations: u64,
     /// A cut is armed to happen within this many mutating I/O operations of the disk.
     pub cut_within_io: u64,
+    /// Run the engine's own threads ([`PoolConfig::threads`]): races between them and the
+    /// foreground are exercised too, but a seed no longer replays the same I/O.
+    pub threads: bool,
 }
 
 impl Default for SimOptions {
@@ -55,6 +58,7 @@ impl Default for SimOptions {
         SimOptions {
             operations: 300,
             cut_within_io: 400,
+            threads: false,
         }
     }
 }
@@ -242,7 +246,7 @@ impl Sim {
             dirty_blocks_throttle: 128,
             dirty_blocks_max: 256,
             background: false,
-            threads: false,
+            threads: self.options.threads,
             meta_backend: crate::store::Backend::Redb,
             frame_copy_blocks_min: 16,
             dedup_filter_min: 1 << 12,
@@ -318,8 +322,12 @@ impl Sim {
                 self.disk
                     .cut_after(1 + self.rng.below(self.options.cut_within_io / 4 + 1));
             }
-            match Pool::open(POOL_DIR, self.config()) {
-                // The power went during work the open does not wait on (the filters' build).
+            let opened = Pool::open(POOL_DIR, self.config());
+            // No cut after this point; one armed for the recovery may have come already, also
+            // in work the open does not wait on (the filters' build, on a thread of its own
+            // when the engine runs its threads).
+            self.disk.disarm();
+            match opened {
                 Ok(pool) if self.disk.is_off() => {
                     pool.simulate_crash();
                     self.note("power cut during recovery".into());
