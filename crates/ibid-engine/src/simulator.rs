@@ -476,6 +476,19 @@ impl Sim {
         }
     }
 
+    /// The model of volume `name`.
+    fn vol_model(&mut self, name: &str) -> &mut VolModel {
+        self.model
+            .vols
+            .get_mut(name)
+            .expect("a volume of the model")
+    }
+
+    /// A handle on volume `name`.
+    fn volume(&self, name: &str) -> Result<crate::Volume, Stop> {
+        self.pool().volume(name).map_err(|e| self.engine("open", e))
+    }
+
     fn pick_volume(&mut self) -> String {
         let n = self.model.vols.len() as u64;
         let i = self.rng.below(n) as usize;
@@ -525,23 +538,12 @@ impl Sim {
         let data = self.data(len);
         let fua = self.rng.one_in(8);
         self.note(format!("write {name} {offset}+{len} fua={fua}"));
-        self.model
-            .vols
-            .get_mut(&name)
-            .expect("vol")
-            .write(offset, &data);
-        let vol = self
-            .pool()
-            .volume(&name)
-            .map_err(|e| self.engine("open", e))?;
+        self.vol_model(&name).write(offset, &data);
+        let vol = self.volume(&name)?;
         vol.write(offset, &data, fua)
             .map_err(|e| self.engine("write", e))?;
         if fua {
-            self.model
-                .vols
-                .get_mut(&name)
-                .expect("vol")
-                .durable(offset, len);
+            self.vol_model(&name).durable(offset, len);
         }
         Ok(())
     }
@@ -552,23 +554,12 @@ impl Sim {
         let fua = self.rng.one_in(8);
         self.note(format!("zero {name} {offset}+{len} fua={fua}"));
         let zeros = vec![0u8; len as usize];
-        self.model
-            .vols
-            .get_mut(&name)
-            .expect("vol")
-            .write(offset, &zeros);
-        let vol = self
-            .pool()
-            .volume(&name)
-            .map_err(|e| self.engine("open", e))?;
+        self.vol_model(&name).write(offset, &zeros);
+        let vol = self.volume(&name)?;
         vol.write_zeroes(offset, len, fua)
             .map_err(|e| self.engine("zero", e))?;
         if fua {
-            self.model
-                .vols
-                .get_mut(&name)
-                .expect("vol")
-                .durable(offset, len);
+            self.vol_model(&name).durable(offset, len);
         }
         Ok(())
     }
@@ -592,19 +583,8 @@ impl Sim {
         let dst_off = self.rng.below((dst_size - len) / unit + 1) * unit;
         self.note(format!("copy {src} {src_off}+{len} -> {dst} {dst_off}"));
         let data = self.model.vols[&src].image[src_off as usize..(src_off + len) as usize].to_vec();
-        self.model
-            .vols
-            .get_mut(&dst)
-            .expect("vol")
-            .write(dst_off, &data);
-        let (s, d) = (
-            self.pool()
-                .volume(&src)
-                .map_err(|e| self.engine("open", e))?,
-            self.pool()
-                .volume(&dst)
-                .map_err(|e| self.engine("open", e))?,
-        );
+        self.vol_model(&dst).write(dst_off, &data);
+        let (s, d) = (self.volume(&src)?, self.volume(&dst)?);
         d.copy_from(&s, src_off, dst_off, len)
             .map_err(|e| self.engine("copy", e))?;
         Ok(())
@@ -625,16 +605,9 @@ impl Sim {
         self.note(format!("compare-and-write {name} {offset}+{len} fua={fua}"));
         let should = current.iter().zip(&expected).position(|(a, b)| a != b);
         if should.is_none() {
-            self.model
-                .vols
-                .get_mut(&name)
-                .expect("vol")
-                .write(offset, &new);
+            self.vol_model(&name).write(offset, &new);
         }
-        let vol = self
-            .pool()
-            .volume(&name)
-            .map_err(|e| self.engine("open", e))?;
+        let vol = self.volume(&name)?;
         let got = vol
             .compare_and_write(offset, &expected, &new, fua)
             .map_err(|e| self.engine("compare-and-write", e))?;
@@ -642,11 +615,7 @@ impl Sim {
             return Err(format!("compare-and-write answered {got:?}, the model {should:?}").into());
         }
         if fua && should.is_none() {
-            self.model
-                .vols
-                .get_mut(&name)
-                .expect("vol")
-                .durable(offset, len);
+            self.vol_model(&name).durable(offset, len);
         }
         Ok(())
     }
@@ -767,7 +736,7 @@ impl Sim {
         let grow = (1 + self.rng.below(32)) * BLOCK;
         let new_size = self.model.vols[&name].size() + grow;
         self.note(format!("resize {name} to {new_size}"));
-        let v = self.model.vols.get_mut(&name).expect("vol");
+        let v = self.vol_model(&name);
         v.image.resize(new_size as usize, 0);
         let zero = hash(&[0u8; BLOCK as usize]);
         v.possible
@@ -783,14 +752,11 @@ impl Sim {
         let name = self.pick_volume();
         let format = self.pick_format();
         self.note(format!("format {name} {format:?}"));
-        let v = self.model.vols.get_mut(&name).expect("vol");
         // A change commits everything written so far; setting the format it has does nothing.
-        if v.format.is_some_and(|f| f != format) {
-            v.format = Some(format);
+        let old = self.vol_model(&name).format.replace(format);
+        if old.is_some_and(|f| f != format) {
             self.model.durable_all();
         }
-        let v = self.model.vols.get_mut(&name).expect("vol");
-        v.format = Some(format);
         self.pool()
             .set_volume_format(&name, format)
             .map_err(|e| self.engine("set format", e))?;
@@ -832,10 +798,7 @@ impl Sim {
             (h, self.model.snaps[&key].clone(), key)
         } else {
             let name = self.pick_volume();
-            let h = self
-                .pool()
-                .volume(&name)
-                .map_err(|e| self.engine("open", e))?;
+            let h = self.volume(&name)?;
             (h, self.model.vols[&name].image.clone(), name)
         };
         let size = expect.len() as u64;
