@@ -463,7 +463,7 @@ impl Inner {
             }
             chunks.remove(txn, id)?;
             let new = batch.shards[shard].new_chunks.contains_key(&id);
-            index.remove(txn, meta::fps_key(&rec.fingerprint, id), new);
+            index.remove(meta::fps_key(&rec.fingerprint, id), new);
             let u = segment_usage(&mut usage, txn, rec.segment)?;
             u.live_bytes -= rec.physical_bytes().min(u.live_bytes);
             record.live_chunks -= 1;
@@ -471,7 +471,7 @@ impl Inner {
             applied.died.push((shard, rec.fingerprint));
         }
         chunks.write(txn);
-        applied.runs = index.finish(txn, batch.no, self.run_policy());
+        applied.runs = index.finish(txn, batch.no, self.run_policy())?;
         for (seg, u) in usage {
             if u.live_bytes == 0 && self.segments.fully_committed(seg, batch.no) {
                 txn.remove(meta::SEGMENTS, &seg);

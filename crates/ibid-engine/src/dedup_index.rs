@@ -12,13 +12,21 @@
 //! rewritten once for several commits' keys. Smaller commits insert their keys into the B-tree
 //! directly.
 //!
-//! Every key is in exactly one place: the B-tree or one run. A chunk that dies while its key
-//! is in a run has the key recorded in `fps.dead` (key → ()); the merge leaves it out and
-//! clears the table. A dead key in a run never misleads a lookup, which confirms every
-//! candidate against the chunk's record (a chunk id is never reused).
+//! Every key is in exactly one place: the B-tree or one run. A chunk that dies leaves its key
+//! where it is: the commit writes the keys of the chunks that died in it as one **gone row**
+//! (`fps.gone`: commit number → the keys, packed like a run), and the merge applies them — a
+//! gone key of a run is left out, a gone key of the B-tree removed — together with the runs'
+//! inserts, in one pass in key order, then deletes the rows. A death therefore costs the commit
+//! no B-tree work (a delete per dying chunk rewrote a random leaf of the B-tree for each, a
+//! fifth of an overwrite commit's CPU), and the merge touches each leaf once for all of them.
+//! Until then a gone key never misleads a lookup, which confirms every candidate against the
+//! chunk's record (removed when the chunk died; a chunk id is never reused). The merge also
+//! runs when the gone rows pass [`GONE_ROWS_MAX`] or their keys [`RUN_KEYS_MAX`], so that
+//! deaths without new data (overwrites with duplicates, zeroing) are applied too.
 //!
-//! The runs and the dead keys are kept in memory ([`Runs`], loaded at open), so a lookup in
-//! them is a binary search per run, with no store read. A commit installs its new [`Runs`]
+//! The runs and the gone keys of runs (*dead* keys) are kept in memory ([`Runs`], loaded at
+//! open), so a lookup in them is a binary search per run, with no store read; gone keys of the
+//! B-tree are only counted in memory and read back by the merge. A commit installs its new [`Runs`]
 //! after its transaction is durable and before it publishes (empties the `committing`
 //! slots); a lookup, with its fingerprint's shard locked, checks the `committing` slot, then
 //! takes the runs, then its store snapshot. So a key the lookup misses in the slot was
@@ -27,12 +35,16 @@
 
 use crate::error::{Error, Result};
 use crate::meta;
-use crate::store::{ReadTxn, WriteTxn};
+use crate::store::{ReadTxn, Reader, WriteTxn};
 use rustc_hash::FxHashSet;
 use std::sync::Arc;
 
-/// Most keys the runs hold (16 bytes each in memory): past it, the next run merges them.
+/// Most keys the runs hold (16 bytes each in memory): past it, the next run merges them. Also
+/// the most gone keys of the B-tree left for the merge.
 pub(crate) const RUN_KEYS_MAX: usize = 2 << 20;
+
+/// Most gone rows kept: the commit that would write one more merges instead.
+pub(crate) const GONE_ROWS_MAX: usize = 256;
 
 /// When a commit writes a run, and when it merges the runs.
 #[derive(Debug, Clone, Copy)]
@@ -51,15 +63,44 @@ pub(crate) struct Run {
     pub no: u64,
     /// The keys, ascending.
     pub keys: Vec<u128>,
+    /// The lowest and highest chunk id among the keys. A commit's new chunks have ids taken
+    /// between its cut and the one before, so the runs' id ranges barely overlap, and a key
+    /// whose chunk id lies outside a run's range is not searched for in it: a dying chunk's
+    /// key costs one binary search, not one per run (which was half of an overwrite
+    /// commit's CPU, every search a chain of cache misses).
+    ids: (u64, u64),
 }
 
-/// The index keys not (yet) in the B-tree, as committed.
+impl Run {
+    fn new(no: u64, keys: Vec<u128>) -> Run {
+        let ids = keys
+            .iter()
+            .map(|&k| meta::fps_key_chunk(k))
+            .fold((u64::MAX, u64::MIN), |(lo, hi), id| {
+                (lo.min(id), hi.max(id))
+            });
+        Run { no, keys, ids }
+    }
+
+    /// Whether `key` is in this run.
+    fn contains(&self, key: u128) -> bool {
+        let id = meta::fps_key_chunk(key);
+        self.ids.0 <= id && id <= self.ids.1 && self.keys.binary_search(&key).is_ok()
+    }
+}
+
+/// The index keys not (yet) in the B-tree, and the keys of chunks that died since the last
+/// merge, as committed.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Runs {
     /// Oldest first.
     runs: Vec<Arc<Run>>,
     /// Keys of chunks that died while in a run.
     dead: FxHashSet<u128>,
+    /// The commit numbers of the gone rows, oldest first.
+    gone_rows: Vec<u64>,
+    /// Gone keys that are in the B-tree (stale there until the next merge removes them).
+    gone_in_tree: usize,
 }
 
 /// Packs ascending keys as a run's value.
@@ -67,7 +108,7 @@ fn encode(keys: &[u128]) -> Vec<u8> {
     keys.iter().flat_map(|k| k.to_be_bytes()).collect()
 }
 
-/// Unpacks run `no`'s value, which must hold ascending keys.
+/// Unpacks run or gone row `no`'s value, which must hold ascending keys.
 fn decode(no: u64, v: &[u8]) -> Result<Vec<u128>> {
     if !v.len().is_multiple_of(16) {
         return Err(Error::Corrupt(format!(
@@ -87,22 +128,63 @@ fn decode(no: u64, v: &[u8]) -> Result<Vec<u128>> {
     Ok(keys)
 }
 
+/// Moves the dead keys of a pool of format version 6 or older (`fps.dead`, one row per key)
+/// into one gone row numbered `no` (the pool's last commit: later commits' rows sort after
+/// it). Returns how many keys it moved.
+pub(crate) fn upgrade(txn: &mut WriteTxn, no: u64) -> Result<usize> {
+    let keys: Vec<u128> = txn
+        .iter(meta::FPS_DEAD)?
+        .into_iter()
+        .map(|(k, ())| k)
+        .collect();
+    if keys.is_empty() {
+        return Ok(0);
+    }
+    for k in &keys {
+        txn.remove(meta::FPS_DEAD, k);
+    }
+    let mut gone = keys;
+    gone.sort_unstable();
+    if let Some(row) = txn.get(meta::FPS_GONE, &no)? {
+        // Not in a pool of these versions; kept rather than overwritten all the same.
+        gone.extend(decode(no, &row)?);
+        gone.sort_unstable();
+        gone.dedup();
+    }
+    txn.insert(meta::FPS_GONE, &no, encode(&gone).as_slice());
+    Ok(gone.len())
+}
+
 impl Runs {
-    /// The runs and dead keys committed in `txn`'s snapshot.
+    /// The runs and gone keys committed in `txn`'s snapshot.
     pub fn load(txn: &ReadTxn) -> Result<Runs> {
-        let mut runs = Vec::new();
+        let mut runs = Runs::default();
         for item in txn.iter(meta::FPS_RUNS)? {
             let (no, v) = item?;
-            runs.push(Arc::new(Run {
-                no,
-                keys: decode(no, &v)?,
-            }));
+            runs.runs.push(Arc::new(Run::new(no, decode(no, &v)?)));
         }
-        let mut dead = FxHashSet::default();
-        for item in txn.iter(meta::FPS_DEAD)? {
-            dead.insert(item?.0);
+        for item in txn.iter(meta::FPS_GONE)? {
+            let (no, v) = item?;
+            runs.gone_rows.push(no);
+            for k in decode(no, &v)? {
+                if runs.contains(k) {
+                    runs.dead.insert(k);
+                } else {
+                    runs.gone_in_tree += 1;
+                }
+            }
         }
-        Ok(Runs { runs, dead })
+        Ok(runs)
+    }
+
+    /// Every gone key stored in `txn`'s snapshot, each with its row (to check them).
+    pub fn load_gone(txn: &ReadTxn) -> Result<Vec<(u64, u128)>> {
+        let mut out = Vec::new();
+        for item in txn.iter(meta::FPS_GONE)? {
+            let (no, v) = item?;
+            out.extend(decode(no, &v)?.into_iter().map(|k| (no, k)));
+        }
+        Ok(out)
     }
 
     /// The chunk ids of live keys with fingerprint prefix `prefix`, newest run first.
@@ -120,7 +202,7 @@ impl Runs {
 
     /// Whether `key` is in a run (dead or not).
     pub fn contains(&self, key: u128) -> bool {
-        self.runs.iter().any(|r| r.keys.binary_search(&key).is_ok())
+        self.runs.iter().any(|r| r.contains(key))
     }
 
     /// Whether `key` is a live key of a run.
@@ -146,11 +228,16 @@ impl Runs {
         self.runs.len()
     }
 
-    /// The runs' commit numbers and key counts, and the number of dead keys (to compare two
-    /// views of the runs).
-    pub fn summary(&self) -> (Vec<(u64, usize)>, usize) {
+    /// The runs' commit numbers and key counts, the number of dead keys, the gone rows and
+    /// the number of gone keys of the B-tree (to compare two views of the runs).
+    pub fn summary(&self) -> (Vec<(u64, usize)>, usize, Vec<u64>, usize) {
         let runs = self.runs.iter().map(|r| (r.no, r.keys.len())).collect();
-        (runs, self.dead.len())
+        (
+            runs,
+            self.dead.len(),
+            self.gone_rows.clone(),
+            self.gone_in_tree,
+        )
     }
 
     /// Keys in the runs, dead ones included.
@@ -166,7 +253,9 @@ pub(crate) struct IndexUpdate<'a> {
     added: Vec<u128>,
     /// Keys of new chunks that die in the same commit: never written anywhere.
     born_dead: FxHashSet<u128>,
-    /// Keys of runs whose chunks died in this commit.
+    /// Keys of older chunks that died in this commit (in a run or the B-tree).
+    gone: Vec<u128>,
+    /// Those of `gone` that are in a run.
     dead: Vec<u128>,
 }
 
@@ -177,6 +266,7 @@ impl<'a> IndexUpdate<'a> {
             runs,
             added: Vec::new(),
             born_dead: FxHashSet::default(),
+            gone: Vec::new(),
             dead: Vec::new(),
         }
     }
@@ -187,61 +277,71 @@ impl<'a> IndexUpdate<'a> {
     }
 
     /// Removes the key of a dying chunk. `new`: the chunk was added in this commit.
-    pub fn remove(&mut self, txn: &mut WriteTxn, key: u128, new: bool) {
+    pub fn remove(&mut self, key: u128, new: bool) {
         if new {
             self.born_dead.insert(key);
-        } else if self.runs.contains(key) {
+            return;
+        }
+        self.gone.push(key);
+        if self.runs.contains(key) {
             self.dead.push(key);
-        } else {
-            txn.remove(meta::FPS, &key);
         }
     }
 
     /// Writes the changes into `txn` as commit `no`'s; returns the runs as they are once
     /// `txn` commits, or `None` when they do not change.
-    pub fn finish(mut self, txn: &mut WriteTxn, no: u64, policy: RunPolicy) -> Option<Runs> {
+    pub fn finish(
+        mut self,
+        txn: &mut WriteTxn,
+        no: u64,
+        policy: RunPolicy,
+    ) -> Result<Option<Runs>> {
         if !self.born_dead.is_empty() {
             self.added.retain(|k| !self.born_dead.contains(k));
         }
         self.added.sort_unstable();
+        let runs = self.runs;
         let as_run = self.added.len() >= policy.keys_min.max(1);
-        if as_run
-            && (self.runs.len() + 1 >= policy.runs_max
-                || self.runs.stored_keys() + self.added.len() > RUN_KEYS_MAX)
-        {
-            return Some(self.merge(txn));
+        let runs_full = as_run
+            && (runs.len() + 1 >= policy.runs_max
+                || runs.stored_keys() + self.added.len() > RUN_KEYS_MAX);
+        let tree_gone = runs.gone_in_tree + self.gone.len() - self.dead.len();
+        let gone_full = !self.gone.is_empty()
+            && (runs.gone_rows.len() + 1 > GONE_ROWS_MAX || tree_gone > RUN_KEYS_MAX);
+        if runs_full || gone_full {
+            return self.merge(txn).map(Some);
         }
         if !as_run {
             for k in &self.added {
                 txn.insert(meta::FPS, k, &());
             }
-            if self.dead.is_empty() {
-                return None;
+            if self.gone.is_empty() {
+                return Ok(None);
             }
         }
-        for k in &self.dead {
-            txn.insert(meta::FPS_DEAD, k, &());
+        let mut next = runs.clone();
+        if !self.gone.is_empty() {
+            self.gone.sort_unstable();
+            txn.insert(meta::FPS_GONE, &no, encode(&self.gone).as_slice());
+            next.gone_rows.push(no);
+            next.gone_in_tree = tree_gone;
+            next.dead.extend(self.dead);
         }
-        let mut next = self.runs.clone();
-        next.dead.extend(self.dead);
         if as_run {
             txn.insert(meta::FPS_RUNS, &no, encode(&self.added).as_slice());
-            next.runs.push(Arc::new(Run {
-                no,
-                keys: self.added,
-            }));
+            next.runs.push(Arc::new(Run::new(no, self.added)));
         }
-        Some(next)
+        Ok(Some(next))
     }
 
-    /// Moves every live key of the runs, and the added ones, into the B-tree, in key order;
-    /// removes the runs and the dead keys.
-    fn merge(self, txn: &mut WriteTxn) -> Runs {
-        let dead: FxHashSet<u128> = self.runs.dead.iter().chain(&self.dead).copied().collect();
+    /// Moves every live key of the runs, and the added ones, into the B-tree and removes every
+    /// gone key of the B-tree, in key order; removes the runs and the gone rows.
+    fn merge(self, txn: &mut WriteTxn) -> Result<Runs> {
+        let runs = self.runs;
+        let dead: FxHashSet<u128> = runs.dead.iter().chain(&self.dead).copied().collect();
         let mut all = self.added;
         all.extend(
-            self.runs
-                .runs
+            runs.runs
                 .iter()
                 .flat_map(|r| r.keys.iter().copied())
                 .filter(|k| !dead.contains(k)),
@@ -250,13 +350,32 @@ impl<'a> IndexUpdate<'a> {
         for k in &all {
             txn.insert(meta::FPS, k, &());
         }
-        for r in &self.runs.runs {
+        let mut stale: Vec<u128> = self
+            .gone
+            .iter()
+            .copied()
+            .filter(|k| !runs.contains(*k))
+            .collect();
+        for &no in &runs.gone_rows {
+            let row = txn
+                .get(meta::FPS_GONE, &no)?
+                .ok_or_else(|| Error::Corrupt(format!("dedup index gone row {no} is missing")))?;
+            stale.extend(decode(no, &row)?.into_iter().filter(|k| !runs.contains(*k)));
+            txn.remove(meta::FPS_GONE, &no);
+        }
+        assert_eq!(
+            stale.len(),
+            runs.gone_in_tree + self.gone.len() - self.dead.len(),
+            "gone keys of the B-tree miscounted"
+        );
+        stale.sort_unstable();
+        for k in &stale {
+            txn.remove(meta::FPS, k);
+        }
+        for r in &runs.runs {
             txn.remove(meta::FPS_RUNS, &r.no);
         }
-        for k in &self.runs.dead {
-            txn.remove(meta::FPS_DEAD, k);
-        }
-        Runs::default()
+        Ok(Runs::default())
     }
 }
 
@@ -290,9 +409,9 @@ mod tests {
             update.add(k);
         }
         for &(k, new) in removed {
-            update.remove(&mut txn, k, new);
+            update.remove(k, new);
         }
-        let next = update.finish(&mut txn, no, POLICY);
+        let next = update.finish(&mut txn, no, POLICY)?;
         txn.commit()?;
         Ok(next.unwrap_or_else(|| runs.clone()))
     }
@@ -319,7 +438,7 @@ mod tests {
 
             let first = [key(7, 10), key(3, 11), key(7, 12), key(1, 13), key(5, 14)];
             let runs = commit(&store, &runs, 2, &first, &[])?;
-            assert_eq!(runs.summary(), (vec![(2, 5)], 0));
+            assert_eq!(runs.summary(), (vec![(2, 5)], 0, vec![], 0));
             assert_eq!(runs.candidates(7).collect::<Vec<_>>(), vec![10, 12]);
             assert_eq!(runs.candidates(4).count(), 0);
             assert_eq!(btree(&store)?.len(), 2, "a run leaves the B-tree alone");
@@ -332,11 +451,15 @@ mod tests {
                 &second,
                 &[(key(3, 11), false), (key(2, 2), false)],
             )?;
-            assert_eq!(runs.summary(), (vec![(2, 5), (3, 4)], 1));
+            assert_eq!(runs.summary(), (vec![(2, 5), (3, 4)], 1, vec![3], 1));
             assert_eq!(runs.candidates(7).collect::<Vec<_>>(), vec![20, 10, 12]);
             assert_eq!(runs.candidates(3).count(), 0, "a dead key is no candidate");
             assert!(runs.holds(key(6, 21)) && !runs.holds(key(3, 11)));
-            assert_eq!(btree(&store)?, vec![key(9, 1)]);
+            assert_eq!(
+                btree(&store)?,
+                vec![key(2, 2), key(9, 1)],
+                "a gone key of the B-tree waits there for the merge"
+            );
             let loaded = Runs::load(&store.read()?)?;
             assert_eq!(loaded.summary(), runs.summary());
             assert_eq!(
@@ -347,18 +470,60 @@ mod tests {
             // The third run merges: every live key lands in the B-tree, in one place.
             let third = [key(4, 30), key(4, 31), key(9, 32), key(2, 33)];
             let runs = commit(&store, &runs, 4, &third, &[(key(7, 12), false)])?;
-            assert_eq!(runs.summary(), (vec![], 0));
+            assert_eq!(runs.summary(), (vec![], 0, vec![], 0));
             let mut expect: Vec<u128> = [&first[..], &second, &third, &[key(9, 1)]]
                 .concat()
                 .into_iter()
                 .filter(|&k| k != key(3, 11) && k != key(7, 12))
                 .collect();
             expect.sort_unstable();
-            assert_eq!(btree(&store)?, expect);
+            assert_eq!(btree(&store)?, expect, "the gone key of the B-tree removed");
             let r = store.read()?;
             assert_eq!(r.iter(meta::FPS_RUNS)?.count(), 0);
-            assert_eq!(r.iter(meta::FPS_DEAD)?.count(), 0);
+            assert_eq!(r.iter(meta::FPS_GONE)?.count(), 0);
         }
+        Ok(())
+    }
+
+    /// Deaths without new keys are written as gone rows (the B-tree untouched) until the rows
+    /// reach [`GONE_ROWS_MAX`]: the commit that would write one more removes them all from the
+    /// B-tree and deletes the rows; the rows reload as written.
+    #[test]
+    fn gone_rows_are_applied_when_they_pass_their_limit() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let n = GONE_ROWS_MAX as u64 + 1;
+        let all: Vec<u128> = (0..n + 1).map(|i| key(i * 7 % 11, i)).collect();
+        let mut runs = commit(&store, &Runs::default(), 1, &all[..3], &[])?;
+        // Below keys_min: straight into the B-tree, a batch at a time.
+        for (i, chunk) in all[3..].chunks(3).enumerate() {
+            runs = commit(&store, &runs, 2 + i as u64, chunk, &[])?;
+        }
+        assert_eq!(btree(&store)?.len(), all.len());
+        let first = 1000;
+        for i in 0..GONE_ROWS_MAX as u64 {
+            runs = commit(&store, &runs, first + i, &[], &[(all[i as usize], false)])?;
+        }
+        let (_, dead, rows, in_tree) = runs.summary();
+        assert_eq!(
+            (dead, rows.len(), in_tree),
+            (0, GONE_ROWS_MAX, GONE_ROWS_MAX)
+        );
+        assert_eq!(
+            btree(&store)?.len(),
+            all.len(),
+            "deaths left the B-tree alone"
+        );
+        assert_eq!(Runs::load(&store.read()?)?.summary(), runs.summary());
+        let last = GONE_ROWS_MAX;
+        runs = commit(&store, &runs, first + n, &[], &[(all[last], false)])?;
+        assert_eq!(runs.summary(), (vec![], 0, vec![], 0));
+        assert_eq!(btree(&store)?, {
+            let mut live = all[last + 1..].to_vec();
+            live.sort_unstable();
+            live
+        });
+        assert_eq!(store.read()?.iter(meta::FPS_GONE)?.count(), 0);
         Ok(())
     }
 
@@ -369,12 +534,33 @@ mod tests {
         let store = Store::create(dir.path(), Backend::Redb)?;
         let added = [key(1, 1), key(2, 2), key(3, 3), key(4, 4), key(5, 5)];
         let runs = commit(&store, &Runs::default(), 1, &added, &[(key(3, 3), true)])?;
-        assert_eq!(runs.summary(), (vec![(1, 4)], 0));
+        assert_eq!(runs.summary(), (vec![(1, 4)], 0, vec![], 0));
         assert!(!runs.contains(key(3, 3)));
         let runs = commit(&store, &runs, 2, &[key(6, 6)], &[(key(6, 6), true)])?;
-        assert_eq!(runs.summary(), (vec![(1, 4)], 0));
+        assert_eq!(runs.summary(), (vec![(1, 4)], 0, vec![], 0));
         assert!(btree(&store)?.is_empty());
         Ok(())
+    }
+
+    /// A run is searched only for keys whose chunk id lies in its range of ids, and found there
+    /// whether or not other runs' ranges overlap it.
+    #[test]
+    fn a_run_is_searched_by_its_chunk_ids() {
+        let runs = Runs {
+            runs: vec![
+                Arc::new(Run::new(1, vec![key(1, 10), key(5, 30)])),
+                Arc::new(Run::new(2, vec![key(2, 20), key(3, 40)])),
+            ],
+            ..Runs::default()
+        };
+        for k in [key(1, 10), key(5, 30), key(2, 20), key(3, 40)] {
+            assert!(runs.contains(k), "{k:#x}");
+        }
+        for k in [key(1, 20), key(2, 10), key(5, 9), key(3, 41), key(4, 25)] {
+            assert!(!runs.contains(k), "{k:#x}");
+        }
+        assert_eq!(Run::new(3, vec![]).ids, (u64::MAX, 0));
+        assert!(!Run::new(3, vec![]).contains(key(0, 0)));
     }
 
     /// A stored run that is not whole keys in ascending order is refused as corrupt.

@@ -49,8 +49,13 @@ pub const FPS: Def<u128, ()> = Def::new(Table::Fps);
 /// The dedup index's runs: commit number → that commit's new keys, ascending, packed as
 /// 16-byte big-endian integers.
 pub const FPS_RUNS: Def<u64, [u8]> = Def::new(Table::FpsRuns);
-/// Keys in runs whose chunks died: left out when the runs are merged into [`FPS`].
+/// Keys in runs whose chunks died, as format version 6 and older keep them (key → ()); moved
+/// into one [`FPS_GONE`] row when such a pool is opened.
 pub const FPS_DEAD: Def<u128, ()> = Def::new(Table::FpsDead);
+/// The dedup index's gone rows: commit number → the keys (in a run or in [`FPS`]) of the
+/// chunks that died in that commit, ascending, packed as 16-byte big-endian integers; applied
+/// and deleted by the next merge (see [`crate::dedup_index`]).
+pub const FPS_GONE: Def<u64, [u8]> = Def::new(Table::FpsGone);
 /// Segment usage: id → (total, live) bytes.
 pub const SEGMENTS: Def<u64, [u8]> = Def::new(Table::Segments);
 /// Snapshots by `VOLUME@SNAPSHOT`.
@@ -163,7 +168,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 6;
+pub const POOL_FORMAT_VERSION: u64 = 7;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

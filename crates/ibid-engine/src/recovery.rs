@@ -5,7 +5,8 @@
 //! 2. [`read_catalog`]: the pool record, volumes, snapshots, zeroed ranges left to settle,
 //!    segment usage and the dedup index's runs (O(volumes), no map or chunk scan).
 //! 3. [`upgrade_format`]: an older pool's tables move to this version's layout, in the
-//!    transaction that rewrites the record (older builds refuse it from then on).
+//!    transaction that rewrites the record (older builds refuse it from then on); the dedup
+//!    index's runs are read again after it.
 //! 4. [`read_journal`]: the changes journaled after the last commit; batches resume after the
 //!    highest stamp found, so no stamp is used twice.
 //! 5. [`open_chunk_store`]: segment files no commit and no journaled change references were
@@ -64,7 +65,9 @@ pub(crate) fn open(
     let fs_space = FsSpace::new(config.disk.clone(), dir)?;
     let db = Store::open_on(&*config.disk, dir)?;
     let mut catalog = read_catalog(&db)?;
-    upgrade_format(&db, &mut catalog.record, dir)?;
+    if upgrade_format(&db, &mut catalog.record, dir)? {
+        catalog.dedup_runs = Runs::load(&db.read()?)?;
+    }
     let journaled = read_journal(&*config.disk, dir, &mut catalog)?;
     let segments = open_chunk_store(&config, dir, &catalog, &journaled)?;
     let journal = Journal::open(&*config.disk, dir, config.direct_io)?;
@@ -124,10 +127,10 @@ fn read_catalog(db: &Store) -> Result<Catalog> {
     })
 }
 
-/// Step 3: moves an older pool to this format version.
-fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<()> {
+/// Step 3: moves an older pool to this format version; returns whether it did.
+fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<bool> {
     if record.version >= meta::POOL_FORMAT_VERSION {
-        return Ok(());
+        return Ok(false);
     }
     // The store moved its tables to this version's layout when it opened, and the chunk
     // records move into pages here, in the transaction that rewrites the record, so older
@@ -147,8 +150,16 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<()>
             dir.display()
         );
     }
+    let gone = crate::dedup_index::upgrade(&mut txn, record.commits)?;
+    if gone > 0 {
+        tracing::info!(
+            "pool {}: {gone} dead dedup index keys moved into a gone row",
+            dir.display()
+        );
+    }
     txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
-    txn.commit()
+    txn.commit()?;
+    Ok(true)
 }
 
 /// Step 4: the changes journaled after the last commit, with their stamps; the record's

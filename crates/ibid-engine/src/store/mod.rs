@@ -53,16 +53,19 @@ pub enum Table {
     Orphans,
     /// The dedup index's runs: commit number → sorted keys.
     FpsRuns,
-    /// Dedup index keys in runs whose chunks died.
+    /// Dedup index keys in runs whose chunks died (format version 6 and older; moved into a
+    /// gone row at open).
     FpsDead,
     /// Zeroed ranges a commit left to settle: volume id → ranges.
     Zeroing,
     /// Chunk records in pages of neighbouring ids.
     ChunkPages,
+    /// The dedup index's gone rows: commit number → keys of the chunks that died in it.
+    FpsGone,
 }
 
 /// Number of tables.
-pub const TABLES: usize = 13;
+pub const TABLES: usize = 14;
 
 impl Table {
     /// Every table, in index order.
@@ -80,6 +83,7 @@ impl Table {
         Table::FpsDead,
         Table::Zeroing,
         Table::ChunkPages,
+        Table::FpsGone,
     ];
 
     /// Position in [`Table::ALL`].
@@ -103,6 +107,7 @@ impl Table {
             Table::FpsDead => "fps.dead",
             Table::Zeroing => "zeroing",
             Table::ChunkPages => "chunk.pages",
+            Table::FpsGone => "fps.gone",
         }
     }
 }

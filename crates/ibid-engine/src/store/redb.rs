@@ -55,6 +55,7 @@ const LAYERS: TableDefinition<u64, u64> = TableDefinition::new("layers");
 const ORPHANS: TableDefinition<u64, ()> = TableDefinition::new("orphans");
 const FPS_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.runs");
 const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
+const FPS_GONE: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.gone");
 const ZEROING: TableDefinition<u64, &[u8]> = TableDefinition::new("zeroing");
 
 /// Runs the generic function `$f` on the redb table of `$table`, with the other arguments.
@@ -74,6 +75,7 @@ macro_rules! dispatch {
             Table::FpsDead => $f(FPS_DEAD, $($arg),*),
             Table::Zeroing => $f(ZEROING, $($arg),*),
             Table::ChunkPages => $f(CHUNK_PAGES, $($arg),*),
+            Table::FpsGone => $f(FPS_GONE, $($arg),*),
         }
     };
 }
