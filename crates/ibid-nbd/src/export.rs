@@ -111,6 +111,14 @@ pub trait Export: Send + Sync + 'static {
     fn write_is_quick(&self, _offset: u64, _len: u64) -> bool {
         false
     }
+    /// Reads as [`Export::read`] does, but only if that needs no wait for the device (the data
+    /// is in memory): then the server answers on the connection's own task, saving two thread
+    /// hand-offs. `Some` with the outcome when it read (or failed), `None` — `buf` then holds
+    /// nothing useful — when it would have waited: the server hands the request to a worker,
+    /// which calls [`Export::read`]. Default: `None`.
+    fn read_if_cached(&self, _offset: u64, _buf: &mut [u8]) -> Option<Result<(), ExportError>> {
+        None
+    }
     /// How long a request should wait before it runs, for a rate limit: asked once per
     /// read (`Read`, its length), write (`Write`, its length), write-zeroes and trim (`Write`,
     /// 0 bytes), on the connection's task, which then waits without holding a worker thread

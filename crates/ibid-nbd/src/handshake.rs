@@ -258,6 +258,7 @@ fn session(state: &State, name: String, export: Arc<dyn Export>) -> Session {
         export,
         mode: state.mode,
         meta_context,
+        read_misses: Default::default(),
     }
 }
 

@@ -37,7 +37,9 @@ pub use server::{
     SHUTDOWN_GRACE,
 };
 pub use tls::{TlsConfig, TlsConfigError, TlsCredentials};
-pub use transmission::{validate_request, INFLIGHT_BYTES_MAX, INFLIGHT_REQUESTS_MAX};
+pub use transmission::{
+    validate_request, INFLIGHT_BYTES_MAX, INFLIGHT_REQUESTS_MAX, INLINE_READ_BYTES_MAX,
+};
 pub use workers::WORKERS_DEFAULT;
 
 use tokio::io::{AsyncRead, AsyncWrite};

@@ -38,6 +38,9 @@ pub struct ServerConfig {
     /// Run the writes the backend calls quick ([`crate::Export::write_is_quick`]) on the
     /// connection's task instead of a worker thread.
     pub quick_writes_inline: bool,
+    /// Try reads of up to [`crate::INLINE_READ_BYTES_MAX`] on the connection's task first
+    /// ([`crate::Export::read_if_cached`]); only those that would wait go to a worker thread.
+    pub cached_reads_inline: bool,
 }
 
 impl Default for ServerConfig {
@@ -48,6 +51,7 @@ impl Default for ServerConfig {
             connections_max: CONNECTIONS_MAX,
             workers: WORKERS_DEFAULT,
             quick_writes_inline: true,
+            cached_reads_inline: true,
         }
     }
 }
@@ -99,7 +103,12 @@ pub async fn serve_until(
         stop: stop_rx,
     });
     let workers = Arc::new(
-        Workers::start(config.workers, config.quick_writes_inline).map_err(ServeError::Workers)?,
+        Workers::start(
+            config.workers,
+            config.quick_writes_inline,
+            config.cached_reads_inline,
+        )
+        .map_err(ServeError::Workers)?,
     );
     let slots = Arc::new(Semaphore::new(config.connections_max));
     let mut tasks = JoinSet::new();

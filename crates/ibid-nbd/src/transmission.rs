@@ -18,6 +18,7 @@ use crate::workers::Workers;
 use crate::BoxStream;
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
@@ -71,6 +72,38 @@ pub(crate) struct Session {
     pub meta_context: Option<u32>,
     /// Transmission flags sent to the client.
     pub flags: u16,
+    /// Reads tried on the connection's task in a row that the backend declined (see
+    /// [`try_inline`]).
+    pub read_misses: AtomicU32,
+}
+
+/// Reads declined in a row after which a connection tries only one read in
+/// [`READ_PROBE_EVERY`] inline, until one succeeds: a client reading data that is not in
+/// memory (a cold or large working set) then costs a wasted attempt only rarely.
+const READ_MISSES_MAX: u32 = 8;
+/// See [`READ_MISSES_MAX`].
+const READ_PROBE_EVERY: u32 = 16;
+
+/// Whether to try a connection's next read inline, given its streak of declined ones.
+fn try_inline(read_misses: &AtomicU32) -> bool {
+    let misses = read_misses.load(Ordering::Relaxed);
+    misses < READ_MISSES_MAX || {
+        read_misses.store(
+            misses.wrapping_add(1).max(READ_MISSES_MAX),
+            Ordering::Relaxed,
+        );
+        misses.is_multiple_of(READ_PROBE_EVERY)
+    }
+}
+
+/// Counts a read tried inline: a success ends the streak of declined ones.
+fn note_inline(read_misses: &AtomicU32, read: bool) {
+    let misses = read_misses.load(Ordering::Relaxed);
+    if read {
+        read_misses.store(0, Ordering::Relaxed);
+    } else if misses < READ_MISSES_MAX {
+        read_misses.store(misses + 1, Ordering::Relaxed);
+    }
 }
 
 /// Checks a request against the export before any backend call: flags valid for the
@@ -444,11 +477,17 @@ fn throttle(export: &Arc<dyn Export>, request: &Request) -> Duration {
     }
 }
 
+/// Largest read tried on the connection's task first ([`Export::read_if_cached`]): a larger
+/// one would hold up the connection's next requests for longer than a hand-off costs.
+pub const INLINE_READ_BYTES_MAX: u64 = 64 << 10;
+
 /// Hands one request to the worker pool, which runs it and queues its reply. A request the
 /// validation refused is answered from here, with no backend call, and so is a write the
-/// backend calls quick ([`Export::write_is_quick`]): running it here costs no thread hand-off
-/// (two per request otherwise: to a worker, and the reply back to the writer task), at the
-/// price of the connection reading its next request a few microseconds later.
+/// backend calls quick ([`Export::write_is_quick`]) and a read of up to
+/// [`INLINE_READ_BYTES_MAX`] the backend can answer from memory ([`Export::read_if_cached`]):
+/// running it here costs no thread hand-off (two per request otherwise: to a worker, and the
+/// reply back to the writer task), at the price of the connection reading its next request a
+/// few microseconds later.
 fn dispatch(
     request: Request,
     session: &Arc<Session>,
@@ -464,6 +503,7 @@ fn dispatch(
     } = request;
     let export = session.export.clone();
     let quick = workers.quick_writes_inline && is_quick_write(&export, &header);
+    let connection = session;
     let session = session.clone();
     let tx = tx.clone();
     let buffers = buffers.clone();
@@ -477,6 +517,20 @@ fn dispatch(
             _permits: permits,
         });
     };
+    if verdict.is_ok()
+        && workers.cached_reads_inline
+        && header.kind == wire::CMD_READ
+        && header.len <= INLINE_READ_BYTES_MAX
+        && try_inline(&connection.read_misses)
+    {
+        let cached = cached_read(export.as_ref(), &header);
+        note_inline(&connection.read_misses, cached.is_some());
+        if let Some(outcome) = cached {
+            buffers.give(payload);
+            reply(outcome);
+            return;
+        }
+    }
     match verdict {
         Err(errno) => reply(Outcome::Error(errno, format!("request refused: {errno:?}"))),
         Ok(()) => {
@@ -496,6 +550,22 @@ fn dispatch(
             } else {
                 workers.submit(Box::new(run));
             }
+        }
+    }
+}
+
+/// The outcome of a read the backend answered from memory, `None` if it would have waited.
+fn cached_read(export: &dyn Export, header: &RequestHeader) -> Option<Outcome> {
+    let mut buf = vec![0u8; header.len as usize];
+    match catch_unwind(AssertUnwindSafe(|| {
+        export.read_if_cached(header.offset, &mut buf)
+    })) {
+        Ok(Some(Ok(()))) => Some(Outcome::Data(buf)),
+        Ok(Some(Err(e))) => Some(backend_error(e)),
+        Ok(None) => None,
+        Err(_) => {
+            warn!("NBD backend call panicked");
+            Some(Outcome::Error(Errno::Io, "internal error".into()))
         }
     }
 }
@@ -538,6 +608,34 @@ async fn write_loop(
 
 #[cfg(test)]
 mod tests {
+    /// After `READ_MISSES_MAX` declined reads in a row a connection tries one read in
+    /// `READ_PROBE_EVERY` inline; one that succeeds brings back trying every read.
+    #[test]
+    fn declined_reads_make_a_connection_try_inline_rarely_until_one_succeeds() {
+        use super::{note_inline, try_inline, READ_MISSES_MAX, READ_PROBE_EVERY};
+        let misses = std::sync::atomic::AtomicU32::new(0);
+        for _ in 0..READ_MISSES_MAX {
+            assert!(try_inline(&misses));
+            note_inline(&misses, false);
+        }
+        let tried: Vec<bool> = (0..3 * READ_PROBE_EVERY)
+            .map(|_| {
+                let t = try_inline(&misses);
+                if t {
+                    note_inline(&misses, false);
+                }
+                t
+            })
+            .collect();
+        assert_eq!(tried.iter().filter(|&&t| t).count(), 3, "{tried:?}");
+        while !try_inline(&misses) {}
+        note_inline(&misses, true);
+        assert!(
+            (0..5).all(|_| try_inline(&misses)),
+            "a success resets the streak"
+        );
+    }
+
     use super::*;
 
     fn req(kind: u16, flags: u16, offset: u64, len: u64) -> RequestHeader {

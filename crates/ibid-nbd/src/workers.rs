@@ -25,11 +25,17 @@ pub(crate) struct Workers {
     queue: Sender<Job>,
     /// Writes the backend calls quick run on the connection's task, not here.
     pub(crate) quick_writes_inline: bool,
+    /// Reads the backend answers from memory run on the connection's task, not here.
+    pub(crate) cached_reads_inline: bool,
 }
 
 impl Workers {
     /// Starts `count` (at least one) worker threads.
-    pub(crate) fn start(count: usize, quick_writes_inline: bool) -> std::io::Result<Workers> {
+    pub(crate) fn start(
+        count: usize,
+        quick_writes_inline: bool,
+        cached_reads_inline: bool,
+    ) -> std::io::Result<Workers> {
         let (queue, jobs) = crossbeam_channel::unbounded::<Job>();
         for i in 0..count.max(1) {
             let jobs: Receiver<Job> = jobs.clone();
@@ -40,6 +46,7 @@ impl Workers {
         Ok(Workers {
             queue,
             quick_writes_inline,
+            cached_reads_inline,
         })
     }
 
@@ -73,7 +80,7 @@ mod tests {
     /// A job that panics does not take its worker down: the one worker runs the next job.
     #[test]
     fn a_panicking_job_leaves_the_worker_alive() {
-        let workers = Workers::start(1, false).expect("start");
+        let workers = Workers::start(1, false, false).expect("start");
         let (tx, rx) = mpsc::channel();
         workers.submit(Box::new(|| panic!("injected")));
         workers.submit(Box::new(move || tx.send(7).expect("send")));
@@ -84,7 +91,7 @@ mod tests {
     /// other finish on two workers.
     #[test]
     fn jobs_run_in_parallel_on_separate_workers() {
-        let workers = Workers::start(2, false).expect("start");
+        let workers = Workers::start(2, false, false).expect("start");
         let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
         let (tx, rx) = mpsc::channel();
         for i in 0..2 {

@@ -581,6 +581,17 @@ impl ibid_nbd::Export for GatedExport {
     fn write_is_quick(&self, _: u64, len: u64) -> bool {
         len <= 4096
     }
+    /// Offsets from 512 KiB on are "in memory": answered at once, with 9s.
+    fn read_if_cached(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<Result<(), ibid_nbd::ExportError>> {
+        (offset >= 512 << 10).then(|| {
+            buf.fill(9);
+            Ok(())
+        })
+    }
     fn write_zeroes(&self, _: u64, _: u64, _: bool) -> Result<(), ibid_nbd::ExportError> {
         Ok(())
     }
@@ -661,6 +672,51 @@ fn quick_writes_run_on_the_connection_not_behind_the_workers() {
         let rest: Vec<u64> = if inline { vec![3, 4] } else { vec![2] };
         for cookie in rest {
             assert_eq!(c.simple(), (0, cookie));
+        }
+    }
+}
+
+/// Proves a read the backend answers from memory runs on the connection's task: with the only
+/// worker thread stuck in a read that would wait, a cached read is still answered, first, with
+/// its data; with inline reads switched off, or for a read larger than the inline limit, it
+/// waits for the worker like any other.
+#[test]
+fn cached_reads_run_on_the_connection_not_behind_the_workers() {
+    let big = ibid_nbd::INLINE_READ_BYTES_MAX + 4096;
+    for (inline, len) in [(true, 4096u64), (false, 4096), (true, big)] {
+        let gate = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let export = std::sync::Arc::new(GatedExport { gate: gate.clone() });
+        let config = ServerConfig {
+            workers: 1,
+            cached_reads_inline: inline,
+            ..ServerConfig::default()
+        };
+        let srv = TestServer::start(std::sync::Arc::new(GatedExports(export)), config);
+        let mut c = Raw::connect(srv.port);
+        c.go("any", false, false);
+        c.request(CMD_READ, 0, 1, 0, 512);
+        c.request(CMD_READ, 0, 2, 512 << 10, len);
+        let first = inline && len == 4096;
+        if first {
+            assert_eq!(c.simple(), (0, 2), "the cached read is answered first");
+            assert_eq!(c.read_n(len as usize), vec![9u8; len as usize]);
+        } else {
+            assert!(
+                !reply_within(&mut c, Duration::from_millis(300)),
+                "a read not run inline was answered while the only worker is busy"
+            );
+        }
+        {
+            let (open, cv) = &*gate;
+            *open.lock().expect("gate") = true;
+            cv.notify_all();
+        }
+        assert_eq!(c.simple(), (0, 1));
+        assert_eq!(c.read_n(512), vec![7u8; 512]);
+        if !first {
+            // The worker's `read` (7s), not the cached path.
+            assert_eq!(c.simple(), (0, 2));
+            assert_eq!(c.read_n(len as usize), vec![7u8; len as usize]);
         }
     }
 }

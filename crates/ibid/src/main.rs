@@ -111,6 +111,11 @@ struct ServeArgs {
     /// hand-offs; this switch is for comparing the two).
     #[arg(long)]
     nbd_no_inline_writes: bool,
+    /// Hand every NBD read to the worker threads (by default a read of up to 64 KiB is first
+    /// tried on its connection's task, reading only what is in memory, and goes to a worker
+    /// only if it would wait for the disk; this switch is for comparing the two).
+    #[arg(long)]
+    nbd_no_inline_reads: bool,
     /// Seconds the HTTP API waits for a request's headers, and again for its body, before it
     /// gives up on the request (a stalled client cannot hold a connection open).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -255,6 +260,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_workers,
         io_threads,
         nbd_no_inline_writes,
+        nbd_no_inline_reads,
         http_timeout,
         scrub_rate,
         scrub_every,
@@ -292,6 +298,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         nbd_tls,
         nbd_workers: usize::from(nbd_workers),
         nbd_inline_writes: !nbd_no_inline_writes,
+        nbd_inline_reads: !nbd_no_inline_reads,
         io_threads: io_threads.map_or_else(serve::io_threads_default, usize::from),
         http_timeout: std::time::Duration::from_secs(http_timeout),
         scrub_rate,

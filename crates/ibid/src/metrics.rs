@@ -143,6 +143,18 @@ impl VolumeIo {
     ) -> Result<T, E> {
         let start = Instant::now();
         let result = f();
+        self.record_since(op, bytes, start, result)
+    }
+
+    /// Records `result`, one request of kind `op` moving `bytes` that started at `start`, as
+    /// [`VolumeIo::record`] does; returns it.
+    pub fn record_since<T, E>(
+        &self,
+        op: Op,
+        bytes: u64,
+        start: Instant,
+        result: Result<T, E>,
+    ) -> Result<T, E> {
         let stats = &self.ops[op as usize];
         stats.observe(start.elapsed());
         match &result {

@@ -123,6 +123,20 @@ impl Export for VolumeExport {
             .map_err(to_export_error)
     }
 
+    fn read_if_cached(&self, offset: u64, buf: &mut [u8]) -> Option<Result<(), ExportError>> {
+        let start = std::time::Instant::now();
+        let result = match self.volume.read_if_cached(offset, buf) {
+            Ok(false) => return None,
+            Ok(true) => Ok(()),
+            Err(e) => Err(e),
+        };
+        Some(
+            self.io
+                .record_since(Op::Read, buf.len() as u64, start, result)
+                .map_err(to_export_error),
+        )
+    }
+
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
         self.io
             .record(Op::Write, data.len() as u64, || {

@@ -44,6 +44,8 @@ pub struct ServeOptions {
     pub nbd_workers: usize,
     /// Run small NBD writes that will not wait on their connection's task.
     pub nbd_inline_writes: bool,
+    /// Answer small NBD reads from memory on their connection's task when they can.
+    pub nbd_inline_reads: bool,
     /// Threads of the async runtime (sockets of every protocol; see [`io_threads_default`]).
     pub io_threads: usize,
     /// How long the API waits for a request's headers, and then for its body.
@@ -280,6 +282,7 @@ async fn serve(
         tls: opts.nbd_tls.clone(),
         workers: opts.nbd_workers,
         quick_writes_inline: opts.nbd_inline_writes,
+        cached_reads_inline: opts.nbd_inline_reads,
         ..ibid_nbd::ServerConfig::default()
     };
     let nbd = async {

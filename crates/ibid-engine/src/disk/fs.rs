@@ -23,6 +23,45 @@ impl DiskFile for FsFile {
         self.0.read_exact_at(buf, offset)
     }
 
+    fn read_exact_at_nowait(&self, mut buf: &mut [u8], mut offset: u64) -> io::Result<()> {
+        while !buf.is_empty() {
+            let iov = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            };
+            // SAFETY: a valid open file descriptor and one iovec over `buf`, which outlives
+            // the call.
+            let n = unsafe {
+                libc::preadv2(
+                    self.0.as_raw_fd(),
+                    &iov,
+                    1,
+                    offset as libc::off_t,
+                    libc::RWF_NOWAIT,
+                )
+            };
+            match n {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n if n > 0 => {
+                    buf = &mut buf[n as usize..];
+                    offset += n as u64;
+                }
+                _ => {
+                    let e = io::Error::last_os_error();
+                    match e.raw_os_error() {
+                        Some(libc::EINTR) => continue,
+                        // Not cached, or a filesystem that does not do RWF_NOWAIT.
+                        Some(libc::EAGAIN | libc::EOPNOTSUPP) => {
+                            return Err(io::ErrorKind::WouldBlock.into())
+                        }
+                        _ => return Err(e),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.0.write_all_at(buf, offset)
     }
@@ -141,5 +180,53 @@ impl Disk for FsDisk {
         // SAFETY: flock on a file descriptor we own.
         let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
         Ok((rc == 0).then(|| Box::new(f) as Box<dyn Any + Send + Sync>))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::direct_io::AlignedBuf;
+
+    /// A read from memory only declines (`WouldBlock`) what the page cache lacks — data just
+    /// written with `O_DIRECT`, where the filesystem allows it — and reads, exactly, what a
+    /// plain read has brought into it.
+    #[test]
+    fn a_nowait_read_declines_what_the_page_cache_lacks() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f");
+        let disk = FsDisk;
+        let file = disk.open(&path, OpenMode::CreateNew).expect("create");
+        let data: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+        let direct = disk.open_direct(&path).expect("open direct");
+        match &direct {
+            Some(d) => {
+                let mut buf = AlignedBuf::with_capacity(data.len());
+                buf.push(&data);
+                d.write_all_at(buf.bytes(), 0).expect("direct write");
+            }
+            None => file.write_all_at(&data, 0).expect("write"),
+        }
+        let mut got = vec![0u8; 64 << 10];
+        let first = file.read_exact_at_nowait(&mut got, 256 << 10);
+        if direct.is_some() {
+            let e = first.expect_err("data written past the page cache was read from memory");
+            assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        }
+        file.read_exact_at(&mut got, 256 << 10).expect("read");
+        got.fill(0);
+        file.read_exact_at_nowait(&mut got, 256 << 10)
+            .expect("a cached range reads from memory");
+        assert_eq!(got, data[256 << 10..320 << 10]);
+        let e = file
+            .read_exact_at_nowait(&mut got, (1 << 20) - 4096)
+            .expect_err("past the end");
+        assert!(
+            matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof | io::ErrorKind::WouldBlock
+            ),
+            "{e}"
+        );
     }
 }

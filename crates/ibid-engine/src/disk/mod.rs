@@ -40,6 +40,12 @@ pub enum OpenMode {
 pub trait DiskFile: Send + Sync + Debug {
     /// Fills `buf` from `offset`; an `UnexpectedEof` error if the file ends first.
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// As [`DiskFile::read_exact_at`], but only from memory: a `WouldBlock` error, with `buf`
+    /// partly filled, if the read would wait for the device. Default: always `WouldBlock`
+    /// (a file that cannot tell).
+    fn read_exact_at_nowait(&self, _buf: &mut [u8], _offset: u64) -> io::Result<()> {
+        Err(io::ErrorKind::WouldBlock.into())
+    }
     /// Writes all of `buf` at `offset`, extending the file if needed. Not durable until
     /// [`DiskFile::sync_data`] returns.
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;

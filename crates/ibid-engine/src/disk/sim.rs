@@ -450,6 +450,11 @@ impl SimFile {
 }
 
 impl DiskFile for SimFile {
+    /// The simulated disk is memory: a read never waits (faults and latency as for a read).
+    fn read_exact_at_nowait(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.read_exact_at(buf, offset)
+    }
+
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.disk.wait(FaultOp::Read, &self.path);
         let mut st = self.disk.state.lock();

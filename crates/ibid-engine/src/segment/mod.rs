@@ -336,9 +336,37 @@ fn segment_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("{id:016x}.seg"))
 }
 
+thread_local! {
+    /// Set while this thread reads only what needs no wait for the device ([`NoWaitReads`]).
+    static NO_WAIT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While alive, segment reads on this thread come from memory only: a read that would wait
+/// for the device fails with an I/O error of kind `WouldBlock` instead (see
+/// [`crate::Volume::read_if_cached`]).
+pub(crate) struct NoWaitReads(bool);
+
+impl NoWaitReads {
+    /// Starts reading from memory only on this thread.
+    pub(crate) fn start() -> NoWaitReads {
+        NoWaitReads(NO_WAIT.with(|f| f.replace(true)))
+    }
+}
+
+impl Drop for NoWaitReads {
+    fn drop(&mut self) {
+        NO_WAIT.with(|f| f.set(self.0));
+    }
+}
+
 /// Fills `out` from `file` at `offset` (of segment `segment`, for errors).
 fn read_at(file: &dyn DiskFile, out: &mut [u8], offset: u64, segment: u64) -> Result<()> {
-    file.read_exact_at(out, offset).map_err(|e| {
+    let read = if NO_WAIT.with(|f| f.get()) {
+        file.read_exact_at_nowait(out, offset)
+    } else {
+        file.read_exact_at(out, offset)
+    };
+    read.map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             Error::Corrupt(format!(
                 "record at {offset}+{} beyond the end of segment {segment:016x}",

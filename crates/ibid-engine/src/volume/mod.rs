@@ -142,6 +142,25 @@ impl Volume {
         self.inner.read_range(&self.state, offset, buf)
     }
 
+    /// Reads as [`Volume::read`] does if that needs no wait for the device: `Ok(true)` when
+    /// it read (the data, metadata aside, was in memory: the page cache or the writers'
+    /// buffers), `Ok(false)` — `buf` then holds nothing useful — when some record was not in
+    /// memory, and the caller should [`Volume::read`] on a thread that may wait. Lets a
+    /// server answer cached reads on its connection's task, without a thread hand-off. The
+    /// metadata lookups may still read the store's file.
+    pub fn read_if_cached(&self, offset: u64, buf: &mut [u8]) -> Result<bool> {
+        self.check_range(offset, buf.len() as u64)?;
+        self.inner.note_io();
+        let _memory_only = crate::segment::NoWaitReads::start();
+        match self.inner.read_range(&self.state, offset, buf) {
+            Ok(()) => Ok(true),
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::WouldBlock => {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Whether this handle is a read-only snapshot.
     pub fn read_only(&self) -> bool {
         self.state.read_only

@@ -256,3 +256,60 @@ fn zeroing_committed_data_records_one_range() {
     pool.sync().expect("commit");
     assert_eq!(pool.stats().unique_chunks, 0);
 }
+
+/// `read_if_cached` reads exactly what `read` reads when it reads at all; it declines data
+/// written with `O_DIRECT` and not read since (where the filesystem allows direct I/O), reads
+/// it once a plain read has brought it into the page cache, and reads a never-written range
+/// (zeros, no I/O) and a pool on the simulated disk (memory) always.
+#[test]
+fn a_cached_read_reads_what_a_read_does_or_declines() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    let data: Vec<u8> = (0..256u32 << 10)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    {
+        let pool = Pool::create(&path, PoolConfig::default()).expect("create");
+        let v = pool.create_volume("v", 16 << 20).expect("volume");
+        v.write(0, &data, false).expect("write");
+        pool.close().expect("close");
+    }
+    let pool = Pool::open(&path, PoolConfig::default()).expect("open");
+    let v = pool.volume("v").expect("v");
+    let mut got = vec![0u8; 64 << 10];
+    let direct = pool.inner.config.direct_io;
+    if v.read_if_cached(64 << 10, &mut got).expect("cached read") {
+        assert_eq!(got, data[64 << 10..128 << 10]);
+    }
+    if direct {
+        assert!(
+            !v.read_if_cached(192 << 10, &mut got).expect("cached read"),
+            "data written with O_DIRECT and never read came from memory"
+        );
+    }
+    v.read(64 << 10, &mut got).expect("read");
+    got.fill(0);
+    assert!(v.read_if_cached(64 << 10, &mut got).expect("cached read"));
+    assert_eq!(got, data[64 << 10..128 << 10]);
+    got.fill(1);
+    assert!(v.read_if_cached(8 << 20, &mut got).expect("cached read"));
+    assert!(got.iter().all(|&b| b == 0), "a never-written range");
+    assert!(matches!(
+        v.read_if_cached(16 << 20, &mut got),
+        Err(crate::Error::OutOfRange { .. })
+    ));
+
+    let sim = crate::disk::SimDisk::new(7, 1 << 30);
+    let config = PoolConfig {
+        disk: std::sync::Arc::new(sim),
+        meta_backend: crate::store::Backend::Redb,
+        capacity_bytes: Some(512 << 20),
+        ..PoolConfig::default()
+    };
+    let pool = Pool::create(dir.path().join("sim"), config).expect("create on the simulated disk");
+    let v = pool.create_volume("v", 16 << 20).expect("volume");
+    v.write(0, &data, false).expect("write");
+    pool.sync().expect("sync");
+    assert!(v.read_if_cached(64 << 10, &mut got).expect("cached read"));
+    assert_eq!(got, data[64 << 10..128 << 10]);
+}
