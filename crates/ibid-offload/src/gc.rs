@@ -79,11 +79,12 @@ impl Remote {
         let (_, segments) = self.load_known().await?;
         self.compact_index(&known, &segments).await?;
         let store = self.store.clone();
-        futures::stream::iter(garbage.iter())
-            .map(|(h, _)| {
+        let names: Vec<Hash> = garbage.iter().map(|(h, _)| *h).collect();
+        futures::stream::iter(names)
+            .map(|h| {
                 let store = store.clone();
                 async move {
-                    match store.delete(&pack_path(h)).await {
+                    match store.delete(&pack_path(&h)).await {
                         Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
                         Err(e) => Err(Error::from(e)),
                     }

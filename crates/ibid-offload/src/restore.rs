@@ -109,11 +109,14 @@ impl Remote {
         by_pack: Vec<Wanted>,
         progress: &Arc<Progress>,
     ) -> Result<(u64, u64, u64)> {
-        let jobs = packs.iter().zip(by_pack).filter(|(_, w)| !w.is_empty());
+        let jobs: Vec<(Hash, Wanted)> = packs
+            .iter()
+            .copied()
+            .zip(by_pack)
+            .filter(|(_, w)| !w.is_empty())
+            .collect();
         let totals = futures::stream::iter(jobs)
-            .map(|(name, wanted)| {
-                self.restore_pack(target.clone(), *name, wanted, progress.clone())
-            })
+            .map(|(name, wanted)| self.restore_pack(target.clone(), name, wanted, progress.clone()))
             .buffer_unordered(DOWNLOADS_INFLIGHT_MAX)
             .try_fold((0, 0, 0), |a, b| async move {
                 Ok((a.0 + b.0, a.1 + b.1, a.2 + b.2))

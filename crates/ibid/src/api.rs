@@ -599,6 +599,7 @@ pub fn router(
             "/api/v1/volumes/{name}/snapshots/{snapshot}/export",
             post(export_snapshot).delete(unexport_snapshot),
         )
+        .merge(crate::remotes::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .with_state(Api {

@@ -11,6 +11,7 @@ mod lun_map;
 mod metrics;
 mod nbd_exports;
 mod qos;
+mod remotes;
 mod scrub;
 mod serve;
 mod units;

@@ -240,6 +240,7 @@ async fn serve(
     print_banner(&pool, &lun_map, opts, nbd_addr, iscsi_addr, http_addr);
     let metrics = Arc::new(Metrics::default());
     let qos = Arc::new(crate::qos::Qos::open(&pool)?);
+    let remotes = Arc::new(crate::remotes::Remotes::open(&pool)?);
     let clients = Arc::new(crate::clients::Clients::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -320,6 +321,7 @@ async fn serve(
                     ))
                     .layer(axum::Extension(metrics.clone()))
                     .layer(axum::Extension(qos.clone()))
+                    .layer(axum::Extension(remotes.clone()))
                     .layer(axum::Extension(scrubber.clone()))
                     .layer(axum::Extension(history.clone()))
                     .layer(axum::Extension(server_info.clone()))

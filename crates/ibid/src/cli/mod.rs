@@ -7,6 +7,7 @@ pub mod error;
 pub mod output;
 pub mod pool;
 pub mod progress;
+pub mod remote;
 pub mod snapshot;
 pub mod volume;
 
@@ -55,6 +56,11 @@ pub enum ClientCommand {
         #[command(subcommand)]
         cmd: pool::PoolCmd,
     },
+    /// S3-compatible object stores snapshots are pushed to: add, list, remove, verify, gc.
+    Remote {
+        #[command(subcommand)]
+        cmd: remote::RemoteCmd,
+    },
 }
 
 /// What a command handler needs: the connection and the output mode.
@@ -73,6 +79,7 @@ pub fn run(opts: &ClientOpts, command: ClientCommand) -> ExitCode {
         ClientCommand::Volume { cmd } => volume::run(&ctx, cmd),
         ClientCommand::Snapshot { cmd } => snapshot::run(&ctx, cmd),
         ClientCommand::Pool { cmd } => pool::run(&ctx, cmd),
+        ClientCommand::Remote { cmd } => remote::run(&ctx, cmd),
     };
     match result {
         Ok(()) => ExitCode::from(Exit::Ok as u8),
