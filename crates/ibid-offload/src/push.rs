@@ -41,7 +41,8 @@ pub struct PushReport {
     pub metadata_bytes_sent: u64,
     /// Chunks uploaded.
     pub chunks_sent: u64,
-    /// Chunks the remote already had (from earlier pushes, other volumes, or this one).
+    /// Chunks the remote already had (from earlier pushes, other volumes, this one, or an
+    /// interrupted push of this snapshot).
     pub chunks_skipped: u64,
     /// Chunks that read as zeros (not stored).
     pub chunks_zero: u64,
@@ -134,13 +135,17 @@ impl Remote {
         let mut pack_bytes_sent = 0u64;
         let mut metadata_bytes_sent = 0u64;
         let mut fresh = Known::new();
+        // Chunks of packs the bucket already had (left by an interrupted push): not sent.
+        let mut chunks_reused = 0u64;
         let mut since_flush = 0usize;
         let mut upload_error: Option<Error> = None;
         loop {
             while uploads.len() >= UPLOADS_INFLIGHT_MAX {
-                pack_bytes_sent += self
+                let (sent, reused) = self
                     .finish_upload(&mut uploads, &mut fresh, &mut upload_error)
                     .await;
+                pack_bytes_sent += sent;
+                chunks_reused += reused;
                 since_flush += 1;
             }
             if upload_error.is_some() {
@@ -172,9 +177,11 @@ impl Remote {
             }
         }
         while !uploads.is_empty() {
-            pack_bytes_sent += self
+            let (sent, reused) = self
                 .finish_upload(&mut uploads, &mut fresh, &mut upload_error)
                 .await;
+            pack_bytes_sent += sent;
+            chunks_reused += reused;
         }
         drop(rx); // The reader stops at its next send if it is still running.
         let read = reader
@@ -220,8 +227,8 @@ impl Remote {
             bytes_sent: pack_bytes_sent + metadata_bytes_sent,
             pack_bytes_sent,
             metadata_bytes_sent,
-            chunks_sent: read.chunks_sent,
-            chunks_skipped: read.chunks_skipped,
+            chunks_sent: read.chunks_sent - chunks_reused,
+            chunks_skipped: read.chunks_skipped + chunks_reused,
             chunks_zero: read.chunks_zero,
             data_bytes: read.data_bytes,
             packs_sent: read.packs,
@@ -230,19 +237,20 @@ impl Remote {
     }
 
     /// Waits for one upload; its chunks go to `fresh` (for the next index segment). Returns
-    /// the bytes it sent.
+    /// the bytes it sent and, if the bucket had the pack already, its chunk count.
     async fn finish_upload(
         &self,
         uploads: &mut Uploads,
         fresh: &mut Known,
         error: &mut Option<Error>,
-    ) -> u64 {
+    ) -> (u64, u64) {
         match uploads.join_next().await {
             Some(Ok(Ok((name, chunks, sent)))) => {
+                let reused = if sent == 0 { chunks.len() as u64 } else { 0 };
                 for (hash, at) in chunks {
                     fresh.insert(hash, (name, at));
                 }
-                return sent;
+                return (sent, reused);
             }
             Some(Ok(Err(e))) => {
                 error.get_or_insert(e);
@@ -252,7 +260,7 @@ impl Remote {
             }
             None => {}
         }
-        0
+        (0, 0)
     }
 
     /// The index (the union of its segments) and the segments' paths; with no segment at

@@ -409,9 +409,13 @@ fn a_push_killed_midway_completes_when_run_again(rgw: &Rgw) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start push");
+    // Killed once 4 packs (of about 19) are in the bucket.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while rgw.keys("kill/packs/").is_empty() {
-        assert!(Instant::now() < deadline, "no pack uploaded within 60 s");
+    while rgw.keys("kill/packs/").len() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "4 packs not uploaded within 60 s"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let dir = srv.kill();
@@ -421,9 +425,18 @@ fn a_push_killed_midway_completes_when_run_again(rgw: &Rgw) {
         !keys.iter().any(|k| k.starts_with("kill/snapshots/")),
         "the push finished before the kill; the test needs a bigger volume: {keys:?}"
     );
+    let packs_left = rgw.keys("kill/packs/").len() as u64;
     let srv = Server::start_in(dir, &["--no-default-volume"]);
     let report = json(&srv, rgw, &["snapshot", "push", "big@s", "--remote", "rgw"]);
-    eprintln!("resumed push: {report}");
+    eprintln!("resumed push ({packs_left} packs were left): {report}");
+    // The packs already there are not sent again (a pack holds at most 8 MiB + one chunk).
+    let made = report["packs_sent"].as_u64().expect("packs_sent");
+    let sent = report["pack_bytes_sent"].as_u64().expect("pack_bytes_sent");
+    assert!(sent <= (made - packs_left) * (8 * MIB + 65536), "{report}");
+    assert!(
+        report["chunks_skipped"].as_u64().expect("skipped") > 0,
+        "{report}"
+    );
     let b = Server::start(&["--no-default-volume"]);
     add_remote(&b, rgw, "rgw", "kill");
     json(
