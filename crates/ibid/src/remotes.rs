@@ -33,6 +33,17 @@ const REMOTES_MAX: usize = 64;
 struct Table {
     version: u64,
     remotes: BTreeMap<String, RemoteConfig>,
+    /// Volumes being restored: a volume still listed at start was cut off by a crash or a
+    /// kill and holds part of its snapshot, so it is deleted.
+    #[serde(default)]
+    restoring: Vec<String>,
+}
+
+/// What the file keeps.
+#[derive(Clone, Default)]
+struct Kept {
+    remotes: BTreeMap<String, RemoteConfig>,
+    restoring: Vec<String>,
 }
 
 /// The pool's remotes.
@@ -40,14 +51,14 @@ pub struct Remotes {
     /// `remotes.json`; `None` keeps nothing (tests).
     path: Option<PathBuf>,
     /// Held while a change is written, so the file and the table change together.
-    table: Mutex<BTreeMap<String, RemoteConfig>>,
+    state: Mutex<Kept>,
 }
 
 impl Remotes {
     /// The remotes kept in `pool`'s directory (none if it has no `remotes.json`).
     pub fn open(pool: &Pool) -> anyhow::Result<Remotes> {
         let path = pool.dir().join(FILE_NAME);
-        let remotes = match std::fs::read_to_string(&path) {
+        let state = match std::fs::read_to_string(&path) {
             Ok(text) => {
                 let t: Table = serde_json::from_str(&text).map_err(|e| {
                     anyhow::anyhow!("the remotes in {} are unreadable: {e}", path.display())
@@ -59,20 +70,48 @@ impl Remotes {
                         t.version
                     );
                 }
-                t.remotes
+                Kept {
+                    remotes: t.remotes,
+                    restoring: t.restoring,
+                }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Kept::default(),
             Err(e) => anyhow::bail!("read the remotes in {}: {e}", path.display()),
         };
-        Ok(Remotes {
+        let remotes = Remotes {
             path: Some(path),
-            table: Mutex::new(remotes),
-        })
+            state: Mutex::new(state),
+        };
+        remotes.drop_partial_restores(pool)?;
+        Ok(remotes)
+    }
+
+    /// Deletes the volumes whose restore a crash or kill cut off (listed as restoring).
+    fn drop_partial_restores(&self, pool: &Pool) -> anyhow::Result<()> {
+        let partial = self.state.lock().restoring.clone();
+        for name in &partial {
+            match pool.delete_volume(name) {
+                Ok(()) => tracing::warn!(
+                    "deleted volume {name}: its restore from a remote did not finish (the \
+                     server stopped); restore it again"
+                ),
+                Err(ibid_engine::Error::NotFound(_)) => {}
+                Err(e) => anyhow::bail!("delete the partly restored volume {name}: {e}"),
+            }
+        }
+        if !partial.is_empty() {
+            self.update(|s| {
+                s.restoring.clear();
+                Ok(())
+            })
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        }
+        Ok(())
     }
 
     /// A remote's configuration.
     fn config(&self, name: &str) -> Result<RemoteConfig, ApiError> {
-        self.table.lock().get(name).cloned().ok_or_else(|| {
+        self.state.lock().remotes.get(name).cloned().ok_or_else(|| {
             ApiError::new(
                 StatusCode::NOT_FOUND,
                 "not_found",
@@ -89,15 +128,16 @@ impl Remotes {
     /// Applies `change` to the table and writes it; nothing changes if either fails.
     fn update(
         &self,
-        change: impl FnOnce(&mut BTreeMap<String, RemoteConfig>) -> Result<(), ApiError>,
+        change: impl FnOnce(&mut Kept) -> Result<(), ApiError>,
     ) -> Result<(), ApiError> {
-        let mut table = self.table.lock();
+        let mut table = self.state.lock();
         let mut next = table.clone();
         change(&mut next)?;
         if let Some(path) = &self.path {
             let text = serde_json::to_vec_pretty(&Table {
                 version: FILE_VERSION,
-                remotes: next.clone(),
+                remotes: next.remotes.clone(),
+                restoring: next.restoring.clone(),
             })
             .map_err(|e| ApiError::internal(e.into()))?;
             crate::durable::write_private_file(path, &text).map_err(|e| {
@@ -208,9 +248,9 @@ where
 type Shared = Extension<Arc<Remotes>>;
 
 async fn list_remotes(Extension(remotes): Shared) -> Json<Value> {
-    let table = remotes.table.lock();
+    let state = remotes.state.lock();
     Json(Value::Array(
-        table.iter().map(|(n, c)| view(n, c)).collect(),
+        state.remotes.iter().map(|(n, c)| view(n, c)).collect(),
     ))
 }
 
@@ -250,7 +290,8 @@ async fn add_remote(
     })?;
     let name = r.name;
     let shown = view(&name, &config);
-    remotes.update(|t| {
+    remotes.update(|s| {
+        let t = &mut s.remotes;
         if t.contains_key(&name) {
             return Err(ApiError::conflict(
                 "already_exists",
@@ -274,7 +315,7 @@ async fn remove_remote(
     Extension(remotes): Shared,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    remotes.update(|t| match t.remove(&name) {
+    remotes.update(|s| match s.remotes.remove(&name) {
         Some(_) => Ok(()),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -371,11 +412,27 @@ async fn restore(
     let r = body(req)?;
     let (volume, snap) = split(&r.snapshot)?;
     let remote = remotes.remote(&name)?;
+    if pool.volume(&r.volume).is_ok() {
+        return Err(ApiError::conflict(
+            "already_exists",
+            format!("a volume {:?} exists", r.volume),
+        ));
+    }
+    // Listed while it runs: a volume left half-restored by a crash is deleted at the next start.
+    let target = r.volume.clone();
+    remotes.update(|s| {
+        s.restoring.push(target);
+        Ok(())
+    })?;
     let progress = Arc::new(Progress::default());
-    let report = remote
+    let result = remote
         .restore(&pool, volume, snap, &r.volume, progress)
-        .await
-        .map_err(offload_error)?;
+        .await;
+    remotes.update(|s| {
+        s.restoring.retain(|v| *v != r.volume);
+        Ok(())
+    })?;
+    let report = result.map_err(offload_error)?;
     tracing::info!(
         "restored {} from {name} as {}: {} bytes received, {:.1} s",
         r.snapshot,

@@ -393,7 +393,9 @@ fn push_incremental_and_restore_on_another_server(rgw: &Rgw) {
 }
 
 /// kill -9 of the server while a push uploads leaves packs but no snapshot in the bucket; the
-/// push run again after a restart completes, restores equal, and the remote verifies clean.
+/// push run again after a restart completes without sending those packs again, and the remote
+/// verifies clean. kill -9 during a restore: the half-restored volume is deleted at the
+/// restart; restored again, it equals the source (qemu-img compare).
 fn a_push_killed_midway_completes_when_run_again(rgw: &Rgw) {
     let size = 384 * MIB;
     let srv = Server::start(&["--no-default-volume"]);
@@ -437,21 +439,44 @@ fn a_push_killed_midway_completes_when_run_again(rgw: &Rgw) {
         report["chunks_skipped"].as_u64().expect("skipped") > 0,
         "{report}"
     );
+    // A restore killed midway: its volume is gone after the restart; restored again, equal.
+    let restore_args = [
+        "volume",
+        "restore",
+        "big",
+        "--remote",
+        "rgw",
+        "--snapshot",
+        "big@s",
+    ];
     let b = Server::start(&["--no-default-volume"]);
     add_remote(&b, rgw, "rgw", "kill");
-    json(
-        &b,
-        rgw,
-        &[
-            "volume",
-            "restore",
-            "big",
-            "--remote",
-            "rgw",
-            "--snapshot",
-            "big@s",
-        ],
+    let url = format!("http://{}", b.http.as_deref().expect("API"));
+    let mut restore = Command::new(env!("CARGO_BIN_EXE_ibid"))
+        .args(restore_args)
+        .args(["--server", &url])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start restore");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ok(&b, rgw, &["volume", "list"]).contains("big") {
+        assert!(
+            Instant::now() < deadline,
+            "the restore made no volume within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let dir = b.kill();
+    let finished = restore.wait().map(|s| s.success()).unwrap_or(false);
+    assert!(!finished, "the restore finished before the kill");
+    let b = Server::start_in(dir, &["--no-default-volume"]);
+    assert!(
+        !ok(&b, rgw, &["volume", "list"]).contains("big"),
+        "a half-restored volume survived the restart"
     );
+    json(&b, rgw, &restore_args);
     assert_same(&srv.url("big@s"), &b.url("big"));
     let v = json(&b, rgw, &["remote", "verify", "rgw"]);
     assert_eq!(v["ok"], true, "{v}");
