@@ -102,6 +102,7 @@ impl Remote {
             Err(object_store::Error::NotFound { .. }) => {}
             Err(e) => return Err(e.into()),
         }
+        // A first estimate; the reader sets the exact figure once it has walked the extents.
         progress.bytes_total.store(
             info.mapped_blocks * 4096,
             std::sync::atomic::Ordering::Relaxed,
@@ -478,7 +479,16 @@ fn read_snapshot(
         tx.blocking_send(sealed)
             .map_err(|_| Error::Invalid("push uploader stopped".into()))
     };
-    for (first, count) in data_chunk_runs(handle, size)? {
+    let runs = data_chunk_runs(handle, size)?;
+    // What the reader will go through: the chunks holding any mapped block, whole.
+    let total: u64 = runs
+        .iter()
+        .map(|&(first, count)| ((first + count) * CHUNK_BYTES).min(size) - first * CHUNK_BYTES)
+        .sum();
+    progress
+        .bytes_total
+        .store(total, std::sync::atomic::Ordering::Relaxed);
+    for (first, count) in runs {
         let mut c = first;
         while c < first + count {
             progress.check()?;

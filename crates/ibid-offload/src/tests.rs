@@ -66,9 +66,13 @@ fn push_then_restore_gives_the_same_bytes() {
     pool.create_snapshot("v", "s1").expect("snapshot");
     let remote = Remote::new(Arc::new(InMemory::new()));
     let rt = rt();
+    let progress = Arc::new(Progress::default());
     let report = rt
-        .block_on(remote.push(&pool, "v", "s1", Arc::default()))
+        .block_on(remote.push(&pool, "v", "s1", progress.clone()))
         .expect("push");
+    let done = progress.bytes_done.load(Relaxed);
+    assert_eq!(done, progress.bytes_total.load(Relaxed));
+    assert_eq!(done, 8 * MIB + 2 * MIB + 512 * 7);
     // 8 MiB + the tail unique; the 2 MiB copy is skipped.
     assert_eq!(report.chunks_sent, 128 + 1);
     assert_eq!(report.chunks_skipped, 32);

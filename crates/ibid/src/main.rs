@@ -7,6 +7,7 @@ mod clients;
 mod durable;
 mod history;
 mod iscsi_luns;
+mod jobs;
 mod lun_map;
 mod metrics;
 mod nbd_exports;

@@ -198,6 +198,9 @@ struct AddRemote {
 #[serde(deny_unknown_fields)]
 struct PushRequest {
     remote: String,
+    /// Answer at once (202, the job) instead of when the push ends.
+    #[serde(default)]
+    background: bool,
 }
 
 #[derive(Deserialize)]
@@ -207,6 +210,9 @@ struct RestoreRequest {
     snapshot: String,
     /// Name of the new volume.
     volume: String,
+    /// Answer at once (202, the job) instead of when the restore ends.
+    #[serde(default)]
+    background: bool,
 }
 
 type Body<T> = Result<Json<T>, axum::extract::rejection::JsonRejection>;
@@ -382,36 +388,54 @@ async fn delete_remote_snapshot(
 async fn push(
     State(pool): State<Pool>,
     Extension(remotes): Shared,
+    Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
     Path((volume, snapshot)): Path<(String, String)>,
     req: Body<PushRequest>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<(StatusCode, Json<Value>), ApiError> {
     let r = body(req)?;
     let remote = remotes.remote(&r.remote)?;
+    // Refuse at once what would fail at once, rather than as a failed job.
+    if !pool
+        .list_snapshots(Some(&volume))
+        .iter()
+        .any(|s| s.name == snapshot)
+    {
+        return Err(ibid_engine::Error::NotFound(format!("{volume}@{snapshot}")).into());
+    }
     let progress = Arc::new(Progress::default());
-    let report = remote
-        .push(&pool, &volume, &snapshot, progress)
-        .await
-        .map_err(offload_error)?;
-    tracing::info!(
-        "pushed {volume}@{snapshot} to {}: {} bytes sent, {} chunks sent, {} skipped, {:.1} s",
-        r.remote,
-        report.bytes_sent,
-        report.chunks_sent,
-        report.chunks_skipped,
-        report.duration_s
-    );
-    Ok(Json(json!(report)))
+    let target = format!("{volume}@{snapshot} -> {}", r.remote);
+    let work = {
+        let progress = progress.clone();
+        async move {
+            let report = remote
+                .push(&pool, &volume, &snapshot, progress)
+                .await
+                .map_err(offload_error)?;
+            tracing::info!(
+                "pushed {volume}@{snapshot} to {}: {} bytes sent, {} chunks sent, {} skipped, {:.1} s",
+                r.remote,
+                report.bytes_sent,
+                report.chunks_sent,
+                report.chunks_skipped,
+                report.duration_s
+            );
+            Ok(json!(report))
+        }
+    };
+    jobs.run("push", target, r.background, progress, work).await
 }
 
 async fn restore(
     State(pool): State<Pool>,
     Extension(remotes): Shared,
+    Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
     Path(name): Path<String>,
     req: Body<RestoreRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let r = body(req)?;
-    let (volume, snap) = split(&r.snapshot)?;
+    split(&r.snapshot)?;
     let remote = remotes.remote(&name)?;
+    ibid_engine::validate_volume_name(&r.volume)?;
     if pool.volume(&r.volume).is_ok() {
         return Err(ApiError::conflict(
             "already_exists",
@@ -425,20 +449,37 @@ async fn restore(
         Ok(())
     })?;
     let progress = Arc::new(Progress::default());
-    let result = remote
-        .restore(&pool, volume, snap, &r.volume, progress)
-        .await;
-    remotes.update(|s| {
-        s.restoring.retain(|v| *v != r.volume);
-        Ok(())
-    })?;
-    let report = result.map_err(offload_error)?;
-    tracing::info!(
-        "restored {} from {name} as {}: {} bytes received, {:.1} s",
-        r.snapshot,
-        r.volume,
-        report.bytes_received,
-        report.duration_s
-    );
-    Ok((StatusCode::CREATED, Json(json!(report))))
+    let label = format!("{name}:{} -> {}", r.snapshot, r.volume);
+    let background = r.background;
+    let work = {
+        let progress = progress.clone();
+        async move {
+            let (volume, snap) = split(&r.snapshot)?;
+            let result = remote
+                .restore(&pool, volume, snap, &r.volume, progress)
+                .await;
+            remotes.update(|s| {
+                s.restoring.retain(|v| *v != r.volume);
+                Ok(())
+            })?;
+            let report = result.map_err(offload_error)?;
+            tracing::info!(
+                "restored {} from {name} as {}: {} bytes received, {:.1} s",
+                r.snapshot,
+                r.volume,
+                report.bytes_received,
+                report.duration_s
+            );
+            Ok(json!(report))
+        }
+    };
+    let (status, answer) = jobs
+        .run("restore", label, background, progress, work)
+        .await?;
+    let status = if status == StatusCode::OK {
+        StatusCode::CREATED
+    } else {
+        status
+    };
+    Ok((status, answer))
 }

@@ -322,6 +322,7 @@ async fn serve(
                     .layer(axum::Extension(metrics.clone()))
                     .layer(axum::Extension(qos.clone()))
                     .layer(axum::Extension(remotes.clone()))
+                    .layer(axum::Extension(Arc::new(crate::jobs::Jobs::default())))
                     .layer(axum::Extension(scrubber.clone()))
                     .layer(axum::Extension(history.clone()))
                     .layer(axum::Extension(server_info.clone()))

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{make_image, run, Server};
+use common::{api_call, make_image, run, Server};
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -247,6 +247,8 @@ fn snapshots_go_to_ceph_rgw_and_come_back() {
     eprintln!("[{:.1} s] kill -9", t.elapsed().as_secs_f64());
     deleted_snapshots_are_collected_and_the_rest_verifies(&rgw);
     eprintln!("[{:.1} s] gc/verify", t.elapsed().as_secs_f64());
+    pushes_are_jobs_with_progress_and_can_be_cancelled(&rgw);
+    eprintln!("[{:.1} s] jobs", t.elapsed().as_secs_f64());
 }
 
 /// `remote add` takes the keys from the environment; no answer of the API shows the secret;
@@ -432,9 +434,12 @@ fn a_push_killed_midway_completes_when_run_again(rgw: &Rgw) {
     let report = json(&srv, rgw, &["snapshot", "push", "big@s", "--remote", "rgw"]);
     eprintln!("resumed push ({packs_left} packs were left): {report}");
     // The packs already there are not sent again (a pack holds at most 8 MiB + one chunk).
-    let made = report["packs_sent"].as_u64().expect("packs_sent");
+    let packs_now = rgw.keys("kill/packs/").len() as u64;
     let sent = report["pack_bytes_sent"].as_u64().expect("pack_bytes_sent");
-    assert!(sent <= (made - packs_left) * (8 * MIB + 65536), "{report}");
+    assert!(
+        sent <= (packs_now - packs_left) * (8 * MIB + 65536),
+        "{packs_now} packs now: {report}"
+    );
     assert!(
         report["chunks_skipped"].as_u64().expect("skipped") > 0,
         "{report}"
@@ -542,4 +547,62 @@ fn deleted_snapshots_are_collected_and_the_rest_verifies(rgw: &Rgw) {
         ],
     );
     assert_same(&srv.url("v@new"), &srv.url("back"));
+}
+
+/// A push started in the background is a job: listed with its progress, cancelled on request
+/// (nothing appears in the remote), and a push run to its end reports all its bytes done.
+fn pushes_are_jobs_with_progress_and_can_be_cancelled(rgw: &Rgw) {
+    let srv = Server::start(&["--no-default-volume"]);
+    add_remote(&srv, rgw, "rgw", "jobs");
+    fill(&srv, rgw, "vm", 256 * MIB);
+    ok(&srv, rgw, &["snapshot", "create", "vm@s"]);
+    let body = r#"{"remote":"rgw","background":true}"#;
+    let (status, job) = api_call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm/snapshots/s/push",
+        Some(body),
+    );
+    assert_eq!(status, 202, "{job}");
+    assert_eq!(job["state"], "running", "{job}");
+    let id = job["id"].as_u64().expect("id");
+    let (status, cancelled) = api_call(
+        &srv,
+        "POST",
+        &format!("/api/v1/jobs/{id}/cancel"),
+        Some("{}"),
+    );
+    assert_eq!(status, 200, "the push ended before the cancel: {cancelled}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let job = loop {
+        let (_, job) = api_call(&srv, "GET", &format!("/api/v1/jobs/{id}"), None);
+        if job["state"] != "running" {
+            break job;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the cancelled job still runs: {job}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(job["state"], "cancelled", "{job}");
+    assert_eq!(
+        json(&srv, rgw, &["snapshot", "list", "--remote", "rgw"]),
+        serde_json::json!([])
+    );
+    // To its end, through the CLI (which follows the job).
+    let report = json(&srv, rgw, &["snapshot", "push", "vm@s", "--remote", "rgw"]);
+    assert!(report["bytes_sent"].as_u64().expect("bytes_sent") > 0);
+    let jobs = json(&srv, rgw, &["job", "list"]);
+    let done = &jobs.as_array().expect("jobs")[1];
+    assert_eq!(done["state"], "succeeded", "{jobs}");
+    assert_eq!(done["bytes_done"], done["bytes_total"], "{jobs}");
+    assert_eq!(done["result"]["snapshot"], "vm@s", "{jobs}");
+    let (status, v) = api_call(
+        &srv,
+        "POST",
+        &format!("/api/v1/jobs/{id}/cancel"),
+        Some("{}"),
+    );
+    assert_eq!((status, v["code"].as_str()), (409, Some("finished")));
 }

@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod error;
+pub mod job;
 pub mod output;
 pub mod pool;
 pub mod progress;
@@ -56,6 +57,11 @@ pub enum ClientCommand {
         #[command(subcommand)]
         cmd: pool::PoolCmd,
     },
+    /// Long operations (pushes, restores): list, cancel.
+    Job {
+        #[command(subcommand)]
+        cmd: job::JobCmd,
+    },
     /// S3-compatible object stores snapshots are pushed to: add, list, remove, verify, gc.
     Remote {
         #[command(subcommand)]
@@ -80,6 +86,7 @@ pub fn run(opts: &ClientOpts, command: ClientCommand) -> ExitCode {
         ClientCommand::Snapshot { cmd } => snapshot::run(&ctx, cmd),
         ClientCommand::Pool { cmd } => pool::run(&ctx, cmd),
         ClientCommand::Remote { cmd } => remote::run(&ctx, cmd),
+        ClientCommand::Job { cmd } => job::run(&ctx, cmd),
     };
     match result {
         Ok(()) => ExitCode::from(Exit::Ok as u8),

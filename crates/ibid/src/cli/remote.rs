@@ -224,15 +224,17 @@ fn print_remotes(ctx: &Ctx, doc: &Value, remotes: &[Value]) -> Result<(), CliErr
 
 /// `ibid snapshot push VOL@SNAP --remote NAME`.
 pub fn push(ctx: &Ctx, volume: &str, snapshot: &str, remote: &str) -> Result<(), CliError> {
-    let r = ctx.client.post(
+    let label = format!("pushing {volume}@{snapshot} to {remote}");
+    let job = ctx.client.post(
         &format!(
             "/volumes/{}/snapshots/{}/push",
             segment(volume),
             segment(snapshot)
         ),
-        json!({ "remote": remote }),
-        &format!("pushing {volume}@{snapshot} to {remote}"),
+        json!({ "remote": remote, "background": true }),
+        &label,
     )?;
+    let r = super::job::follow(ctx, job, &label)?;
     if ctx.json {
         print_json(&r);
         return Ok(());
@@ -306,11 +308,13 @@ pub fn delete(ctx: &Ctx, volume: &str, snapshot: &str, remote: &str) -> Result<(
 
 /// `ibid volume restore NEW --remote NAME --snapshot VOL@SNAP`.
 pub fn restore(ctx: &Ctx, name: &str, remote: &str, snapshot: &str) -> Result<(), CliError> {
-    let r = ctx.client.post(
+    let label = format!("restoring {snapshot} from {remote} as {name}");
+    let job = ctx.client.post(
         &format!("/remotes/{}/restore", segment(remote)),
-        json!({ "snapshot": snapshot, "volume": name }),
-        &format!("restoring {snapshot} from {remote} as {name}"),
+        json!({ "snapshot": snapshot, "volume": name, "background": true }),
+        &label,
     )?;
+    let r = super::job::follow(ctx, job, &label)?;
     if ctx.json {
         print_json(&r);
         return Ok(());
