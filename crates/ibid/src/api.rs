@@ -616,6 +616,7 @@ pub fn router(
         )
         .merge(crate::remotes::routes())
         .merge(crate::jobs::routes())
+        .merge(crate::schedules::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .with_state(Api {

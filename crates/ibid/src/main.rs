@@ -13,6 +13,7 @@ mod metrics;
 mod nbd_exports;
 mod qos;
 mod remotes;
+mod schedules;
 mod scrub;
 mod serve;
 mod units;
@@ -128,7 +129,7 @@ struct ServeArgs {
 }
 
 /// Parses `30s`, `10m`, `12h`, `7d` or plain seconds.
-fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let s = s.trim();
     let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
     let n: u64 = digits

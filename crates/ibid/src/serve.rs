@@ -241,6 +241,7 @@ async fn serve(
     let metrics = Arc::new(Metrics::default());
     let qos = Arc::new(crate::qos::Qos::open(&pool)?);
     let remotes = Arc::new(crate::remotes::Remotes::open(&pool)?);
+    let schedules = Arc::new(crate::schedules::Schedules::open(&pool)?);
     let clients = Arc::new(crate::clients::Clients::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -292,6 +293,16 @@ async fn serve(
         Some(t) => crate::api::Access::token(t),
         None => crate::api::Access::default(),
     };
+    tokio::spawn(
+        crate::schedules::Runner {
+            pool: pool.clone(),
+            schedules: schedules.clone(),
+            remotes: remotes.clone(),
+            clients: clients.clone(),
+            luns: lun_map.clone(),
+        }
+        .run(stop_rx.clone()),
+    );
     // The charts' history, sampled only when there is an API to serve it.
     let history = Arc::new(crate::history::History::default());
     if http_addr.is_some() {
@@ -322,6 +333,7 @@ async fn serve(
                     .layer(axum::Extension(metrics.clone()))
                     .layer(axum::Extension(qos.clone()))
                     .layer(axum::Extension(remotes.clone()))
+                    .layer(axum::Extension(schedules.clone()))
                     .layer(axum::Extension(Arc::new(crate::jobs::Jobs::default())))
                     .layer(axum::Extension(scrubber.clone()))
                     .layer(axum::Extension(history.clone()))

@@ -249,6 +249,8 @@ fn snapshots_go_to_ceph_rgw_and_come_back() {
     eprintln!("[{:.1} s] gc/verify", t.elapsed().as_secs_f64());
     pushes_are_jobs_with_progress_and_can_be_cancelled(&rgw);
     eprintln!("[{:.1} s] jobs", t.elapsed().as_secs_f64());
+    schedules_snapshot_push_and_keep_the_newest(&rgw);
+    eprintln!("[{:.1} s] schedules", t.elapsed().as_secs_f64());
 }
 
 /// `remote add` takes the keys from the environment; no answer of the API shows the secret;
@@ -605,4 +607,72 @@ fn pushes_are_jobs_with_progress_and_can_be_cancelled(rgw: &Rgw) {
         Some("{}"),
     );
     assert_eq!((status, v["code"].as_str()), (409, Some("finished")));
+}
+
+/// A schedule every 2 s keeping 2 snapshots here and 1 in the remote: after 4 runs the pool
+/// holds the 2 newest `auto-` snapshots (a snapshot made by hand is never deleted), the remote
+/// the newest one, and the schedule is listed with its runs.
+fn schedules_snapshot_push_and_keep_the_newest(rgw: &Rgw) {
+    let srv = Server::start(&["--no-default-volume"]);
+    add_remote(&srv, rgw, "rgw", "sched");
+    ok(&srv, rgw, &["volume", "create", "v", "--size", "16M"]);
+    write_random(&srv.url("v"), 0, 4 * MIB);
+    ok(&srv, rgw, &["snapshot", "create", "v@manual"]);
+    let set = json(
+        &srv,
+        rgw,
+        &[
+            "schedule",
+            "set",
+            "v",
+            "--every",
+            "2s",
+            "--keep",
+            "2",
+            "--remote",
+            "rgw",
+            "--keep-remote",
+            "1",
+        ],
+    );
+    assert_eq!(set["every_s"], 2, "{set}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = json(&srv, rgw, &["schedule", "list"]);
+        if list[0]["runs"].as_u64().expect("runs") >= 4 {
+            assert_eq!(list[0]["last_error"], Value::Null, "{list}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "4 runs not done in 60 s: {list}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The runner may be in its next run: stop the schedule, then look.
+    ok(&srv, rgw, &["schedule", "remove", "v"]);
+    std::thread::sleep(Duration::from_secs(3));
+    let local = json(&srv, rgw, &["snapshot", "list", "v"]);
+    let mut local: Vec<String> = local
+        .as_array()
+        .expect("snapshots")
+        .iter()
+        .map(|s| s["name"].as_str().expect("name").to_string())
+        .collect();
+    local.sort();
+    assert_eq!(local.len(), 3, "{local:?}");
+    assert_eq!(local[2], "manual", "{local:?}");
+    assert!(
+        local[..2].iter().all(|n| n.starts_with("auto-")),
+        "{local:?}"
+    );
+    let remote = json(&srv, rgw, &["snapshot", "list", "--remote", "rgw"]);
+    let remote: Vec<&str> = remote
+        .as_array()
+        .expect("remote")
+        .iter()
+        .map(|s| s["name"].as_str().expect("name"))
+        .collect();
+    assert_eq!(
+        remote,
+        [local[1].as_str()],
+        "the newest is kept in the remote"
+    );
 }

@@ -9,6 +9,7 @@ pub mod output;
 pub mod pool;
 pub mod progress;
 pub mod remote;
+pub mod schedule;
 pub mod snapshot;
 pub mod volume;
 
@@ -57,6 +58,11 @@ pub enum ClientCommand {
         #[command(subcommand)]
         cmd: pool::PoolCmd,
     },
+    /// Snapshot schedules with retention (and pushes to a remote): set, list, remove.
+    Schedule {
+        #[command(subcommand)]
+        cmd: schedule::ScheduleCmd,
+    },
     /// Long operations (pushes, restores): list, cancel.
     Job {
         #[command(subcommand)]
@@ -87,6 +93,7 @@ pub fn run(opts: &ClientOpts, command: ClientCommand) -> ExitCode {
         ClientCommand::Pool { cmd } => pool::run(&ctx, cmd),
         ClientCommand::Remote { cmd } => remote::run(&ctx, cmd),
         ClientCommand::Job { cmd } => job::run(&ctx, cmd),
+        ClientCommand::Schedule { cmd } => schedule::run(&ctx, cmd),
     };
     match result {
         Ok(()) => ExitCode::from(Exit::Ok as u8),
