@@ -266,3 +266,43 @@ fn damage_is_found_by_verify_and_refused_by_restore() {
         "the failed restore left its volume"
     );
 }
+
+/// Bytes of every object in `store`.
+fn bucket_bytes(rt: &tokio::runtime::Runtime, store: &InMemory) -> u64 {
+    rt.block_on(async {
+        let all: Vec<_> = store.list(None).try_collect().await.expect("list");
+        all.iter().map(|m| m.size).sum()
+    })
+}
+
+/// Seven clones of one image, each snapshotted and pushed, add at most 2 % to the bucket:
+/// their chunks are the image's (only manifests and index segments are new).
+#[test]
+fn clones_of_one_image_add_almost_nothing() {
+    let (_d, pool) = pool();
+    let v = pool.create_volume("golden", 32 * MIB).expect("create");
+    v.write(0, &noise(11, (32 * MIB) as usize), false)
+        .expect("fill");
+    pool.create_snapshot("golden", "s").expect("snapshot");
+    let store = Arc::new(InMemory::new());
+    let remote = Remote::new(store.clone());
+    let rt = rt();
+    rt.block_on(remote.push(&pool, "golden", "s", Arc::default()))
+        .expect("push golden");
+    let before = bucket_bytes(&rt, &store);
+    for i in 0..7 {
+        let name = format!("vm{i}");
+        pool.clone_volume("golden", &name).expect("clone");
+        pool.create_snapshot(&name, "s").expect("snapshot");
+        let r = rt
+            .block_on(remote.push(&pool, &name, "s", Arc::default()))
+            .expect("push clone");
+        assert_eq!((r.chunks_sent, r.chunks_skipped), (0, 512), "{r:?}");
+    }
+    let after = bucket_bytes(&rt, &store);
+    assert!(
+        (after - before) * 100 <= before * 2,
+        "7 clones added {} bytes to {before}",
+        after - before
+    );
+}

@@ -44,12 +44,15 @@ impl Rgw {
             .arg(dir.path())
             .output()
             .expect("run scripts/ceph-rgw.sh");
+        if !out.status.success() {
+            // Stop whatever did start before failing.
+            let _ = Command::new(&script).arg("stop").arg(dir.path()).output();
+            panic!(
+                "scripts/ceph-rgw.sh start failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
         let rgw = Rgw::parse(&String::from_utf8_lossy(&out.stdout), Some(dir));
-        assert!(
-            out.status.success(),
-            "scripts/ceph-rgw.sh start failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         eprintln!(
             "RGW up in {:.1} s at {}",
             t.elapsed().as_secs_f64(),
