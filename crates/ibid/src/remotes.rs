@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// The file in the pool directory.
@@ -388,6 +389,7 @@ async fn delete_remote_snapshot(
 async fn push(
     State(pool): State<Pool>,
     Extension(remotes): Shared,
+    Extension(stats): Extension<Arc<crate::metrics::OffloadStats>>,
     Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
     Path((volume, snapshot)): Path<(String, String)>,
     req: Body<PushRequest>,
@@ -407,10 +409,24 @@ async fn push(
     let work = {
         let progress = progress.clone();
         async move {
-            let report = remote
-                .push(&pool, &volume, &snapshot, progress)
-                .await
-                .map_err(offload_error)?;
+            let report = remote.push(&pool, &volume, &snapshot, progress).await;
+            let report = match report {
+                Ok(r) => r,
+                Err(e) => {
+                    stats.push_failures.fetch_add(1, Relaxed);
+                    return Err(offload_error(e));
+                }
+            };
+            stats.pushes.fetch_add(1, Relaxed);
+            stats.pushed_bytes.fetch_add(report.bytes_sent, Relaxed);
+            stats.chunks_sent.fetch_add(report.chunks_sent, Relaxed);
+            stats
+                .chunks_skipped
+                .fetch_add(report.chunks_skipped, Relaxed);
+            stats
+                .last_push_unix_s
+                .lock()
+                .insert(volume.clone(), crate::schedules::now_unix_s());
             tracing::info!(
                 "pushed {volume}@{snapshot} to {}: {} bytes sent, {} chunks sent, {} skipped, {:.1} s",
                 r.remote,
@@ -428,6 +444,7 @@ async fn push(
 async fn restore(
     State(pool): State<Pool>,
     Extension(remotes): Shared,
+    Extension(stats): Extension<Arc<crate::metrics::OffloadStats>>,
     Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
     Path(name): Path<String>,
     req: Body<RestoreRequest>,
@@ -463,6 +480,10 @@ async fn restore(
                 Ok(())
             })?;
             let report = result.map_err(offload_error)?;
+            stats.restores.fetch_add(1, Relaxed);
+            stats
+                .restored_bytes
+                .fetch_add(report.bytes_received, Relaxed);
             tracing::info!(
                 "restored {} from {name} as {}: {} bytes received, {:.1} s",
                 r.snapshot,

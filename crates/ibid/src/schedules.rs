@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,6 +123,23 @@ impl Schedules {
         Ok(())
     }
 
+    /// Each schedule's lag: (volume, seconds its next run is overdue).
+    pub fn lags(&self) -> Vec<(String, u64)> {
+        let now = now_unix_s();
+        let table = self.table.lock().clone();
+        let status = self.status.lock();
+        table
+            .iter()
+            .map(|(v, s)| {
+                let next = status
+                    .get(v)
+                    .and_then(|st| st.last_run_unix_s)
+                    .map_or(now, |t| t + s.every_s);
+                (v.clone(), now.saturating_sub(next))
+            })
+            .collect()
+    }
+
     fn view(&self, volume: &str, s: &Schedule, now: u64) -> Value {
         let st = self.status.lock().get(volume).cloned().unwrap_or_default();
         let next = st.last_run_unix_s.map_or(now, |t| t + s.every_s);
@@ -141,7 +159,8 @@ impl Schedules {
     }
 }
 
-fn now_unix_s() -> u64 {
+/// Seconds since the Unix epoch.
+pub fn now_unix_s() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -182,6 +201,8 @@ pub struct Runner {
     pub clients: Arc<Clients>,
     /// The LUN table (reconciled after deletions).
     pub luns: Arc<LunMap>,
+    /// Push figures for the metrics.
+    pub stats: Arc<crate::metrics::OffloadStats>,
 }
 
 impl Runner {
@@ -254,10 +275,25 @@ impl Runner {
             .remotes
             .remote(remote_name)
             .map_err(|e| format!("remote {remote_name}: {e:?}"))?;
-        remote
-            .push(&self.pool, volume, &name, Arc::default())
-            .await
-            .map_err(|e| format!("push {volume}@{name} to {remote_name}: {e}"))?;
+        let report = remote.push(&self.pool, volume, &name, Arc::default()).await;
+        let report = report.map_err(|e| {
+            self.stats.push_failures.fetch_add(1, Relaxed);
+            format!("push {volume}@{name} to {remote_name}: {e}")
+        })?;
+        self.stats.pushes.fetch_add(1, Relaxed);
+        self.stats
+            .pushed_bytes
+            .fetch_add(report.bytes_sent, Relaxed);
+        self.stats
+            .chunks_sent
+            .fetch_add(report.chunks_sent, Relaxed);
+        self.stats
+            .chunks_skipped
+            .fetch_add(report.chunks_skipped, Relaxed);
+        self.stats
+            .last_push_unix_s
+            .lock()
+            .insert(volume.to_string(), now_unix_s());
         if let Some(keep) = s.keep_remote {
             let list = remote
                 .list()

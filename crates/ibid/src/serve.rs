@@ -242,6 +242,7 @@ async fn serve(
     let qos = Arc::new(crate::qos::Qos::open(&pool)?);
     let remotes = Arc::new(crate::remotes::Remotes::open(&pool)?);
     let schedules = Arc::new(crate::schedules::Schedules::open(&pool)?);
+    let offload_stats = Arc::new(crate::metrics::OffloadStats::default());
     let clients = Arc::new(crate::clients::Clients::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -300,6 +301,7 @@ async fn serve(
             remotes: remotes.clone(),
             clients: clients.clone(),
             luns: lun_map.clone(),
+            stats: offload_stats.clone(),
         }
         .run(stop_rx.clone()),
     );
@@ -334,6 +336,7 @@ async fn serve(
                     .layer(axum::Extension(qos.clone()))
                     .layer(axum::Extension(remotes.clone()))
                     .layer(axum::Extension(schedules.clone()))
+                    .layer(axum::Extension(offload_stats.clone()))
                     .layer(axum::Extension(Arc::new(crate::jobs::Jobs::default())))
                     .layer(axum::Extension(scrubber.clone()))
                     .layer(axum::Extension(history.clone()))

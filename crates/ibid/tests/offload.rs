@@ -603,6 +603,22 @@ fn pushes_are_jobs_with_progress_and_can_be_cancelled(rgw: &Rgw) {
     assert_eq!(done["state"], "succeeded", "{jobs}");
     assert_eq!(done["bytes_done"], done["bytes_total"], "{jobs}");
     assert_eq!(done["result"]["snapshot"], "vm@s", "{jobs}");
+    // The metrics count the push and the failed (cancelled) one.
+    let metrics = run(
+        "curl",
+        &[
+            "-s",
+            "-S",
+            &format!("http://{}/metrics", srv.http.as_deref().expect("API")),
+        ],
+    );
+    for line in [
+        "ibid_remote_pushes_total 1\n",
+        "ibid_remote_push_failures_total 1\n",
+        "ibid_remote_last_push_seconds{volume=\"vm\"} ",
+    ] {
+        assert!(metrics.contains(line), "no {line:?} in the metrics");
+    }
     let (status, v) = api_call(
         &srv,
         "POST",
