@@ -22,6 +22,13 @@ need curl curl
 # The web dashboard's tests drive Debian's Chromium headless through chromedriver.
 need chromium chromium
 need chromedriver chromium-driver
+# The object-store tests (crates/ibid/tests/offload.rs) run Ceph's RADOS Gateway as plain
+# processes on loopback (scripts/ceph-rgw.sh).
+need ceph-mon ceph-mon
+need ceph-mgr ceph-mgr
+need ceph-osd ceph-osd
+need radosgw radosgw
+need radosgw-admin ceph-common
 /usr/bin/python3 -c "import matplotlib" >/dev/null 2>&1 || need_pkgs+=(python3-matplotlib)
 # scripts/faultfs.py (a FUSE filesystem that returns I/O errors on demand).
 /usr/bin/python3 -c "import fusepy" >/dev/null 2>&1 || need_pkgs+=(python3-fusepy)

@@ -72,6 +72,21 @@ impl ApiError {
         )
     }
 
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stable error code.
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     /// A 409 with `code` and `message`.
     pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
@@ -599,6 +614,9 @@ pub fn router(
             "/api/v1/volumes/{name}/snapshots/{snapshot}/export",
             post(export_snapshot).delete(unexport_snapshot),
         )
+        .merge(crate::remotes::routes())
+        .merge(crate::jobs::routes())
+        .merge(crate::schedules::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .with_state(Api {

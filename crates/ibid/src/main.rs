@@ -7,10 +7,13 @@ mod clients;
 mod durable;
 mod history;
 mod iscsi_luns;
+mod jobs;
 mod lun_map;
 mod metrics;
 mod nbd_exports;
 mod qos;
+mod remotes;
+mod schedules;
 mod scrub;
 mod serve;
 mod units;
@@ -131,7 +134,7 @@ struct ServeArgs {
 }
 
 /// Parses `30s`, `10m`, `12h`, `7d` or plain seconds.
-fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let s = s.trim();
     let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
     let n: u64 = digits

@@ -424,6 +424,88 @@ pub fn render_scrub(st: &crate::scrub::ScrubStatus) -> String {
     page.text
 }
 
+/// Pushes to and restores from remotes since the server started (`remotes.rs` records them).
+#[derive(Default)]
+pub struct OffloadStats {
+    /// Bytes pushes sent to object stores.
+    pub pushed_bytes: AtomicU64,
+    /// Bytes restores received from object stores.
+    pub restored_bytes: AtomicU64,
+    /// Chunks pushes sent.
+    pub chunks_sent: AtomicU64,
+    /// Chunks pushes skipped (the remote had them).
+    pub chunks_skipped: AtomicU64,
+    /// Pushes that completed.
+    pub pushes: AtomicU64,
+    /// Pushes that failed or were cancelled.
+    pub push_failures: AtomicU64,
+    /// Restores that completed.
+    pub restores: AtomicU64,
+    /// Per volume, when its last push completed (Unix seconds).
+    pub last_push_unix_s: parking_lot::Mutex<BTreeMap<String, u64>>,
+}
+
+/// The offload figures, and each schedule's lag (volume, seconds overdue).
+pub fn render_offload(st: &OffloadStats, schedule_lags: &[(String, u64)]) -> String {
+    let mut page = Page::default();
+    let counters: [(&str, &str, &AtomicU64); 7] = [
+        (
+            "ibid_remote_pushed_bytes_total",
+            "Bytes pushes sent to remotes (packs, index segments, manifests).",
+            &st.pushed_bytes,
+        ),
+        (
+            "ibid_remote_restored_bytes_total",
+            "Bytes restores received from remotes.",
+            &st.restored_bytes,
+        ),
+        (
+            "ibid_remote_chunks_sent_total",
+            "Chunks pushes sent.",
+            &st.chunks_sent,
+        ),
+        (
+            "ibid_remote_chunks_skipped_total",
+            "Chunks pushes skipped: the remote had them.",
+            &st.chunks_skipped,
+        ),
+        ("ibid_remote_pushes_total", "Pushes completed.", &st.pushes),
+        (
+            "ibid_remote_push_failures_total",
+            "Pushes that failed or were cancelled.",
+            &st.push_failures,
+        ),
+        (
+            "ibid_remote_restores_total",
+            "Restores completed.",
+            &st.restores,
+        ),
+    ];
+    for (name, help, v) in counters {
+        page.family(name, "counter", help);
+        page.sample(name, &[], v.load(Relaxed));
+    }
+    let name = "ibid_remote_last_push_seconds";
+    page.family(
+        name,
+        "gauge",
+        "When the volume's last push completed, Unix time.",
+    );
+    for (volume, t) in st.last_push_unix_s.lock().iter() {
+        page.sample(name, &[("volume", volume)], t);
+    }
+    let name = "ibid_schedule_lag_seconds";
+    page.family(
+        name,
+        "gauge",
+        "Seconds a volume's snapshot schedule is overdue (0: on time).",
+    );
+    for (volume, lag) in schedule_lags {
+        page.sample(name, &[("volume", volume)], lag);
+    }
+    page.text
+}
+
 /// Pool-wide figures from [`Pool::stats`].
 fn render_pool(page: &mut Page, pool: &Pool) {
     let s = pool.stats();
@@ -738,9 +820,15 @@ pub async fn scrape(
     Extension(metrics): Extension<Arc<Metrics>>,
     Extension(qos): Extension<Arc<Qos>>,
     Extension(scrubber): Extension<Arc<crate::scrub::Scrubber>>,
+    Extension(offload): Extension<Arc<OffloadStats>>,
+    Extension(schedules): Extension<Arc<crate::schedules::Schedules>>,
 ) -> Response {
     // Engine calls may wait on the pool's locks: keep them off the async workers.
-    let page = move || metrics.render(&pool, &qos) + &render_scrub(&scrubber.status());
+    let page = move || {
+        metrics.render(&pool, &qos)
+            + &render_scrub(&scrubber.status())
+            + &render_offload(&offload, &schedules.lags())
+    };
     match tokio::task::spawn_blocking(page).await {
         Ok(page) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], page).into_response(),
         Err(e) => (

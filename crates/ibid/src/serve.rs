@@ -242,6 +242,9 @@ async fn serve(
     print_banner(&pool, &lun_map, opts, nbd_addr, iscsi_addr, http_addr);
     let metrics = Arc::new(Metrics::default());
     let qos = Arc::new(crate::qos::Qos::open(&pool)?);
+    let remotes = Arc::new(crate::remotes::Remotes::open(&pool)?);
+    let schedules = Arc::new(crate::schedules::Schedules::open(&pool)?);
+    let offload_stats = Arc::new(crate::metrics::OffloadStats::default());
     let clients = Arc::new(crate::clients::Clients::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -294,6 +297,17 @@ async fn serve(
         Some(t) => crate::api::Access::token(t),
         None => crate::api::Access::default(),
     };
+    tokio::spawn(
+        crate::schedules::Runner {
+            pool: pool.clone(),
+            schedules: schedules.clone(),
+            remotes: remotes.clone(),
+            clients: clients.clone(),
+            luns: lun_map.clone(),
+            stats: offload_stats.clone(),
+        }
+        .run(stop_rx.clone()),
+    );
     // The charts' history, sampled only when there is an API to serve it.
     let history = Arc::new(crate::history::History::default());
     if http_addr.is_some() {
@@ -323,6 +337,10 @@ async fn serve(
                     ))
                     .layer(axum::Extension(metrics.clone()))
                     .layer(axum::Extension(qos.clone()))
+                    .layer(axum::Extension(remotes.clone()))
+                    .layer(axum::Extension(schedules.clone()))
+                    .layer(axum::Extension(offload_stats.clone()))
+                    .layer(axum::Extension(Arc::new(crate::jobs::Jobs::default())))
                     .layer(axum::Extension(scrubber.clone()))
                     .layer(axum::Extension(history.clone()))
                     .layer(axum::Extension(server_info.clone()))

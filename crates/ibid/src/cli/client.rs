@@ -61,6 +61,11 @@ impl Client {
         self.call(Method::PATCH, path, Some(body), doing)
     }
 
+    /// `PUT path` with a JSON body.
+    pub fn put(&self, path: &str, body: Value, doing: &str) -> Result<Value, CliError> {
+        self.call(Method::PUT, path, Some(body), doing)
+    }
+
     /// `DELETE path`.
     pub fn delete(&self, path: &str, doing: &str) -> Result<Value, CliError> {
         self.call(Method::DELETE, path, None, doing)

@@ -4,9 +4,12 @@
 
 pub mod client;
 pub mod error;
+pub mod job;
 pub mod output;
 pub mod pool;
 pub mod progress;
+pub mod remote;
+pub mod schedule;
 pub mod snapshot;
 pub mod volume;
 
@@ -55,6 +58,21 @@ pub enum ClientCommand {
         #[command(subcommand)]
         cmd: pool::PoolCmd,
     },
+    /// Snapshot schedules with retention (and pushes to a remote): set, list, remove.
+    Schedule {
+        #[command(subcommand)]
+        cmd: schedule::ScheduleCmd,
+    },
+    /// Long operations (pushes, restores): list, cancel.
+    Job {
+        #[command(subcommand)]
+        cmd: job::JobCmd,
+    },
+    /// S3-compatible object stores snapshots are pushed to: add, list, remove, verify, gc.
+    Remote {
+        #[command(subcommand)]
+        cmd: remote::RemoteCmd,
+    },
 }
 
 /// What a command handler needs: the connection and the output mode.
@@ -73,6 +91,9 @@ pub fn run(opts: &ClientOpts, command: ClientCommand) -> ExitCode {
         ClientCommand::Volume { cmd } => volume::run(&ctx, cmd),
         ClientCommand::Snapshot { cmd } => snapshot::run(&ctx, cmd),
         ClientCommand::Pool { cmd } => pool::run(&ctx, cmd),
+        ClientCommand::Remote { cmd } => remote::run(&ctx, cmd),
+        ClientCommand::Job { cmd } => job::run(&ctx, cmd),
+        ClientCommand::Schedule { cmd } => schedule::run(&ctx, cmd),
     };
     match result {
         Ok(()) => ExitCode::from(Exit::Ok as u8),

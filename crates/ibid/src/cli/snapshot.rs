@@ -28,10 +28,25 @@ pub enum SnapshotCmd {
         #[arg(long)]
         lun: Option<u64>,
     },
-    /// List the snapshots of a volume, or of every volume.
+    /// List the snapshots of a volume, or of every volume; with --remote, those a remote holds.
     List {
         /// Volume (default: all volumes).
         volume: Option<String>,
+        /// List the snapshots pushed to this remote instead.
+        #[arg(long)]
+        remote: Option<String>,
+    },
+    /// Push a snapshot to a remote, e.g. `ibid snapshot push vm1@nightly --remote offsite`:
+    /// only the chunks the remote lacks are sent (incremental), and the snapshot appears in
+    /// the remote only once whole. A push that was interrupted completes when run again.
+    Push {
+        /// VOLUME@SNAPSHOT (or VOLUME SNAPSHOT).
+        volume: String,
+        /// Snapshot name.
+        name: Option<String>,
+        /// The remote (`ibid remote list`).
+        #[arg(long)]
+        remote: String,
     },
     /// Delete a snapshot: `ibid snapshot delete vm1 golden` (or `vm1@golden`). Refused while
     /// NBD clients have it open (exit 4, `in_use`), unless --force.
@@ -43,6 +58,10 @@ pub enum SnapshotCmd {
         /// Delete even with clients connected: their reads fail from then on.
         #[arg(long)]
         force: bool,
+        /// Delete the snapshot from this remote instead (its data is freed by `ibid remote
+        /// gc`).
+        #[arg(long, conflicts_with = "force")]
+        remote: Option<String>,
     },
     /// Export a snapshot read-only over iSCSI, e.g. `ibid snapshot export vm1@golden --lun 5`,
     /// so a host or backup proxy can mount it; kept until unexported or the snapshot deleted.
@@ -93,7 +112,31 @@ pub fn run(ctx: &Ctx, cmd: SnapshotCmd) -> Result<(), CliError> {
             )?;
             print_snapshots(ctx, &s, std::slice::from_ref(&s))
         }
-        SnapshotCmd::List { volume } => {
+        SnapshotCmd::List {
+            volume,
+            remote: Some(remote),
+        } => super::remote::list(ctx, &remote, volume.as_deref()),
+        SnapshotCmd::Push {
+            volume,
+            name,
+            remote,
+        } => {
+            let (volume, name) = names(&volume, name.as_deref())?;
+            super::remote::push(ctx, volume, name, &remote)
+        }
+        SnapshotCmd::Delete {
+            volume,
+            name,
+            remote: Some(remote),
+            ..
+        } => {
+            let (volume, name) = names(&volume, name.as_deref())?;
+            super::remote::delete(ctx, volume, name, &remote)
+        }
+        SnapshotCmd::List {
+            volume,
+            remote: None,
+        } => {
             let list = match volume {
                 Some(v) => ctx.client.get(
                     &format!("/volumes/{}/snapshots", segment(&v)),
@@ -146,6 +189,7 @@ pub fn run(ctx: &Ctx, cmd: SnapshotCmd) -> Result<(), CliError> {
             volume,
             name,
             force,
+            remote: None,
         } => {
             let (volume, name) = names(&volume, name.as_deref())?;
             let force = if force { "?force=true" } else { "" };

@@ -42,6 +42,19 @@ pub enum VolumeCmd {
     },
     /// List the volumes.
     List,
+    /// Restore a snapshot from a remote as a new thin volume, e.g. `ibid volume restore vm1b
+    /// --remote offsite --snapshot vm1@nightly` (on this pool or any other reaching the
+    /// bucket). Every chunk is checked against its BLAKE3; a failed restore leaves no volume.
+    Restore {
+        /// Name of the new volume.
+        name: String,
+        /// The remote (`ibid remote list`).
+        #[arg(long)]
+        remote: String,
+        /// The snapshot in the remote, VOLUME@SNAPSHOT (`ibid snapshot list --remote NAME`).
+        #[arg(long)]
+        snapshot: String,
+    },
     /// Show a volume's space (the `vmkfstools -D` view): size, blocks, mapped, tbz, unique,
     /// shared, physical, reserved, snapshots.
     Describe {
@@ -156,6 +169,18 @@ pub fn run(ctx: &Ctx, cmd: VolumeCmd) -> Result<(), CliError> {
             clear,
         } => set_qos(ctx, &name, &limits, clear),
         VolumeCmd::List => list(ctx),
+        VolumeCmd::Restore {
+            name,
+            remote,
+            snapshot,
+        } => {
+            if let (_, None) = super::split_snapshot(&snapshot)? {
+                return Err(CliError::usage(format!(
+                    "--snapshot {snapshot:?}: expected VOLUME@SNAPSHOT"
+                )));
+            }
+            super::remote::restore(ctx, &name, &remote, &snapshot)
+        }
         VolumeCmd::Describe { name } => describe(ctx, &name),
         VolumeCmd::Resize { name, size } => resize(ctx, &name, size),
         VolumeCmd::Delete { name, force } => delete(ctx, &name, force),

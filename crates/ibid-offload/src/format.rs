@@ -1,0 +1,349 @@
+//! The bytes of the objects in a remote: chunk records (inside packs), manifests and the index.
+//!
+//! All integers are little-endian. Every object ends with the BLAKE3 of everything before it
+//! (manifests, index) or carries the BLAKE3 of each chunk's plain bytes (packs), so nothing read
+//! back from a remote is trusted before it is checked.
+//!
+//! ## Chunk record (inside a pack)
+//! ```text
+//! offset  size  field
+//! 0       4     magic "ICHK"
+//! 4       32    BLAKE3 of the chunk's plain bytes (its name)
+//! 36      1     codec: 0 stored as is, 1 LZ4 block
+//! 37      4     plain length (bytes, at most CHUNK_BYTES)
+//! 41      4     stored length (bytes that follow)
+//! 45      ...   stored bytes
+//! ```
+//! A pack is records back to back, nothing else: it can be read without any other object.
+//!
+//! ## Manifest and index
+//! ```text
+//! 0       8     magic "IBIDMAN1" / "IBIDIDX1"
+//! 8       4     format version (FORMAT_VERSION)
+//! 12      4     header length H
+//! 16      H     header: JSON (manifest: ManifestHeader; index: {})
+//! 16+H    4     pack count P
+//! ...     32×P  pack names (BLAKE3 of the pack's bytes)
+//! ...     8     entry count E
+//! ...     E×ENTRY_BYTES entries (below)
+//! end-32  32    BLAKE3 of every byte before it
+//! ```
+//! Entry: chunk index u64 (manifest: the chunk's offset in the volume / CHUNK_BYTES; index: 0),
+//! chunk BLAKE3 (32), pack number u32 (into the pack table), record offset u32, stored length
+//! u32, plain length u32 — 56 bytes. Manifest entries are in chunk order, index entries in hash
+//! order. Chunks that read as zeros have no entry.
+
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// Bytes of volume one chunk covers (the unit of dedup and of incremental push). Small random
+/// writes cost up to this much each in the next incremental push.
+pub const CHUNK_BYTES: u64 = 64 << 10;
+/// A pack is sealed (uploaded) once it holds this many stored bytes.
+pub const PACK_BYTES_TARGET: usize = 8 << 20;
+/// Bytes of a chunk record's header.
+pub const RECORD_HEADER_BYTES: usize = 45;
+/// Version of the manifest and index formats; the changelog:
+/// - 1: first version.
+pub const FORMAT_VERSION: u32 = 1;
+/// Bytes of one manifest or index entry.
+pub const ENTRY_BYTES: usize = 56;
+const RECORD_MAGIC: &[u8; 4] = b"ICHK";
+/// Magic of a manifest.
+pub const MANIFEST_MAGIC: &[u8; 8] = b"IBIDMAN1";
+/// Magic of the index.
+pub const INDEX_MAGIC: &[u8; 8] = b"IBIDIDX1";
+const CODEC_RAW: u8 = 0;
+const CODEC_LZ4: u8 = 1;
+/// Largest header a manifest may have (a sanity bound on a length read from a remote).
+const HEADER_BYTES_MAX: usize = 64 << 10;
+
+/// A chunk's name: the BLAKE3 of its plain bytes.
+pub type Hash = [u8; 32];
+
+/// Where a chunk's record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Location {
+    /// Index into the pack table of the object that holds it.
+    pub pack: u32,
+    /// Offset of the record's header in the pack.
+    pub offset: u32,
+    /// Stored bytes after the header.
+    pub stored_len: u32,
+    /// Plain bytes.
+    pub plain_len: u32,
+}
+
+/// One chunk of a snapshot (manifest) or of the bucket (index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// Offset in the volume / [`CHUNK_BYTES`] (0 in the index).
+    pub chunk: u64,
+    /// BLAKE3 of the plain bytes.
+    pub hash: Hash,
+    /// Where its record is.
+    pub at: Location,
+}
+
+/// What a manifest says about its snapshot, besides its chunks.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ManifestHeader {
+    /// The volume the snapshot was taken of.
+    pub volume: String,
+    /// The snapshot's name.
+    pub snapshot: String,
+    /// Size of the volume in bytes.
+    pub size_bytes: u64,
+    /// [`CHUNK_BYTES`] when pushed.
+    pub chunk_bytes: u64,
+    /// When the snapshot was taken (Unix seconds).
+    pub created_unix_s: u64,
+    /// When the push completed (Unix seconds).
+    pub pushed_unix_s: u64,
+    /// Bytes of volume data the snapshot holds (non-zero chunks × their plain length).
+    pub data_bytes: u64,
+}
+
+/// A decoded manifest or index: header, pack table, entries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table<H> {
+    /// The header.
+    pub header: H,
+    /// Pack names, by pack number.
+    pub packs: Vec<Hash>,
+    /// Entries.
+    pub entries: Vec<Entry>,
+}
+
+/// Encodes a chunk record: LZ4 when that saves bytes, else as is.
+pub fn encode_record(hash: &Hash, plain: &[u8], out: &mut Vec<u8>) {
+    assert!(plain.len() as u64 <= CHUNK_BYTES && !plain.is_empty());
+    let compressed = lz4_flex::block::compress(plain);
+    let (codec, stored) = if compressed.len() < plain.len() {
+        (CODEC_LZ4, &compressed[..])
+    } else {
+        (CODEC_RAW, plain)
+    };
+    out.extend_from_slice(RECORD_MAGIC);
+    out.extend_from_slice(hash);
+    out.push(codec);
+    out.extend_from_slice(&(plain.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(stored.len() as u32).to_le_bytes());
+    out.extend_from_slice(stored);
+}
+
+/// Decodes the record at the start of `bytes` (header and stored bytes) expected to hold chunk
+/// `hash`, and checks the plain bytes against it.
+pub fn decode_record(bytes: &[u8], hash: &Hash) -> Result<Vec<u8>> {
+    let bad = |why: &str| Error::Corrupt(format!("chunk {}: {why}", hex(hash)));
+    if bytes.len() < RECORD_HEADER_BYTES || &bytes[0..4] != RECORD_MAGIC {
+        return Err(bad("no record header where the index says"));
+    }
+    if &bytes[4..36] != hash {
+        return Err(bad("the record names another chunk"));
+    }
+    let codec = bytes[36];
+    let plain_len = u32_at(bytes, 37) as usize;
+    let stored_len = u32_at(bytes, 41) as usize;
+    if plain_len as u64 > CHUNK_BYTES || bytes.len() < RECORD_HEADER_BYTES + stored_len {
+        return Err(bad("lengths out of bounds"));
+    }
+    let stored = &bytes[RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + stored_len];
+    let plain = match codec {
+        CODEC_RAW => stored.to_vec(),
+        CODEC_LZ4 => {
+            lz4_flex::block::decompress(stored, plain_len).map_err(|e| bad(&format!("LZ4: {e}")))?
+        }
+        _ => return Err(bad("unknown codec")),
+    };
+    if plain.len() != plain_len {
+        return Err(bad("plain length differs"));
+    }
+    if blake3::hash(&plain).as_bytes() != hash {
+        return Err(bad("BLAKE3 mismatch"));
+    }
+    Ok(plain)
+}
+
+/// Encodes a manifest or index.
+pub fn encode_table<H: Serialize>(magic: &[u8; 8], t: &Table<H>) -> Vec<u8> {
+    let header = serde_json::to_vec(&t.header).expect("headers serialize");
+    let mut out = Vec::with_capacity(64 + header.len() + t.entries.len() * ENTRY_BYTES);
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&(t.packs.len() as u32).to_le_bytes());
+    for p in &t.packs {
+        out.extend_from_slice(p);
+    }
+    out.extend_from_slice(&(t.entries.len() as u64).to_le_bytes());
+    for e in &t.entries {
+        assert!((e.at.pack as usize) < t.packs.len());
+        out.extend_from_slice(&e.chunk.to_le_bytes());
+        out.extend_from_slice(&e.hash);
+        out.extend_from_slice(&e.at.pack.to_le_bytes());
+        out.extend_from_slice(&e.at.offset.to_le_bytes());
+        out.extend_from_slice(&e.at.stored_len.to_le_bytes());
+        out.extend_from_slice(&e.at.plain_len.to_le_bytes());
+    }
+    let sum = blake3::hash(&out);
+    out.extend_from_slice(sum.as_bytes());
+    out
+}
+
+/// Decodes a manifest or index, checking its checksum, version and bounds.
+pub fn decode_table<H: for<'de> Deserialize<'de>>(
+    magic: &[u8; 8],
+    bytes: &[u8],
+) -> Result<Table<H>> {
+    let bad = |why: String| Error::Corrupt(why);
+    if bytes.len() < 16 + 4 + 8 + 32 || &bytes[..8] != magic {
+        return Err(bad("not a manifest or index (bad magic)".into()));
+    }
+    let (body, sum) = bytes.split_at(bytes.len() - 32);
+    if blake3::hash(body).as_bytes() != sum {
+        return Err(bad("checksum mismatch".into()));
+    }
+    let version = u32_at(body, 8);
+    if version != FORMAT_VERSION {
+        return Err(bad(format!(
+            "format version {version}; this ibid reads {FORMAT_VERSION}"
+        )));
+    }
+    let header_len = u32_at(body, 12) as usize;
+    if header_len > HEADER_BYTES_MAX || body.len() < 16 + header_len + 4 {
+        return Err(bad("header length out of bounds".into()));
+    }
+    let header: H = serde_json::from_slice(&body[16..16 + header_len])
+        .map_err(|e| bad(format!("header: {e}")))?;
+    let mut at = 16 + header_len;
+    let pack_count = u32_at(body, at) as usize;
+    at += 4;
+    if body.len() < at + pack_count * 32 + 8 {
+        return Err(bad("pack table out of bounds".into()));
+    }
+    let packs: Vec<Hash> = (0..pack_count)
+        .map(|i| hash_at(body, at + i * 32))
+        .collect();
+    at += pack_count * 32;
+    let entry_count = u64_at(body, at);
+    at += 8;
+    if (body.len() - at) as u64 != entry_count.saturating_mul(ENTRY_BYTES as u64) {
+        return Err(bad("entry count does not match the length".into()));
+    }
+    let mut entries = Vec::with_capacity(entry_count as usize);
+    for e in body[at..].chunks_exact(ENTRY_BYTES) {
+        let entry = Entry {
+            chunk: u64_at(e, 0),
+            hash: hash_at(e, 8),
+            at: Location {
+                pack: u32_at(e, 40),
+                offset: u32_at(e, 44),
+                stored_len: u32_at(e, 48),
+                plain_len: u32_at(e, 52),
+            },
+        };
+        if entry.at.pack as usize >= packs.len() || entry.at.plain_len as u64 > CHUNK_BYTES {
+            return Err(bad("entry out of bounds".into()));
+        }
+        entries.push(entry);
+    }
+    Ok(Table {
+        header,
+        packs,
+        entries,
+    })
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn hash_at(b: &[u8], at: usize) -> Hash {
+    b[at..at + 32].try_into().expect("32 bytes")
+}
+
+/// Lower-case hex of a hash (object names).
+pub fn hex(h: &Hash) -> String {
+    h.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A hash from its hex (an object name), if it is one.
+pub fn unhex(s: &str) -> Option<Hash> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record round-trips, compressible or not, and any flipped byte is caught.
+    #[test]
+    fn records_round_trip_and_catch_damage() {
+        for plain in [
+            vec![7u8; 65536],
+            (0..4096u32).map(|i| (i * 7919 % 251) as u8).collect(),
+        ] {
+            let hash = *blake3::hash(&plain).as_bytes();
+            let mut rec = Vec::new();
+            encode_record(&hash, &plain, &mut rec);
+            assert_eq!(decode_record(&rec, &hash).expect("decode"), plain);
+            for i in [0, 5, 36, 40, RECORD_HEADER_BYTES, rec.len() - 1] {
+                let mut bad = rec.clone();
+                bad[i] ^= 1;
+                assert!(
+                    decode_record(&bad, &hash).is_err(),
+                    "flip at {i} went unnoticed"
+                );
+            }
+        }
+    }
+
+    /// A table round-trips; a flipped byte or a truncation is refused.
+    #[test]
+    fn tables_round_trip_and_catch_damage() {
+        let t = Table {
+            header: serde_json::json!({"volume": "v"}),
+            packs: vec![[1; 32], [2; 32]],
+            entries: vec![Entry {
+                chunk: 9,
+                hash: [3; 32],
+                at: Location {
+                    pack: 1,
+                    offset: 45,
+                    stored_len: 10,
+                    plain_len: 65536,
+                },
+            }],
+        };
+        let bytes = encode_table(MANIFEST_MAGIC, &t);
+        let back: Table<serde_json::Value> = decode_table(MANIFEST_MAGIC, &bytes).expect("decode");
+        assert_eq!(back, t);
+        assert!(decode_table::<serde_json::Value>(INDEX_MAGIC, &bytes).is_err());
+        assert!(
+            decode_table::<serde_json::Value>(MANIFEST_MAGIC, &bytes[..bytes.len() - 1]).is_err()
+        );
+        let mut bad = bytes.clone();
+        bad[30] ^= 1;
+        assert!(decode_table::<serde_json::Value>(MANIFEST_MAGIC, &bad).is_err());
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let h = *blake3::hash(b"x").as_bytes();
+        assert_eq!(unhex(&hex(&h)), Some(h));
+        assert_eq!(unhex("zz"), None);
+    }
+}

@@ -1,0 +1,506 @@
+//! Remotes (S3-compatible object stores that snapshots are pushed to) and their API routes:
+//! `/api/v1/remotes` (add, list, remove, verify, gc, snapshots, restore) and
+//! `/api/v1/volumes/{name}/snapshots/{snapshot}/push`.
+//!
+//! The remotes are kept in `remotes.json` in the pool directory, owned by this binary, written
+//! crash-safely ([`crate::durable::write_private_file`]: readable by the owner only, since it
+//! holds the secret keys). The API never returns a credential and nothing here logs one.
+
+use crate::api::ApiError;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use ibid_engine::Pool;
+use ibid_offload::{Progress, Remote, RemoteConfig};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+/// The file in the pool directory.
+pub const FILE_NAME: &str = "remotes.json";
+/// Version of `remotes.json`'s format.
+const FILE_VERSION: u64 = 1;
+/// Most remotes a pool keeps (a bound on the file and on what a listing returns).
+const REMOTES_MAX: usize = 64;
+
+/// `remotes.json`.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Table {
+    version: u64,
+    remotes: BTreeMap<String, RemoteConfig>,
+    /// Volumes being restored: a volume still listed at start was cut off by a crash or a
+    /// kill and holds part of its snapshot, so it is deleted.
+    #[serde(default)]
+    restoring: Vec<String>,
+}
+
+/// What the file keeps.
+#[derive(Clone, Default)]
+struct Kept {
+    remotes: BTreeMap<String, RemoteConfig>,
+    restoring: Vec<String>,
+}
+
+/// The pool's remotes.
+pub struct Remotes {
+    /// `remotes.json`; `None` keeps nothing (tests).
+    path: Option<PathBuf>,
+    /// Held while a change is written, so the file and the table change together.
+    state: Mutex<Kept>,
+}
+
+impl Remotes {
+    /// The remotes kept in `pool`'s directory (none if it has no `remotes.json`).
+    pub fn open(pool: &Pool) -> anyhow::Result<Remotes> {
+        let path = pool.dir().join(FILE_NAME);
+        let state = match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let t: Table = serde_json::from_str(&text).map_err(|e| {
+                    anyhow::anyhow!("the remotes in {} are unreadable: {e}", path.display())
+                })?;
+                if t.version != FILE_VERSION {
+                    anyhow::bail!(
+                        "the remotes in {} are in format version {}; this ibid reads version {FILE_VERSION}",
+                        path.display(),
+                        t.version
+                    );
+                }
+                Kept {
+                    remotes: t.remotes,
+                    restoring: t.restoring,
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Kept::default(),
+            Err(e) => anyhow::bail!("read the remotes in {}: {e}", path.display()),
+        };
+        let remotes = Remotes {
+            path: Some(path),
+            state: Mutex::new(state),
+        };
+        remotes.drop_partial_restores(pool)?;
+        Ok(remotes)
+    }
+
+    /// Deletes the volumes whose restore a crash or kill cut off (listed as restoring).
+    fn drop_partial_restores(&self, pool: &Pool) -> anyhow::Result<()> {
+        let partial = self.state.lock().restoring.clone();
+        for name in &partial {
+            match pool.delete_volume(name) {
+                Ok(()) => tracing::warn!(
+                    "deleted volume {name}: its restore from a remote did not finish (the \
+                     server stopped); restore it again"
+                ),
+                Err(ibid_engine::Error::NotFound(_)) => {}
+                Err(e) => anyhow::bail!("delete the partly restored volume {name}: {e}"),
+            }
+        }
+        if !partial.is_empty() {
+            self.update(|s| {
+                s.restoring.clear();
+                Ok(())
+            })
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        }
+        Ok(())
+    }
+
+    /// A remote's configuration.
+    fn config(&self, name: &str) -> Result<RemoteConfig, ApiError> {
+        self.state.lock().remotes.get(name).cloned().ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no remote {name:?} (ibid remote list)"),
+            )
+        })
+    }
+
+    /// A client of remote `name`.
+    pub fn remote(&self, name: &str) -> Result<Remote, ApiError> {
+        Remote::s3(&self.config(name)?).map_err(offload_error)
+    }
+
+    /// Applies `change` to the table and writes it; nothing changes if either fails.
+    fn update(
+        &self,
+        change: impl FnOnce(&mut Kept) -> Result<(), ApiError>,
+    ) -> Result<(), ApiError> {
+        let mut table = self.state.lock();
+        let mut next = table.clone();
+        change(&mut next)?;
+        if let Some(path) = &self.path {
+            let text = serde_json::to_vec_pretty(&Table {
+                version: FILE_VERSION,
+                remotes: next.remotes.clone(),
+                restoring: next.restoring.clone(),
+            })
+            .map_err(|e| ApiError::internal(e.into()))?;
+            crate::durable::write_private_file(path, &text).map_err(|e| {
+                ApiError::internal(anyhow::anyhow!("write {}: {e}", path.display()))
+            })?;
+        }
+        *table = next;
+        Ok(())
+    }
+}
+
+/// A remote as the API shows it: no credentials.
+fn view(name: &str, c: &RemoteConfig) -> Value {
+    json!({
+        "name": name,
+        "endpoint": c.endpoint,
+        "bucket": c.bucket,
+        "region": c.region,
+        "prefix": c.prefix,
+        "credentials": "stored",
+    })
+}
+
+/// The API error for a remote operation's error.
+pub fn offload_error(e: ibid_offload::Error) -> ApiError {
+    use ibid_offload::Error as E;
+    match e {
+        E::Engine(e) => e.into(),
+        E::NotFound(m) => ApiError::new(StatusCode::NOT_FOUND, "not_found", m),
+        E::AlreadyExists(m) => ApiError::conflict("already_exists", m),
+        E::Busy(m) => ApiError::conflict("busy", m),
+        E::Invalid(m) => ApiError::new(StatusCode::BAD_REQUEST, "invalid_argument", m),
+        E::Cancelled => ApiError::conflict("cancelled", "cancelled"),
+        E::Corrupt(m) => ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "remote_damaged",
+            format!("damaged object in the remote: {m}"),
+        ),
+        e => ApiError::new(StatusCode::BAD_GATEWAY, "remote_failed", e.to_string()),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddRemote {
+    name: String,
+    endpoint: String,
+    bucket: String,
+    #[serde(default)]
+    region: Option<String>,
+    #[serde(default)]
+    prefix: Option<String>,
+    access_key_id: String,
+    secret_access_key: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PushRequest {
+    remote: String,
+    /// Answer at once (202, the job) instead of when the push ends.
+    #[serde(default)]
+    background: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RestoreRequest {
+    /// `VOLUME@SNAPSHOT` in the remote.
+    snapshot: String,
+    /// Name of the new volume.
+    volume: String,
+    /// Answer at once (202, the job) instead of when the restore ends.
+    #[serde(default)]
+    background: bool,
+}
+
+type Body<T> = Result<Json<T>, axum::extract::rejection::JsonRejection>;
+
+fn body<T>(b: Body<T>) -> Result<T, ApiError> {
+    b.map(|Json(t)| t)
+        .map_err(|e| ApiError::new(e.status(), "bad_request", e.body_text()))
+}
+
+/// The remotes' routes (merged into the API's router, behind its guards).
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Pool: axum::extract::FromRef<S>,
+{
+    Router::new()
+        .route("/api/v1/remotes", get(list_remotes).post(add_remote))
+        .route(
+            "/api/v1/remotes/{name}",
+            axum::routing::delete(remove_remote),
+        )
+        .route("/api/v1/remotes/{name}/verify", post(verify_remote))
+        .route("/api/v1/remotes/{name}/gc", post(gc_remote))
+        .route(
+            "/api/v1/remotes/{name}/snapshots",
+            get(list_remote_snapshots),
+        )
+        .route(
+            "/api/v1/remotes/{name}/snapshots/{snapshot}",
+            axum::routing::delete(delete_remote_snapshot),
+        )
+        .route("/api/v1/remotes/{name}/restore", post(restore))
+        .route(
+            "/api/v1/volumes/{name}/snapshots/{snapshot}/push",
+            post(push),
+        )
+}
+
+type Shared = Extension<Arc<Remotes>>;
+
+async fn list_remotes(Extension(remotes): Shared) -> Json<Value> {
+    let state = remotes.state.lock();
+    Json(Value::Array(
+        state.remotes.iter().map(|(n, c)| view(n, c)).collect(),
+    ))
+}
+
+async fn add_remote(
+    Extension(remotes): Shared,
+    req: Body<AddRemote>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let r = body(req)?;
+    ibid_engine::validate_volume_name(&r.name).map_err(|_| {
+        ApiError::bad_request(format!(
+            "remote name {:?}: use letters, digits, '.', '_' and '-'",
+            r.name
+        ))
+    })?;
+    if r.bucket.is_empty() || r.access_key_id.is_empty() || r.secret_access_key.is_empty() {
+        return Err(ApiError::bad_request(
+            "a remote needs a bucket, an access key id and a secret access key",
+        ));
+    }
+    let config = RemoteConfig {
+        endpoint: r.endpoint,
+        bucket: r.bucket,
+        region: r.region.filter(|s| !s.is_empty()),
+        prefix: r.prefix.filter(|s| !s.is_empty()),
+        access_key_id: r.access_key_id,
+        secret_access_key: r.secret_access_key,
+    };
+    // Refuse a remote that does not answer or refuses these credentials now, not at the
+    // first push.
+    let remote = Remote::s3(&config).map_err(offload_error)?;
+    remote.check().await.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "remote_failed",
+            format!("the remote does not answer as expected: {e}"),
+        )
+    })?;
+    let name = r.name;
+    let shown = view(&name, &config);
+    remotes.update(|s| {
+        let t = &mut s.remotes;
+        if t.contains_key(&name) {
+            return Err(ApiError::conflict(
+                "already_exists",
+                format!("a remote {name:?} exists"),
+            ));
+        }
+        if t.len() >= REMOTES_MAX {
+            return Err(ApiError::conflict(
+                "too_many",
+                format!("a pool keeps at most {REMOTES_MAX} remotes"),
+            ));
+        }
+        t.insert(name.clone(), config);
+        Ok(())
+    })?;
+    tracing::info!("remote {name} added ({})", shown["endpoint"]);
+    Ok((StatusCode::CREATED, Json(shown)))
+}
+
+async fn remove_remote(
+    Extension(remotes): Shared,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    remotes.update(|s| match s.remotes.remove(&name) {
+        Some(_) => Ok(()),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no remote {name:?}"),
+        )),
+    })?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn verify_remote(
+    Extension(remotes): Shared,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let report = remotes
+        .remote(&name)?
+        .verify()
+        .await
+        .map_err(offload_error)?;
+    Ok(Json(json!(report)))
+}
+
+async fn gc_remote(
+    Extension(remotes): Shared,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let report = remotes.remote(&name)?.gc().await.map_err(offload_error)?;
+    tracing::info!(
+        "remote {name}: GC deleted {} packs ({} bytes)",
+        report.packs_deleted,
+        report.bytes_freed
+    );
+    Ok(Json(json!(report)))
+}
+
+async fn list_remote_snapshots(
+    Extension(remotes): Shared,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let list = remotes.remote(&name)?.list().await.map_err(offload_error)?;
+    Ok(Json(json!(list)))
+}
+
+fn split(snapshot: &str) -> Result<(&str, &str), ApiError> {
+    snapshot
+        .split_once('@')
+        .filter(|(v, s)| !v.is_empty() && !s.is_empty())
+        .ok_or_else(|| ApiError::bad_request(format!("{snapshot:?}: expected VOLUME@SNAPSHOT")))
+}
+
+async fn delete_remote_snapshot(
+    Extension(remotes): Shared,
+    Path((name, snapshot)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    let (volume, snap) = split(&snapshot)?;
+    remotes
+        .remote(&name)?
+        .delete(volume, snap)
+        .await
+        .map_err(offload_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn push(
+    State(pool): State<Pool>,
+    Extension(remotes): Shared,
+    Extension(stats): Extension<Arc<crate::metrics::OffloadStats>>,
+    Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
+    Path((volume, snapshot)): Path<(String, String)>,
+    req: Body<PushRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let r = body(req)?;
+    let remote = remotes.remote(&r.remote)?;
+    // Refuse at once what would fail at once, rather than as a failed job.
+    if !pool
+        .list_snapshots(Some(&volume))
+        .iter()
+        .any(|s| s.name == snapshot)
+    {
+        return Err(ibid_engine::Error::NotFound(format!("{volume}@{snapshot}")).into());
+    }
+    let progress = Arc::new(Progress::default());
+    let target = format!("{volume}@{snapshot} -> {}", r.remote);
+    let work = {
+        let progress = progress.clone();
+        async move {
+            let report = remote.push(&pool, &volume, &snapshot, progress).await;
+            let report = match report {
+                Ok(r) => r,
+                Err(e) => {
+                    stats.push_failures.fetch_add(1, Relaxed);
+                    return Err(offload_error(e));
+                }
+            };
+            stats.pushes.fetch_add(1, Relaxed);
+            stats.pushed_bytes.fetch_add(report.bytes_sent, Relaxed);
+            stats.chunks_sent.fetch_add(report.chunks_sent, Relaxed);
+            stats
+                .chunks_skipped
+                .fetch_add(report.chunks_skipped, Relaxed);
+            stats
+                .last_push_unix_s
+                .lock()
+                .insert(volume.clone(), crate::schedules::now_unix_s());
+            tracing::info!(
+                "pushed {volume}@{snapshot} to {}: {} bytes sent, {} chunks sent, {} skipped, {:.1} s",
+                r.remote,
+                report.bytes_sent,
+                report.chunks_sent,
+                report.chunks_skipped,
+                report.duration_s
+            );
+            Ok(json!(report))
+        }
+    };
+    jobs.run("push", target, r.background, progress, work).await
+}
+
+async fn restore(
+    State(pool): State<Pool>,
+    Extension(remotes): Shared,
+    Extension(stats): Extension<Arc<crate::metrics::OffloadStats>>,
+    Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
+    Path(name): Path<String>,
+    req: Body<RestoreRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let r = body(req)?;
+    split(&r.snapshot)?;
+    let remote = remotes.remote(&name)?;
+    ibid_engine::validate_volume_name(&r.volume)?;
+    if pool.volume(&r.volume).is_ok() {
+        return Err(ApiError::conflict(
+            "already_exists",
+            format!("a volume {:?} exists", r.volume),
+        ));
+    }
+    // Listed while it runs: a volume left half-restored by a crash is deleted at the next start.
+    let target = r.volume.clone();
+    remotes.update(|s| {
+        s.restoring.push(target);
+        Ok(())
+    })?;
+    let progress = Arc::new(Progress::default());
+    let label = format!("{name}:{} -> {}", r.snapshot, r.volume);
+    let background = r.background;
+    let work = {
+        let progress = progress.clone();
+        async move {
+            let (volume, snap) = split(&r.snapshot)?;
+            let result = remote
+                .restore(&pool, volume, snap, &r.volume, progress)
+                .await;
+            remotes.update(|s| {
+                s.restoring.retain(|v| *v != r.volume);
+                Ok(())
+            })?;
+            let report = result.map_err(offload_error)?;
+            stats.restores.fetch_add(1, Relaxed);
+            stats
+                .restored_bytes
+                .fetch_add(report.bytes_received, Relaxed);
+            tracing::info!(
+                "restored {} from {name} as {}: {} bytes received, {:.1} s",
+                r.snapshot,
+                r.volume,
+                report.bytes_received,
+                report.duration_s
+            );
+            Ok(json!(report))
+        }
+    };
+    let (status, answer) = jobs
+        .run("restore", label, background, progress, work)
+        .await?;
+    let status = if status == StatusCode::OK {
+        StatusCode::CREATED
+    } else {
+        status
+    };
+    Ok((status, answer))
+}
