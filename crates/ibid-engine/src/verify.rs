@@ -133,7 +133,13 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     }
     // A gone key is in a run (dead there) or still in the B-tree, and its chunk is no more.
     let mut gone_in_tree = 0usize;
+    let mut gone_seen = std::collections::HashSet::new();
     for (no, k) in Runs::load_gone(&txn)? {
+        if !gone_seen.insert(k) {
+            return Err(fail(format!(
+                "gone index key {k:#x} (row {no}) listed twice"
+            )));
+        }
         if !runs.contains(k) {
             if txn.get(meta::FPS, &k)?.is_none() {
                 return Err(fail(format!(

@@ -8,7 +8,6 @@ use common::{output, run, Server};
 use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
 /// `ibid serve --data DIR ARGS` on ephemeral ports, expected to fail; returns its stderr.
 fn serve_fails(data: &Path, args: &[&str]) -> String {
@@ -89,11 +88,17 @@ fn serve_logs_through_a_pipe() -> String {
         .args(["--nbd", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
         .args(["--http", "127.0.0.1:0", "--no-default-volume"])
         .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start ibid serve");
-    std::thread::sleep(Duration::from_millis(1500));
+    // The banner comes after the signal handlers are installed: a SIGTERM sent earlier (a
+    // fixed sleep on a loaded machine) would kill the server before it could log anything.
+    let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let announced = std::io::BufRead::lines(stdout)
+        .map_while(|l| l.ok())
+        .any(|l| l.contains("serving pool"));
+    assert!(announced, "ibid serve ended before its banner");
     run("kill", &["-TERM", &child.id().to_string()]);
     let mut logs = String::new();
     child
@@ -117,11 +122,17 @@ fn logs_carry_colour_codes_on_a_terminal_only() {
     // The same server on a pseudo-terminal (script(1)) colours its log levels.
     common::require("script");
     let dir = tempfile::tempdir().expect("tempdir");
+    // Its banner (stdout) goes to a file, polled for before the SIGTERM; its log (stderr)
+    // stays on the terminal.
+    let banner = dir.path().join("banner");
     let cmd = format!(
-        "RUST_LOG=info timeout -s TERM 2 {} serve --data {} --nbd 127.0.0.1:0 --iscsi 127.0.0.1:0 \
-         --http 127.0.0.1:0 --no-default-volume",
+        "RUST_LOG=info {} serve --data {} --nbd 127.0.0.1:0 --iscsi 127.0.0.1:0 \
+         --http 127.0.0.1:0 --no-default-volume > {banner} & pid=$!; i=0; \
+         until grep -q 'serving pool' {banner} || [ $i -ge 600 ]; do i=$((i+1)); sleep 0.05; done; \
+         kill -TERM $pid; wait $pid",
         env!("CARGO_BIN_EXE_ibid"),
-        dir.path().join("pool").display()
+        dir.path().join("pool").display(),
+        banner = banner.display()
     );
     let out = output("script", &["-qec", &cmd, "/dev/null"]);
     let shown = String::from_utf8_lossy(&out.stdout);
