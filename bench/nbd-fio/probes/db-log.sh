@@ -9,18 +9,7 @@
 system=$1; shift
 DB_GIB=${DB_GIB:-2}
 RUNTIME=${RUNTIME:-30}
-case $system in
-ibid) start_ibid "$@" ;;
-raw)
-    rm -rf "$SCRATCH"; mkdir -p "$SCRATCH"
-    qemu-img create -q -f raw "$SCRATCH/raw.img" 16G
-    qemu-nbd -f raw --cache=none --aio=native -x bench -p "$PORT" -b 127.0.0.1 -t \
-        "$SCRATCH/raw.img" > "$SCRATCH/log" 2>&1 &
-    PID=$!
-    trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$SCRATCH"' EXIT
-    for _ in $(seq 100); do nbdinfo --size "$URI" >/dev/null 2>&1 && break; sleep 0.1; done ;;
-*) echo "unknown system $system" >&2; exit 2 ;;
-esac
+start_system "$system" "$@"
 fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 --size=${DB_GIB}G \
     --refill_buffers=1 --buffer_compress_percentage=50 --randseed=7 --end_fsync=1 > /dev/null
 sleep 2

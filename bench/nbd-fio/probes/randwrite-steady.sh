@@ -8,18 +8,7 @@
 . "$(dirname "$0")/common.sh"
 system=$1; shift
 RUNTIME=${RUNTIME:-600}
-case $system in
-ibid) start_ibid "$@" ;;
-raw)
-    rm -rf "$SCRATCH"; mkdir -p "$SCRATCH"
-    qemu-img create -q -f raw "$SCRATCH/raw.img" 16G
-    qemu-nbd -f raw --cache=none --aio=native -x bench -p "$PORT" -b 127.0.0.1 -t \
-        "$SCRATCH/raw.img" > "$SCRATCH/log" 2>&1 &
-    PID=$!
-    trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$SCRATCH"' EXIT
-    for _ in $(seq 100); do nbdinfo --size "$URI" >/dev/null 2>&1 && break; sleep 0.1; done ;;
-*) echo "unknown system $system" >&2; exit 2 ;;
-esac
+start_system "$system" "$@"
 fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 --size=16G \
     --refill_buffers=1 --randseed=11 --end_fsync=1 > /dev/null
 c0=$(cpu_ticks)

@@ -7,18 +7,7 @@
 # server's CPU per MB, and pass N ÷ pass 1.
 . "$(dirname "$0")/common.sh"
 system=$1; shift
-case $system in
-ibid) start_ibid "$@" ;;
-raw)
-    rm -rf "$SCRATCH"; mkdir -p "$SCRATCH"
-    qemu-img create -q -f raw "$SCRATCH/raw.img" 16G
-    qemu-nbd -f raw --cache=none --aio=native -x bench -p "$PORT" -b 127.0.0.1 -t \
-        "$SCRATCH/raw.img" > "$SCRATCH/log" 2>&1 &
-    PID=$!
-    trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$SCRATCH"' EXIT
-    for _ in $(seq 100); do nbdinfo --size "$URI" >/dev/null 2>&1 && break; sleep 0.1; done ;;
-*) echo "unknown system $system" >&2; exit 2 ;;
-esac
+start_system "$system" "$@"
 first=
 line="$system"
 for pass in $(seq "${PASSES:-3}"); do
