@@ -94,12 +94,22 @@ fn serve_logs_through_a_pipe() -> String {
         .expect("start ibid serve");
     // The banner comes after the signal handlers are installed: a SIGTERM sent earlier (a
     // fixed sleep on a loaded machine) would kill the server before it could log anything.
-    let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
-    let announced = std::io::BufRead::lines(stdout)
-        .map_while(|l| l.ok())
-        .any(|l| l.contains("serving pool"));
+    // The reader stays open to the end: the banner goes on after its first line, and a
+    // closed pipe would fail the server's next print.
+    let mut stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let announced = loop {
+        line.clear();
+        match std::io::BufRead::read_line(&mut stdout, &mut line) {
+            Ok(0) | Err(_) => break false,
+            Ok(_) if line.contains("serving pool") => break true,
+            Ok(_) => {}
+        }
+    };
     assert!(announced, "ibid serve ended before its banner");
     run("kill", &["-TERM", &child.id().to_string()]);
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).expect("read the banner");
     let mut logs = String::new();
     child
         .stderr
