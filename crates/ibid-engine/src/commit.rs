@@ -141,11 +141,15 @@ impl Inner {
         self.publish(&batch, &applied);
         self.committed.store(batch.no, Ordering::Release);
         self.journal.forget_through(batch.no);
+        let entries = batch.volumes.iter().map(|(_, o, _)| o.len()).sum::<usize>();
+        if let Some(pacer) = &self.pacer {
+            pacer.note_commit(entries as u64, t0.elapsed());
+        }
         tracing::debug!(
             "commit {}: {} map entries, {} new chunks, {} chunks freed, {:.1} ms \
              ({:.1} ms of it waiting for the segments' sync)",
             batch.no,
-            batch.volumes.iter().map(|(_, o, _)| o.len()).sum::<usize>(),
+            entries,
             batch
                 .shards
                 .iter()

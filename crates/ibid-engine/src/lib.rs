@@ -40,6 +40,7 @@ mod layer_filter;
 pub mod meta;
 mod neighbours;
 mod overlay;
+mod pacer;
 mod pool;
 mod provision;
 mod recovery;

@@ -179,6 +179,9 @@ pub(crate) struct Inner {
     pub reserve_lock: Mutex<()>,
     pub meta_bytes: AtomicU64,
     pub dirty_blocks: AtomicU64,
+    /// Paces writers to the commits' rate once the backlog grows (see `pacer.rs`); `None`
+    /// without a background committer.
+    pub pacer: Option<crate::pacer::Pacer>,
     /// Writes preparing whole blocks right now (see `write_range`): a large write spreads its
     /// blocks over the helper threads only while fewer writes than cores are busy.
     pub preparing: AtomicUsize,

@@ -289,6 +289,13 @@ fn assemble(
         reserve_lock: Mutex::new(()),
         meta_bytes: AtomicU64::new(meta_bytes),
         dirty_blocks: AtomicU64::new(0),
+        pacer: (config.background && config.threads).then(|| {
+            crate::pacer::Pacer::new(crate::pacer::Limits {
+                commit: config.dirty_blocks_commit,
+                throttle: config.dirty_blocks_throttle,
+                max: config.dirty_blocks_max,
+            })
+        }),
         failed: Mutex::new(None),
         soft_warned: AtomicBool::new(false),
         last_io_ms: AtomicU64::new(0),

@@ -176,7 +176,8 @@ impl Volume {
     /// Whether a write of `len` bytes at `offset`, without FUA, runs without waiting as things
     /// stand: whole 4 KiB blocks (a partial block is read first), at most
     /// [`QUICK_WRITE_BLOCKS_MAX`] of them (larger writes spread their blocks over threads),
-    /// and an uncommitted backlog under the throttle (past it, a writer waits for a commit).
+    /// and an uncommitted backlog under the throttle (past it, a writer waits for a commit) with
+    /// no pacing slot to wait for (see `pacer.rs`).
     /// Such a write costs CPU only (fingerprint, compression, a copy into a segment buffer),
     /// plus, once per megabyte a writer appends, that buffer's write to its file. A hint for a
     /// caller choosing whether to run the write on a thread that must not block for long:
@@ -185,8 +186,17 @@ impl Volume {
         offset.is_multiple_of(BLOCK)
             && len.is_multiple_of(BLOCK)
             && len / BLOCK <= QUICK_WRITE_BLOCKS_MAX
-            && self.inner.dirty_blocks.load(Ordering::Relaxed) + len / BLOCK
-                < self.inner.config.dirty_blocks_throttle
+            && self.backlog_is_quick(len / BLOCK)
+    }
+
+    fn backlog_is_quick(&self, blocks: u64) -> bool {
+        let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed) + blocks;
+        dirty < self.inner.config.dirty_blocks_throttle
+            && !self
+                .inner
+                .pacer
+                .as_ref()
+                .is_some_and(|p| p.would_delay(dirty, std::time::Instant::now()))
     }
 
     /// Writes `data` at `offset`. With `fua`, the data is durable when this returns.
@@ -199,7 +209,7 @@ impl Volume {
             self.inner
                 .retry_after_commit(|| self.inner.write_range(&self.state, offset, data))?;
         }
-        self.after_write(fua)
+        self.after_write((data.len() as u64).div_ceil(BLOCK), fua)
     }
 
     /// Makes the range read as zeros and releases its space: a metadata operation. The call
@@ -228,10 +238,15 @@ impl Volume {
                 self.inner.write_range(&self.state, full1 * BLOCK, &zeros)?;
             }
         }
-        self.after_write(fua)
+        // A metadata operation: one slot, whatever its length.
+        self.after_write(1, fua)
     }
 
-    fn after_write(&self, fua: bool) -> Result<()> {
+    /// Backpressure after a write of `blocks` blocks: a FUA write is made durable; otherwise,
+    /// past the commit threshold the background commit is woken and the writer waits for its
+    /// pacing slot (or, before a commit was measured, for the commit in progress once past the
+    /// throttle), and at the hard limit it commits itself.
+    fn after_write(&self, blocks: u64, fua: bool) -> Result<()> {
         if fua {
             return self.inner.flush();
         }
@@ -251,10 +266,19 @@ impl Volume {
             }
         } else if dirty >= self.inner.config.dirty_blocks_commit {
             self.inner.wake_background();
-            if dirty >= self.inner.config.dirty_blocks_throttle {
-                // Wait for the commit in progress (it started with an empty backlog; this
-                // one will be the next): writers then go at the pace of the commits.
-                drop(self.inner.commit.lock());
+            let paced = self.inner.pacer.as_ref().and_then(|p| {
+                p.commit_rate()?;
+                Some(p.delay(blocks, dirty, std::time::Instant::now()))
+            });
+            match paced {
+                Some(wait) if !wait.is_zero() => std::thread::sleep(wait),
+                Some(_) => {}
+                None if dirty >= self.inner.config.dirty_blocks_throttle => {
+                    // Wait for the commit in progress (it started with an empty backlog; this
+                    // one will be the next): writers then go at the pace of the commits.
+                    drop(self.inner.commit.lock());
+                }
+                None => {}
             }
         }
         Ok(())
@@ -328,7 +352,7 @@ impl Volume {
                 .compare_and_write(&self.state, offset, expected, new)
         })?;
         if outcome.is_none() {
-            self.after_write(fua)?;
+            self.after_write((new.len() as u64).div_ceil(BLOCK), fua)?;
         }
         Ok(outcome)
     }
@@ -361,7 +385,7 @@ impl Volume {
         let report = self
             .inner
             .copy_range(&src.state, src_offset, &self.state, dst_offset, len)?;
-        self.after_write(false)?;
+        self.after_write(1, false)?;
         Ok(report)
     }
 
