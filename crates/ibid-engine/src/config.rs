@@ -45,9 +45,14 @@ pub struct PoolConfig {
     /// New chunks a commit must have for their dedup index keys to be written as one sorted
     /// run rather than into the index's B-tree (see `dedup_index.rs`).
     pub dedup_run_keys_min: usize,
-    /// Runs the dedup index keeps before a commit merges them into its B-tree (1: every run
-    /// is merged at once, i.e. no runs).
+    /// Runs the dedup index keeps before a commit merges them all into its B-tree (1: every
+    /// run is merged at once, i.e. no runs).
     pub dedup_runs_max: usize,
+    /// Slices of the dedup index's key space that commits writing a run merge in turn, one
+    /// each (1: runs are only merged all at once, at `dedup_runs_max`). Each then rewrites a
+    /// slice of the B-tree's leaves rather than one commit in `dedup_runs_max` rewriting them
+    /// all (see `dedup_index.rs`); keep it below `dedup_runs_max`.
+    pub dedup_merge_slices: usize,
     /// Committed map entries (and windows) of zeroed ranges one commit settles (see
     /// `commit.rs`): a large zeroed range is settled over several commits, so each stays
     /// short and its memory bounded.
@@ -80,7 +85,8 @@ impl Default for PoolConfig {
             direct_io: true,
             dedup_filter_min: 1 << 20,
             dedup_run_keys_min: 4096,
-            dedup_runs_max: 16,
+            dedup_runs_max: 32,
+            dedup_merge_slices: 16,
             zero_settle_entries_max: 64 << 10,
             disk: crate::disk::fs(),
             threads: true,

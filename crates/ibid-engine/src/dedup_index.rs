@@ -7,10 +7,19 @@
 //! index became most of a commit's store work as the pool grew (`ibid-bench store-shapes`).
 //! Instead, a commit with at least [`RunPolicy::keys_min`] new keys writes them as one sorted
 //! **run** (`fps.runs`: commit number → the keys packed as 16-byte big-endian integers), and
-//! the commit that would bring the runs to [`RunPolicy::runs_max`] (or past [`RUN_KEYS_MAX`]
-//! keys) merges them all into the B-tree, in key order, in its own transaction: a leaf is then
-//! rewritten once for several commits' keys. Smaller commits insert their keys into the B-tree
-//! directly.
+//! the runs are merged into the B-tree in key order, so that a leaf is rewritten once for
+//! several commits' keys. Smaller commits insert their keys into the B-tree directly.
+//!
+//! The merge is **rolling**: the key space is cut into [`RunPolicy::slices`] slices (by the
+//! fingerprint prefix's high bits, [`slice_of`]), and every commit that writes a run also
+//! merges one slice (commit number modulo slices) of every run, of the gone rows and of its
+//! own keys, and rewrites the runs and rows without it. Each such commit thus rewrites about
+//! one slice of the B-tree's leaves, the same work every time, where merging all runs at once
+//! every few commits made every one of those commits several times longer than the others
+//! (seconds on a pool of millions of chunks, felt by every writer paced behind it). A run
+//! empties within `slices` such commits. The commit that would bring the runs to
+//! [`RunPolicy::runs_max`] (or past [`RUN_KEYS_MAX`] keys) still merges them all, as does
+//! every one when `slices` is 1.
 //!
 //! Every key is in exactly one place: the B-tree or one run. A chunk that dies leaves its key
 //! where it is: the commit writes the keys of the chunks that died in it as one **gone row**
@@ -54,6 +63,16 @@ pub(crate) struct RunPolicy {
     pub keys_min: usize,
     /// Most runs kept: the commit that would write one more merges them all instead.
     pub runs_max: usize,
+    /// Slices of the key space merged in turn (1: the runs are merged only all at once).
+    /// With more, every commit that writes a run also merges one slice of every run (see
+    /// [`slice_of`]), so a run empties within that many such commits.
+    pub slices: usize,
+}
+
+/// The slice of the key space `key` is in, of `slices` (fingerprints are uniform, so each
+/// slice holds an equal share of the keys and of the B-tree's leaves).
+pub(crate) fn slice_of(key: u128, slices: usize) -> usize {
+    (((key >> 64) * slices as u128) >> 64) as usize
 }
 
 /// One commit's new index keys, sorted.
@@ -311,6 +330,11 @@ impl<'a> IndexUpdate<'a> {
         if runs_full || gone_full {
             return self.merge(txn).map(Some);
         }
+        if as_run && policy.slices > 1 {
+            return self
+                .merge_slice(txn, no, (no % policy.slices as u64) as usize, policy.slices)
+                .map(Some);
+        }
         if !as_run {
             for k in &self.added {
                 txn.insert(meta::FPS, k, &());
@@ -332,6 +356,87 @@ impl<'a> IndexUpdate<'a> {
             next.runs.push(Arc::new(Run::new(no, self.added)));
         }
         Ok(Some(next))
+    }
+
+    /// Commit `no`'s changes with slice `slice` (of `slices`) merged: the slice's live keys of
+    /// every run and of the added ones go into the B-tree, its gone keys of the B-tree are
+    /// removed from it, in key order; the runs and the gone rows are rewritten without the
+    /// slice's keys (and deleted when that leaves them empty); the other added keys become
+    /// run `no` and the other gone keys gone row `no`. Every key stays in exactly one place.
+    fn merge_slice(self, txn: &mut WriteTxn, no: u64, slice: usize, slices: usize) -> Result<Runs> {
+        let runs = self.runs;
+        let ours = |k: &u128| slice_of(*k, slices) == slice;
+        let mut next = Runs::default();
+        let mut into_tree: Vec<u128> = Vec::new();
+        for run in &runs.runs {
+            let (merged, kept): (Vec<u128>, Vec<u128>) = run.keys.iter().partition(|k| ours(k));
+            if merged.is_empty() {
+                next.runs.push(run.clone());
+                continue;
+            }
+            into_tree.extend(merged.into_iter().filter(|k| !runs.dead.contains(k)));
+            if kept.is_empty() {
+                txn.remove(meta::FPS_RUNS, &run.no);
+            } else {
+                txn.insert(meta::FPS_RUNS, &run.no, encode(&kept).as_slice());
+                next.runs.push(Arc::new(Run::new(run.no, kept)));
+            }
+        }
+        // Dead keys of the slice left the runs with it; the others stay dead.
+        next.dead = runs.dead.iter().copied().filter(|k| !ours(k)).collect();
+        let mut stale: Vec<u128> = Vec::new();
+        for &row_no in &runs.gone_rows {
+            let row = txn.get(meta::FPS_GONE, &row_no)?.ok_or_else(|| {
+                Error::Corrupt(format!("dedup index gone row {row_no} is missing"))
+            })?;
+            let keys = decode(row_no, &row)?;
+            let (merged, kept): (Vec<u128>, Vec<u128>) = keys.into_iter().partition(|k| ours(k));
+            if merged.is_empty() {
+                next.gone_rows.push(row_no);
+                continue;
+            }
+            stale.extend(merged.into_iter().filter(|k| !runs.contains(*k)));
+            if kept.is_empty() {
+                txn.remove(meta::FPS_GONE, &row_no);
+            } else {
+                txn.insert(meta::FPS_GONE, &row_no, encode(&kept).as_slice());
+                next.gone_rows.push(row_no);
+            }
+        }
+        let stale_before = stale.len();
+        // This commit's gone keys of the slice: those of the B-tree go now, those of a run
+        // left it above (they are dead there).
+        let dead_now: FxHashSet<u128> = self.dead.iter().copied().collect();
+        let (gone_now, gone_later): (Vec<u128>, Vec<u128>) =
+            self.gone.into_iter().partition(|k| ours(k));
+        stale.extend(gone_now.into_iter().filter(|k| !dead_now.contains(k)));
+        into_tree.retain(|k| !dead_now.contains(k));
+        let in_tree_later = gone_later.iter().filter(|k| !dead_now.contains(k)).count();
+        next.gone_in_tree = runs.gone_in_tree - stale_before + in_tree_later;
+        next.dead.extend(self.dead.into_iter().filter(|k| !ours(k)));
+        let (added_now, added_later): (Vec<u128>, Vec<u128>) =
+            self.added.into_iter().partition(|k| ours(k));
+        into_tree.extend(added_now);
+        into_tree.sort_unstable();
+        for k in &into_tree {
+            txn.insert(meta::FPS, k, &());
+        }
+        stale.sort_unstable();
+        for k in &stale {
+            txn.remove(meta::FPS, k);
+        }
+        if !gone_later.is_empty() {
+            // Deaths are found in any order.
+            let mut gone_later = gone_later;
+            gone_later.sort_unstable();
+            txn.insert(meta::FPS_GONE, &no, encode(&gone_later).as_slice());
+            next.gone_rows.push(no);
+        }
+        if !added_later.is_empty() {
+            txn.insert(meta::FPS_RUNS, &no, encode(&added_later).as_slice());
+            next.runs.push(Arc::new(Run::new(no, added_later)));
+        }
+        Ok(next)
     }
 
     /// Moves every live key of the runs, and the added ones, into the B-tree and removes every
@@ -387,6 +492,7 @@ mod tests {
     const POLICY: RunPolicy = RunPolicy {
         keys_min: 4,
         runs_max: 3,
+        slices: 1,
     };
 
     /// Key `i` of prefix `p` (several chunks may share a prefix).
@@ -561,6 +667,113 @@ mod tests {
         }
         assert_eq!(Run::new(3, vec![]).ids, (u64::MAX, 0));
         assert!(!Run::new(3, vec![]).contains(key(0, 0)));
+    }
+
+    /// Random commits with slice merges (and full merges past `runs_max`), checked after
+    /// each against a model: every live key is in exactly one place (a run or the B-tree),
+    /// every gone key is dead in a run or stale in the B-tree, the runs reload as held, and
+    /// a run empties within `slices` commits that write runs.
+    #[test]
+    fn slice_merges_keep_every_key_in_one_place() -> Result<()> {
+        let policy = RunPolicy {
+            keys_min: 4,
+            runs_max: 7,
+            slices: 4,
+        };
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut live: Vec<u128> = Vec::new();
+        let mut runs = Runs::default();
+        let mut id = 0u64;
+        let mut slice_merges = 0;
+        for no in 1..=120u64 {
+            let mut txn = store.write()?;
+            let mut update = IndexUpdate::new(&runs);
+            let adds = (next() % 12) as usize;
+            let mut added = Vec::new();
+            for _ in 0..adds {
+                id += 1;
+                let k = key(next(), id);
+                update.add(k);
+                added.push(k);
+            }
+            if adds > 0 && next() % 4 == 0 {
+                let k = added.swap_remove((next() % added.len() as u64) as usize);
+                update.remove(k, true);
+            }
+            for _ in 0..(next() % 5) {
+                if live.is_empty() {
+                    break;
+                }
+                let k = live.swap_remove((next() % live.len() as u64) as usize);
+                update.remove(k, false);
+            }
+            let before = runs.len();
+            let after = update.finish(&mut txn, no, policy)?;
+            txn.commit()?;
+            live.extend(added);
+            if let Some(after) = after {
+                if after.len() > 0 && after.len() <= before + 1 && adds >= policy.keys_min {
+                    slice_merges += 1;
+                }
+                runs = after;
+            }
+            assert!(
+                runs.len() < policy.runs_max,
+                "commit {no}: {} runs",
+                runs.len()
+            );
+            assert_eq!(
+                Runs::load(&store.read()?)?.summary(),
+                runs.summary(),
+                "commit {no}"
+            );
+            let tree: FxHashSet<u128> = btree(&store)?.into_iter().collect();
+            let gone: Vec<u128> = Runs::load_gone(&store.read()?)?
+                .into_iter()
+                .map(|(_, k)| k)
+                .collect();
+            for &k in &gone {
+                assert!(!live.contains(&k), "commit {no}: live key {k:#x} gone");
+                assert!(
+                    runs.dead.contains(&k) != tree.contains(&k),
+                    "commit {no}: gone key {k:#x} neither dead in a run nor in the B-tree"
+                );
+            }
+            for &k in &live {
+                assert!(
+                    runs.holds(k) != tree.contains(&k),
+                    "commit {no}: live key {k:#x} in {} places",
+                    if tree.contains(&k) { 2 } else { 0 }
+                );
+            }
+            let stale = gone.iter().filter(|k| tree.contains(k)).count();
+            assert_eq!(
+                tree.len() - stale,
+                live.len() - runs.keys().count(),
+                "commit {no}"
+            );
+        }
+        assert!(slice_merges > 20, "only {slice_merges} slice merges");
+        Ok(())
+    }
+
+    /// Slices split the key space by the fingerprint prefix's high bits, evenly.
+    #[test]
+    fn slices_split_the_prefixes_evenly() {
+        assert_eq!(slice_of(key(0, 5), 16), 0);
+        assert_eq!(slice_of(key(u64::MAX, 5), 16), 15);
+        assert_eq!(slice_of(key(1 << 60, 0), 16), 1);
+        assert_eq!(slice_of(key((1 << 60) - 1, u64::MAX), 16), 0);
+        assert_eq!(slice_of(key(u64::MAX / 3 + 1, 0), 3), 1);
+        assert_eq!(slice_of(key(12345, 6), 1), 0);
     }
 
     /// A stored run that is not whole keys in ascending order is refused as corrupt.

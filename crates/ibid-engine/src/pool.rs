@@ -864,6 +864,7 @@ impl Inner {
         RunPolicy {
             keys_min: self.config.dedup_run_keys_min,
             runs_max: self.config.dedup_runs_max,
+            slices: self.config.dedup_merge_slices,
         }
     }
 

@@ -251,7 +251,8 @@ impl Sim {
             frame_copy_blocks_min: 16,
             dedup_filter_min: 1 << 12,
             dedup_run_keys_min: 32,
-            dedup_runs_max: 4,
+            dedup_runs_max: 6,
+            dedup_merge_slices: 3,
             zero_settle_entries_max: 64,
             disk: Arc::new(self.disk.clone()),
             ..PoolConfig::default()

@@ -312,6 +312,7 @@ fn a_version_6_pool_has_its_dead_keys_moved_into_a_gone_row() {
     let path = dir.path().join("p");
     let runs_only = PoolConfig {
         dedup_runs_max: 64,
+        dedup_merge_slices: 1,
         ..quiet_config(1 << 30)
     };
     {

@@ -25,8 +25,9 @@ pub fn quiet_config(capacity: u64) -> PoolConfig {
         capacity_force: true,
         background: false,
         segment_bytes_max: 1 << 20,
-        // Most commits write their dedup index keys as a run, and every fourth merges the
-        // runs, so tests exercise every place a key can be.
+        // Most commits write their dedup index keys as a run and merge one slice (of 16) of
+        // the runs, and every fourth merges them all, so tests exercise every place a key
+        // can be.
         dedup_run_keys_min: 2,
         dedup_runs_max: 4,
         ..PoolConfig::default()
