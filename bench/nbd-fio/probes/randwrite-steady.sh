@@ -17,6 +17,8 @@ fio --name=rw --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=32 --
     --write_iops_log="$SCRATCH/iops" --log_avg_msec=1000 --output-format=json \
     > "$SCRATCH/rw.json"
 c1=$(cpu_ticks)
+# The 1-second IOPS log stays for a look afterwards (the scratch directory goes at exit).
+cp "$SCRATCH"/iops_iops.*.log /tmp/last-probe-iops.log
 hwm=$(awk '/VmHWM/ {print $2}' "/proc/$PID/status")
 python3 - "$SCRATCH/rw.json" "$SCRATCH"/iops_iops.*.log "$system" "$((c1 - c0))" "$RUNTIME" "$hwm" <<'PY'
 import json, statistics, sys

@@ -14,12 +14,13 @@ pub struct PoolConfig {
     pub soft_threshold_pct: u8,
     /// Largest segment file in bytes.
     pub segment_bytes_max: u64,
-    /// Uncommitted map entries across the pool that trigger a background commit.
+    /// Uncommitted map entries across the pool that trigger a background commit; past it,
+    /// writers are paced to the commits' rate (see `pacer.rs`).
     pub dirty_blocks_commit: u64,
-    /// Uncommitted map entries past which a writer first waits for the commit in progress,
-    /// if any (backpressure: when commits are slower than the writes, each commit stays about
-    /// this large instead of growing to `dirty_blocks_max`, and a writer waits for one commit
-    /// of this size at most).
+    /// Uncommitted map entries at which pacing admits writes at the commits' rate (twice it
+    /// at `dirty_blocks_commit`, none at `dirty_blocks_max`); past it, before the pacer has
+    /// measured a commit or without a background committer, a writer first waits for the
+    /// commit in progress, if any.
     pub dirty_blocks_throttle: u64,
     /// Uncommitted map entries at which writers commit themselves (the hard limit).
     pub dirty_blocks_max: u64,

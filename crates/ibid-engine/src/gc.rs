@@ -194,11 +194,16 @@ impl Inner {
         let Some((seg, live, _)) = best else {
             return Ok(None);
         };
+        let t0 = std::time::Instant::now();
         if live == 0 {
             self.drop_segment(seg)?;
         } else {
             self.relocate_segment(seg)?;
         }
+        tracing::debug!(
+            "cleaned segment {seg:#x}: {live} live bytes moved in {:.1} ms",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
         Ok(Some(seg))
     }
 

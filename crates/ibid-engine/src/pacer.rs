@@ -12,7 +12,9 @@
 //! `dirty_blocks_commit` to the commit rate at `dirty_blocks_throttle` and down to nothing at
 //! `dirty_blocks_max` (where a writer commits itself, as before). A writer sleeps until its
 //! slot; a late wake-up is made up by the next writers (the schedule is absolute), and a
-//! backlog back under `dirty_blocks_commit` lets writers go unpaced again.
+//! backlog back under `dirty_blocks_commit` lets writers go unpaced again. A paced write may
+//! sleep, so it is never one a caller runs on a thread that must not block
+//! ([`Pacer::paces`], `Volume::write_is_quick`).
 
 use parking_lot::Mutex;
 use std::time::{Duration, Instant};
@@ -20,6 +22,11 @@ use std::time::{Duration, Instant};
 /// The longest one write is paced: the backlog keeps growing towards the hard limit if the
 /// commits fall further behind, and the writes after this one are paced harder.
 pub(crate) const DELAY_MAX: Duration = Duration::from_millis(50);
+
+/// The shortest wait a writer sleeps for: a sleep overshoots by tens of microseconds (timer
+/// slack), so a shorter slot is not slept; the schedule moves on all the same, and the writers
+/// after it wait for the sum once it has run that far ahead.
+pub(crate) const SLEEP_MIN: Duration = Duration::from_micros(200);
 
 /// Weight the commit rate keeps of its past at each commit (a decaying sum of commit sizes
 /// over a decaying sum of commit times: small commits weigh little).
@@ -123,13 +130,10 @@ impl Pacer {
         next.saturating_duration_since(now)
     }
 
-    /// Whether a write would wait for a slot if it came now with `dirty` blocks uncommitted.
-    pub(crate) fn would_delay(&self, dirty: u64, now: Instant) -> bool {
-        if dirty < self.limits.commit {
-            return false;
-        }
-        let s = self.state.lock();
-        rate(&s).is_some() && s.next.is_some_and(|n| n > now)
+    /// Whether a write that comes with `dirty` blocks uncommitted is paced (it may wait for a
+    /// slot: not a write to run where a thread must not sleep).
+    pub(crate) fn paces(&self, dirty: u64) -> bool {
+        dirty >= self.limits.commit && self.commit_rate().is_some()
     }
 }
 
@@ -161,7 +165,9 @@ mod tests {
         assert_eq!(p.delay(1, 500, now), Duration::ZERO);
         let p = measured(1000);
         assert_eq!(p.delay(1, 99, now), Duration::ZERO);
-        assert!(!p.would_delay(99, now));
+        assert!(!p.paces(99));
+        assert!(p.paces(100));
+        assert!(!Pacer::new(LIMITS).paces(100), "no commit measured");
     }
 
     #[test]
@@ -171,7 +177,6 @@ mod tests {
         let p = measured(1000);
         assert_eq!(p.delay(1, 200, now), Duration::from_millis(1));
         assert_eq!(p.delay(1, 200, now), Duration::from_millis(2));
-        assert!(p.would_delay(200, now));
         // At the commit threshold: twice the rate.
         let p = measured(1000);
         assert_eq!(p.delay(2, 100, now), Duration::from_millis(1));
@@ -196,7 +201,7 @@ mod tests {
         assert!(p.delay(1, 300, later) <= Duration::from_millis(2));
         // A backlog back under the threshold resets it.
         assert_eq!(p.delay(1, 50, later), Duration::ZERO);
-        assert!(!p.would_delay(150, later));
+        assert!(p.delay(1, 150, later) <= Duration::from_millis(1));
     }
 
     #[test]

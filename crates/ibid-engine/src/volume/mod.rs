@@ -176,8 +176,8 @@ impl Volume {
     /// Whether a write of `len` bytes at `offset`, without FUA, runs without waiting as things
     /// stand: whole 4 KiB blocks (a partial block is read first), at most
     /// [`QUICK_WRITE_BLOCKS_MAX`] of them (larger writes spread their blocks over threads),
-    /// and an uncommitted backlog under the throttle (past it, a writer waits for a commit) with
-    /// no pacing slot to wait for (see `pacer.rs`).
+    /// and an uncommitted backlog under the throttle (past it, a writer waits for a commit) and
+    /// not paced (past the commit threshold, a writer may wait for its slot: `pacer.rs`).
     /// Such a write costs CPU only (fingerprint, compression, a copy into a segment buffer),
     /// plus, once per megabyte a writer appends, that buffer's write to its file. A hint for a
     /// caller choosing whether to run the write on a thread that must not block for long:
@@ -192,11 +192,7 @@ impl Volume {
     fn backlog_is_quick(&self, blocks: u64) -> bool {
         let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed) + blocks;
         dirty < self.inner.config.dirty_blocks_throttle
-            && !self
-                .inner
-                .pacer
-                .as_ref()
-                .is_some_and(|p| p.would_delay(dirty, std::time::Instant::now()))
+            && !self.inner.pacer.as_ref().is_some_and(|p| p.paces(dirty))
     }
 
     /// Writes `data` at `offset`. With `fua`, the data is durable when this returns.
@@ -271,7 +267,7 @@ impl Volume {
                 Some(p.delay(blocks, dirty, std::time::Instant::now()))
             });
             match paced {
-                Some(wait) if !wait.is_zero() => std::thread::sleep(wait),
+                Some(wait) if wait >= crate::pacer::SLEEP_MIN => std::thread::sleep(wait),
                 Some(_) => {}
                 None if dirty >= self.inner.config.dirty_blocks_throttle => {
                     // Wait for the commit in progress (it started with an empty backlog; this
