@@ -7,7 +7,7 @@
 //! every writer then waited for the commit in progress (seconds on a large volume overwritten
 //! at random, where each commit takes that long), so clients saw bursts and stalls. With
 //! pacing, once the backlog passes `dirty_blocks_commit` (the background commit has been
-//! woken), each write takes a slot in a schedule ([`Pacer::delay`]): a token bucket whose rate
+//! woken), each write takes a slot in a schedule ([`Pacer::pace`]): a token bucket whose rate
 //! is the commit rate scaled by how full the backlog is, from twice that rate at
 //! `dirty_blocks_commit` to the commit rate at `dirty_blocks_throttle` and down to nothing at
 //! `dirty_blocks_max` (where a writer commits itself, as before). A writer sleeps until its
@@ -94,14 +94,19 @@ impl Pacer {
         rate(&s)
     }
 
-    /// Takes the next slot for a write of `blocks` blocks with `dirty` blocks uncommitted, and
-    /// returns how long its writer should wait for it (zero when the backlog is small or no
-    /// commit was measured yet; at most [`DELAY_MAX`]).
+    /// [`Pacer::pace`], with no commit measured taken as no wait.
+    #[cfg(test)]
     pub(crate) fn delay(&self, blocks: u64, dirty: u64, now: Instant) -> Duration {
+        self.pace(blocks, dirty, now).unwrap_or(Duration::ZERO)
+    }
+
+    /// Takes the next slot for a write of `blocks` blocks with `dirty` blocks uncommitted, and
+    /// returns how long its writer should wait for it: zero when the backlog is small, at most
+    /// [`DELAY_MAX`], `None` when no commit was measured yet (the caller then falls back to
+    /// waiting for the commit in progress).
+    pub(crate) fn pace(&self, blocks: u64, dirty: u64, now: Instant) -> Option<Duration> {
         let mut s = self.state.lock();
-        let Some(commits) = rate(&s) else {
-            return Duration::ZERO;
-        };
+        let commits = rate(&s)?;
         let Limits {
             commit,
             throttle,
@@ -109,7 +114,7 @@ impl Pacer {
         } = self.limits;
         if dirty < commit {
             s.next = None;
-            return Duration::ZERO;
+            return Some(Duration::ZERO);
         }
         let scale = if dirty < throttle {
             1.0 + (throttle - dirty) as f64 / (throttle - commit) as f64
@@ -127,7 +132,7 @@ impl Pacer {
         // otherwise queue behind a backlog of slots taken while the rate was low.
         let next = (start + slot).min(now + DELAY_MAX);
         s.next = Some(next);
-        next.saturating_duration_since(now)
+        Some(next.saturating_duration_since(now))
     }
 
     /// Whether a write that comes with `dirty` blocks uncommitted is paced (it may wait for a

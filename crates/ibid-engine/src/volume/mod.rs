@@ -262,10 +262,11 @@ impl Volume {
             }
         } else if dirty >= self.inner.config.dirty_blocks_commit {
             self.inner.wake_background();
-            let paced = self.inner.pacer.as_ref().and_then(|p| {
-                p.commit_rate()?;
-                Some(p.delay(blocks, dirty, std::time::Instant::now()))
-            });
+            let paced = self
+                .inner
+                .pacer
+                .as_ref()
+                .and_then(|p| p.pace(blocks, dirty, std::time::Instant::now()));
             match paced {
                 Some(wait) if wait >= crate::pacer::SLEEP_MIN => std::thread::sleep(wait),
                 Some(_) => {}

@@ -234,25 +234,39 @@ pub fn push(ctx: &Ctx, volume: &str, snapshot: &str, remote: &str) -> Result<(),
         json!({ "remote": remote, "background": true }),
         &label,
     )?;
-    let r = super::job::follow(ctx, job, &label)?;
+    report(ctx, job, &label, |r| {
+        println!("pushed {volume}@{snapshot} to {remote}");
+        Ok(vec![
+            ("sent", size(u64_field(r, "bytes_sent")?)),
+            ("data", size(u64_field(r, "data_bytes")?)),
+            ("chunks sent", u64_field(r, "chunks_sent")?.to_string()),
+            (
+                "chunks skipped",
+                u64_field(r, "chunks_skipped")?.to_string(),
+            ),
+        ])
+    })
+}
+
+/// Follows `job` to its end (`label` names it), then prints its result: as JSON, or the line
+/// and fields `fields` gives, with the job's duration last.
+fn report(
+    ctx: &Ctx,
+    job: Value,
+    label: &str,
+    fields: impl FnOnce(&Value) -> Result<Vec<(&'static str, String)>, CliError>,
+) -> Result<(), CliError> {
+    let r = super::job::follow(ctx, job, label)?;
     if ctx.json {
         print_json(&r);
         return Ok(());
     }
-    println!("pushed {volume}@{snapshot} to {remote}");
-    print_fields(&[
-        ("sent", size(u64_field(&r, "bytes_sent")?)),
-        ("data", size(u64_field(&r, "data_bytes")?)),
-        ("chunks sent", u64_field(&r, "chunks_sent")?.to_string()),
-        (
-            "chunks skipped",
-            u64_field(&r, "chunks_skipped")?.to_string(),
-        ),
-        (
-            "seconds",
-            format!("{:.2}", r["duration_s"].as_f64().unwrap_or(0.0)),
-        ),
-    ]);
+    let mut shown = fields(&r)?;
+    shown.push((
+        "seconds",
+        format!("{:.2}", r["duration_s"].as_f64().unwrap_or(0.0)),
+    ));
+    print_fields(&shown);
     Ok(())
 }
 
@@ -314,22 +328,14 @@ pub fn restore(ctx: &Ctx, name: &str, remote: &str, snapshot: &str) -> Result<()
         json!({ "snapshot": snapshot, "volume": name, "background": true }),
         &label,
     )?;
-    let r = super::job::follow(ctx, job, &label)?;
-    if ctx.json {
-        print_json(&r);
-        return Ok(());
-    }
-    println!("restored {snapshot} from {remote} as volume {name}");
-    print_fields(&[
-        ("size", size(u64_field(&r, "size_bytes")?)),
-        ("received", size(u64_field(&r, "bytes_received")?)),
-        ("data", size(u64_field(&r, "data_bytes")?)),
-        (
-            "seconds",
-            format!("{:.2}", r["duration_s"].as_f64().unwrap_or(0.0)),
-        ),
-    ]);
-    Ok(())
+    report(ctx, job, &label, |r| {
+        println!("restored {snapshot} from {remote} as volume {name}");
+        Ok(vec![
+            ("size", size(u64_field(r, "size_bytes")?)),
+            ("received", size(u64_field(r, "bytes_received")?)),
+            ("data", size(u64_field(r, "data_bytes")?)),
+        ])
+    })
 }
 
 #[cfg(test)]
