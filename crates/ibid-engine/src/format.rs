@@ -138,8 +138,17 @@ pub fn decode_record_header(h: &[u8]) -> Result<RecordHeader> {
 
 /// Verifies a whole record (header followed by payload) against its crc.
 pub fn record_crc_ok(record: &[u8], crc: u32) -> bool {
-    let c = crc32c::crc32c(&record[0..20]);
-    crc32c::crc32c_append(c, &record[RECORD_HEADER_BYTES..]) == crc
+    record_parts_crc_ok(
+        &record[..RECORD_HEADER_BYTES],
+        &record[RECORD_HEADER_BYTES..],
+        crc,
+    )
+}
+
+/// Verifies a record read as its header and its payload apart against its crc.
+pub fn record_parts_crc_ok(header: &[u8], payload: &[u8], crc: u32) -> bool {
+    let c = crc32c::crc32c(&header[0..20]);
+    crc32c::crc32c_append(c, payload) == crc
 }
 
 /// Where a chunk lives and how it is stored: one entry of a `chunk.pages` row

@@ -24,7 +24,35 @@ fn block_content(i: u64) -> Vec<u8> {
         .collect()
 }
 
-fn corrupt_and_check(flip_at_record_offset: u64) {
+/// The record whose byte a test flips.
+#[derive(Clone, Copy)]
+enum Target {
+    /// The segment's first record (block 0's, compressible).
+    First,
+    /// The segment's first record stored uncompressed (read straight into a reader's buffer
+    /// by grouped reads).
+    FirstUncompressed,
+}
+
+/// Where in the segment file `target`'s record starts.
+fn record_start(file: &std::fs::File, target: Target) -> u64 {
+    // Records follow the 64-byte segment header; a header holds its flags at bytes 4..6 and
+    // its payload's length at 8..12.
+    let mut at = 64;
+    loop {
+        let mut header = [0u8; 24];
+        file.read_exact_at(&mut header, at).expect("record header");
+        let flags = u16::from_le_bytes([header[4], header[5]]);
+        let stored = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+        match target {
+            Target::First => return at,
+            Target::FirstUncompressed if flags & 1 == 0 => return at,
+            Target::FirstUncompressed => at += 24 + stored as u64,
+        }
+    }
+}
+
+fn corrupt_and_check(target: Target, flip_at_record_offset: u64) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("pool");
     let config = PoolConfig {
@@ -41,18 +69,16 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
     drop(vol);
     let segments = pool.segment_paths();
     pool.close().expect("close");
-    // The first record starts right after the 64-byte segment header.
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(&segments[0])
         .expect("segment");
+    let at = record_start(&file, target) + flip_at_record_offset;
     let mut byte = [0u8; 1];
-    file.read_exact_at(&mut byte, 64 + flip_at_record_offset)
-        .expect("read byte");
+    file.read_exact_at(&mut byte, at).expect("read byte");
     byte[0] ^= 0x40;
-    file.write_all_at(&byte, 64 + flip_at_record_offset)
-        .expect("flip byte");
+    file.write_all_at(&byte, at).expect("flip byte");
     drop(file);
 
     let pool = Pool::open(&path, config).expect("reopen");
@@ -79,6 +105,41 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
         corrupt, 1,
         "exactly the block whose record was damaged fails"
     );
+    // Reads of many blocks (records read together, payloads stored whole straight into the
+    // reader's buffer): one that covers the damaged block fails, whatever its alignment; one
+    // that does not reads exactly.
+    let bad = bad_block.expect("a damaged block");
+    let all = (0..BLOCKS).flat_map(block_content).collect::<Vec<u8>>();
+    // (Reads are in 512-byte sectors.)
+    let ranges = [
+        (0, BLOCKS * 4096),
+        (bad * 4096 - 4096.min(bad * 4096) + 512, 3 * 4096 - 1024),
+        (bad * 4096 + 3584, 512),
+        (0, bad * 4096),
+        ((bad + 1) * 4096, (BLOCKS - bad - 1) * 4096),
+        (((bad + 1) * 4096 + 512).min(BLOCKS * 4096 - 1024), 1024),
+    ];
+    for (start, len) in ranges {
+        if len == 0 {
+            continue;
+        }
+        let mut buf = vec![0u8; len as usize];
+        let covers = start / 4096 <= bad && bad <= (start + len - 1) / 4096;
+        match vol.read(start, &mut buf) {
+            Ok(()) => {
+                assert!(
+                    !covers,
+                    "a read of {start}+{len} hid the damaged block {bad}"
+                );
+                assert!(
+                    buf == all[start as usize..(start + len) as usize],
+                    "{start}+{len}"
+                );
+            }
+            Err(Error::Corrupt(_)) => assert!(covers, "{start}+{len} failed without damage"),
+            Err(e) => panic!("{start}+{len}: unexpected error {e}"),
+        }
+    }
     // A scrub in steps of 5 chunks finds the one damaged chunk and the block that reads it.
     let (mut from, mut checked, mut damaged) = (0, 0, Vec::new());
     loop {
@@ -117,15 +178,25 @@ fn corrupt_and_check(flip_at_record_offset: u64) {
 
 #[test]
 fn flipped_payload_byte_is_reported_not_returned() {
-    corrupt_and_check(24 + 100);
+    corrupt_and_check(Target::First, 24 + 100);
+}
+
+#[test]
+fn flipped_byte_of_a_payload_stored_whole_is_reported_not_returned() {
+    corrupt_and_check(Target::FirstUncompressed, 24 + 4000);
+}
+
+#[test]
+fn flipped_header_byte_of_a_payload_stored_whole_is_reported_not_returned() {
+    corrupt_and_check(Target::FirstUncompressed, 9);
 }
 
 #[test]
 fn flipped_header_byte_is_reported_not_returned() {
-    corrupt_and_check(13);
+    corrupt_and_check(Target::First, 13);
 }
 
 #[test]
 fn flipped_magic_is_reported_not_returned() {
-    corrupt_and_check(1);
+    corrupt_and_check(Target::First, 1);
 }

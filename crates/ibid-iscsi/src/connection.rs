@@ -294,7 +294,7 @@ async fn writer(
     mut statsn: u32,
     shared: Arc<Shared>,
 ) {
-    let mut wr = tokio::io::BufWriter::with_capacity(WRITE_BUFFER, wr);
+    let mut wr = PduWriter::new(wr);
     let mut stamp = |p: &mut Pdu, status: bool| {
         p.set32(24, statsn);
         if status {
@@ -320,7 +320,7 @@ async fn writer(
         let sent = match m {
             Out::Pdu(mut p, status) => {
                 stamp(&mut p, status);
-                wr.write_all(&p.encode(params.header_digest, params.data_digest))
+                wr.write(&p.encode(params.header_digest, params.data_digest))
                     .await
             }
             Out::Data(mut p, buf, range, status) => {
@@ -339,26 +339,91 @@ async fn writer(
         }
     }
     let _ = wr.flush().await;
-    let _ = wr.shutdown().await;
+    let _ = wr.sock.shutdown().await;
 }
 
 /// Writes Data-In PDU `p` with `data` as its data segment, without copying the data into a
 /// PDU of its own.
 async fn write_data_in(
-    wr: &mut tokio::io::BufWriter<OwnedWriteHalf>,
+    wr: &mut PduWriter,
     p: &mut Pdu,
     data: &[u8],
     params: &Params,
 ) -> std::io::Result<()> {
-    wr.write_all(&p.encode_head(data.len(), params.header_digest, 0))
-        .await?;
-    wr.write_all(data).await?;
-    let pad = [0u8; 3];
-    let pad = &pad[..pdu::pad4(data.len()) - data.len()];
-    wr.write_all(pad).await?;
+    let head = p.encode_head(data.len(), params.header_digest, 0);
+    let mut tail = [0u8; 3 + 4];
+    let pad = pdu::pad4(data.len()) - data.len();
+    let mut tail_len = pad;
     if params.data_digest && !data.is_empty() {
-        let crc = crc32c::crc32c_append(crc32c::crc32c(data), pad);
-        wr.write_all(&crc.to_le_bytes()).await?;
+        let crc = crc32c::crc32c_append(crc32c::crc32c(data), &tail[..pad]);
+        tail[pad..pad + 4].copy_from_slice(&crc.to_le_bytes());
+        tail_len += 4;
+    }
+    wr.write_parts(&head, data, &tail[..tail_len]).await
+}
+
+/// The connection's outgoing byte stream: small PDUs gather in a buffer, sent when it fills
+/// or when nothing else is waiting; a large data segment goes out from where it is, with
+/// what is buffered and its header, in one `writev`.
+struct PduWriter {
+    sock: OwnedWriteHalf,
+    buf: Vec<u8>,
+}
+
+impl PduWriter {
+    fn new(sock: OwnedWriteHalf) -> PduWriter {
+        PduWriter {
+            sock,
+            buf: Vec::with_capacity(WRITE_BUFFER),
+        }
+    }
+
+    /// Queues `bytes` (sent now if the buffer is full).
+    async fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.write_parts(bytes, &[], &[]).await
+    }
+
+    /// Queues `head`, `body` and `tail` in order: copied into the buffer if they fit, else
+    /// sent at once with what is buffered before them.
+    async fn write_parts(&mut self, head: &[u8], body: &[u8], tail: &[u8]) -> std::io::Result<()> {
+        let len = head.len() + body.len() + tail.len();
+        if self.buf.len() + len <= WRITE_BUFFER {
+            self.buf.extend_from_slice(head);
+            self.buf.extend_from_slice(body);
+            self.buf.extend_from_slice(tail);
+            return Ok(());
+        }
+        let buffered = std::mem::take(&mut self.buf);
+        let sent = write_all_vectored(&mut self.sock, &[&buffered, head, body, tail]).await;
+        self.buf = buffered;
+        self.buf.clear();
+        sent
+    }
+
+    /// Sends what is buffered.
+    async fn flush(&mut self) -> std::io::Result<()> {
+        if !self.buf.is_empty() {
+            self.sock.write_all(&self.buf).await?;
+            self.buf.clear();
+        }
+        Ok(())
+    }
+}
+
+/// Writes all of `parts`, in order, with as few `writev` calls as the socket allows.
+async fn write_all_vectored(sock: &mut OwnedWriteHalf, parts: &[&[u8]]) -> std::io::Result<()> {
+    let mut slices: Vec<std::io::IoSlice<'_>> = parts
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| std::io::IoSlice::new(p))
+        .collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = sock.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut rest, n);
     }
     Ok(())
 }

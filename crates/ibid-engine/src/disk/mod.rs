@@ -46,6 +46,23 @@ pub trait DiskFile: Send + Sync + Debug {
     fn read_exact_at_nowait(&self, _buf: &mut [u8], _offset: u64) -> io::Result<()> {
         Err(io::ErrorKind::WouldBlock.into())
     }
+    /// Fills `bufs`, one after the other, from the bytes at `offset` on (a scattered read:
+    /// one system call where the file allows); an `UnexpectedEof` error if the file ends
+    /// first. Default: one read into a temporary buffer, then copies.
+    fn read_scattered_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<()> {
+        let mut all = vec![0u8; bufs.iter().map(|b| b.len()).sum()];
+        self.read_exact_at(&mut all, offset)?;
+        scatter(&all, bufs);
+        Ok(())
+    }
+    /// As [`DiskFile::read_scattered_at`], but only from memory, as
+    /// [`DiskFile::read_exact_at_nowait`].
+    fn read_scattered_at_nowait(&self, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<()> {
+        let mut all = vec![0u8; bufs.iter().map(|b| b.len()).sum()];
+        self.read_exact_at_nowait(&mut all, offset)?;
+        scatter(&all, bufs);
+        Ok(())
+    }
     /// Writes all of `buf` at `offset`, extending the file if needed. Not durable until
     /// [`DiskFile::sync_data`] returns.
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
@@ -106,4 +123,13 @@ pub trait Disk: Send + Sync + Debug {
 /// The real filesystem, as a shared [`Disk`].
 pub fn fs() -> Arc<dyn Disk> {
     Arc::new(FsDisk)
+}
+
+/// Copies `all` into `bufs`, one after the other (their lengths add up to at most its own).
+pub(crate) fn scatter(all: &[u8], bufs: &mut [&mut [u8]]) {
+    let mut at = 0;
+    for b in bufs.iter_mut() {
+        b.copy_from_slice(&all[at..at + b.len()]);
+        at += b.len();
+    }
 }

@@ -366,16 +366,18 @@ fn read_at(file: &dyn DiskFile, out: &mut [u8], offset: u64, segment: u64) -> Re
     } else {
         file.read_exact_at(out, offset)
     };
-    read.map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::Corrupt(format!(
-                "record at {offset}+{} beyond the end of segment {segment:016x}",
-                out.len()
-            ))
-        } else {
-            Error::io(format!("read segment {segment:016x}"), e)
-        }
-    })
+    read.map_err(|e| read_error(e, offset, out.len(), segment))
+}
+
+/// The error for a failed read of `len` bytes at `offset` in segment `segment`.
+fn read_error(e: std::io::Error, offset: u64, len: usize, segment: u64) -> Error {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        Error::Corrupt(format!(
+            "record at {offset}+{len} beyond the end of segment {segment:016x}"
+        ))
+    } else {
+        Error::io(format!("read segment {segment:016x}"), e)
+    }
 }
 
 /// Copies into `out` (the bytes from file offset `out_at` on) the part of `src` (the bytes
@@ -922,7 +924,18 @@ impl Segments {
     /// ones), from the file, the open segment's buffer, or both. `Ok(None)` as for
     /// [`Segments::read_record`].
     pub fn read_span(&self, segment: u64, offset: u32, len: usize) -> Result<Option<Vec<u8>>> {
+        let mut out = vec![0u8; len];
+        Ok(self
+            .read_span_into(segment, offset, &mut out)?
+            .then_some(out))
+    }
+
+    /// Fills `out` with the bytes at `offset` in segment `segment`, as [`Segments::read_span`]
+    /// does, into the caller's buffer (which need not be zeroed: every byte is overwritten).
+    /// `Ok(false)` if the segment no longer exists.
+    pub fn read_span_into(&self, segment: u64, offset: u32, out: &mut [u8]) -> Result<bool> {
         let offset = offset as u64;
+        let len = out.len();
         for writer in &self.writers {
             if writer.segment.load(Ordering::Acquire) == segment
                 && offset + len as u64 > writer.file_len.load(Ordering::Acquire)
@@ -942,23 +955,56 @@ impl Segments {
                             o.end()
                         )));
                     }
-                    let mut out = vec![0u8; len];
                     let in_file = o.file_len.saturating_sub(offset) as usize;
                     read_at(&*o.file.file, &mut out[..in_file], offset, segment)?;
                     if let Some(f) = &o.flight {
-                        copy_overlap(&mut out, offset, f.at, f.buf.bytes());
+                        copy_overlap(out, offset, f.at, f.buf.bytes());
                     }
-                    copy_overlap(&mut out, offset, o.buf_start(), o.buf.bytes());
-                    return Ok(Some(out));
+                    copy_overlap(out, offset, o.buf_start(), o.buf.bytes());
+                    return Ok(true);
                 }
             }
         }
         let Some(file) = self.files.read().get(&segment).cloned() else {
-            return Ok(None);
+            return Ok(false);
         };
-        let mut out = vec![0u8; len];
-        read_at(&*file.file, &mut out, offset, segment)?;
-        Ok(Some(out))
+        read_at(&*file.file, out, offset, segment)?;
+        Ok(true)
+    }
+
+    /// Fills `bufs`, one after the other, with the bytes at `offset` in segment `segment` on,
+    /// as [`Segments::read_span_into`] does: a span of records scattered straight into where
+    /// their parts belong (one `preadv` for a sealed segment; the open segments' spans are
+    /// read whole and copied). `Ok(false)` if the segment no longer exists.
+    pub fn read_span_scattered(
+        &self,
+        segment: u64,
+        offset: u32,
+        bufs: &mut [&mut [u8]],
+    ) -> Result<bool> {
+        let len: usize = bufs.iter().map(|b| b.len()).sum();
+        let end = offset as u64 + len as u64;
+        let in_open = self.writers.iter().any(|w| {
+            w.segment.load(Ordering::Acquire) == segment && end > w.file_len.load(Ordering::Acquire)
+        });
+        if in_open {
+            let mut all = vec![0u8; len];
+            if !self.read_span_into(segment, offset, &mut all)? {
+                return Ok(false);
+            }
+            crate::disk::scatter(&all, bufs);
+            return Ok(true);
+        }
+        let Some(file) = self.files.read().get(&segment).cloned() else {
+            return Ok(false);
+        };
+        let read = if NO_WAIT.with(|f| f.get()) {
+            file.file.read_scattered_at_nowait(bufs, offset as u64)
+        } else {
+            file.file.read_scattered_at(bufs, offset as u64)
+        };
+        read.map_err(|e| read_error(e, offset as u64, len, segment))?;
+        Ok(true)
     }
 
     /// Reads a whole sealed segment file (for the cleaner and the verifier).

@@ -23,24 +23,19 @@ impl Inner {
         let locations = self.chunk_locations(entries.values().copied())?;
         let mut block = vec![0u8; BLOCK_BYTES];
         let mut lone = Vec::new();
+        let mut span = SpanBuffer::take();
         for group in read_groups(&entries, &locations, &mut lone) {
-            let (first, last) = (group[0].2, group[group.len() - 1].2);
-            let len = (last.offset as u64 + last.physical_bytes() - first.offset as u64) as usize;
-            let Some(bytes) = self.segments.read_span(first.segment, first.offset, len)? else {
+            if !self.read_group(
+                &group,
+                buf,
+                offset,
+                span.get(group_bytes(&group)),
+                &mut block,
+            )? {
                 lone.extend(group.iter().map(|&(b, id, _)| (b, id)));
-                continue;
-            };
-            for &(b, id, rec) in &group {
-                let at = (rec.offset - first.offset) as usize;
-                decode_chunk(
-                    id,
-                    &rec,
-                    &bytes[at..at + rec.physical_bytes() as usize],
-                    &mut block,
-                )?;
-                copy_part(buf, offset, b, Some(&block));
             }
         }
+        drop(span);
         for (b, chunk) in lone {
             // Located already: one read; the block-by-block path (which looks it up again)
             // only if the chunk was not found or its segment is gone.
@@ -54,6 +49,66 @@ impl Inner {
             copy_part(buf, offset, b, Some(&block));
         }
         Ok(())
+    }
+
+    /// Reads `group` (records close together in one segment, in file order) for the read of
+    /// `buf` at `offset`, with one scattered read: a record stored whole (uncompressed) whose
+    /// block the read covers lands straight in `buf`; the headers, the gaps between records
+    /// and the other payloads land in `scratch` (the span's size, at their place in it). Then
+    /// every record is checked and the others decoded. `Ok(false)` if the segment is gone.
+    fn read_group(
+        &self,
+        group: &[Located],
+        buf: &mut [u8],
+        offset: u64,
+        scratch: &mut [u8],
+        block: &mut [u8],
+    ) -> Result<bool> {
+        let first = group[0].2;
+        let direct: Vec<bool> = group
+            .iter()
+            .map(|&(b, _, rec)| stored_whole(&rec) && whole_block_range(buf, offset, b).is_some())
+            .collect();
+        {
+            let mut slots = BlockSlots::new(buf, offset);
+            let mut pieces: Vec<&mut [u8]> = Vec::with_capacity(2 * group.len());
+            let mut rest = &mut scratch[..];
+            let mut at = first.offset as u64;
+            for (&(b, _, rec), &direct) in group.iter().zip(&direct) {
+                let head = (rec.offset as u64 - at) as usize + RECORD_HEADER_BYTES;
+                let (piece, tail) = rest.split_at_mut(head);
+                let (payload, tail) = tail.split_at_mut(rec.stored_len as usize);
+                rest = tail;
+                pieces.push(piece);
+                pieces.push(if direct { slots.take(b) } else { payload });
+                at = rec.offset as u64 + rec.physical_bytes();
+            }
+            if !self
+                .segments
+                .read_span_scattered(first.segment, first.offset, &mut pieces)?
+            {
+                return Ok(false);
+            }
+        }
+        for (&(b, id, rec), &direct) in group.iter().zip(&direct) {
+            let at = (rec.offset - first.offset) as usize;
+            let header = &scratch[at..at + RECORD_HEADER_BYTES];
+            if direct {
+                let range = whole_block_range(buf, offset, b).expect("chosen as whole");
+                check_record(id, &rec, header, &buf[range])?;
+                continue;
+            }
+            let payload = &scratch[at + RECORD_HEADER_BYTES..at + rec.physical_bytes() as usize];
+            check_record(id, &rec, header, payload)?;
+            match whole_block_range(buf, offset, b) {
+                Some(range) => decode_payload(id, &rec, payload, &mut buf[range])?,
+                None => {
+                    decode_payload(id, &rec, payload, block)?;
+                    copy_part(buf, offset, b, Some(block));
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// Where each of `ids` is (those found: uncommitted records first, then one read of the
@@ -267,7 +322,23 @@ pub(super) fn decode_chunk(
     raw: &[u8],
     out: &mut [u8],
 ) -> Result<()> {
-    let h = format::decode_record_header(raw).map_err(|e| {
+    if raw.len() < RECORD_HEADER_BYTES {
+        return Err(Error::Corrupt(format!("chunk {id:#x}: record truncated")));
+    }
+    let (header, payload) = raw.split_at(RECORD_HEADER_BYTES);
+    check_record(id, rec, header, payload)?;
+    decode_payload(id, rec, payload, out)
+}
+
+/// Checks a chunk's record, read as `header` and `payload`, against `rec` (where it was
+/// found): the header's magic, id and length, and the checksum over both.
+pub(super) fn check_record(
+    id: u64,
+    rec: &format::ChunkRecord,
+    header: &[u8],
+    payload: &[u8],
+) -> Result<()> {
+    let h = format::decode_record_header(header).map_err(|e| {
         Error::Corrupt(format!(
             "chunk {id:#x} in segment {:016x}: {e}",
             rec.segment
@@ -276,14 +347,30 @@ pub(super) fn decode_chunk(
     if h.chunk_id != id
         || h.stored_len != rec.stored_len
         || h.crc != rec.crc
-        || !format::record_crc_ok(raw, rec.crc)
+        || payload.len() != rec.stored_len as usize
+        || !format::record_parts_crc_ok(header, payload, rec.crc)
     {
         return Err(Error::Corrupt(format!(
             "chunk {id:#x} in segment {:016x} at offset {}: checksum or header mismatch",
             rec.segment, rec.offset
         )));
     }
-    let payload = &raw[RECORD_HEADER_BYTES..];
+    Ok(())
+}
+
+/// Whether a chunk's payload is its block as it is (not compressed): such a payload can be
+/// read straight into the reader's buffer.
+fn stored_whole(rec: &format::ChunkRecord) -> bool {
+    rec.flags & RECORD_FLAG_LZ4 == 0 && rec.stored_len as usize == BLOCK_BYTES
+}
+
+/// Decodes a checked chunk payload into its 4 KiB block `out`.
+fn decode_payload(
+    id: u64,
+    rec: &format::ChunkRecord,
+    payload: &[u8],
+    out: &mut [u8],
+) -> Result<()> {
     if rec.flags & RECORD_FLAG_LZ4 != 0 {
         match lz4_flex::block::decompress_into(payload, out) {
             Ok(n) if n == BLOCK_BYTES => Ok(()),
@@ -361,6 +448,83 @@ pub(super) fn flush_group(
         _ => groups.push(std::mem::take(current)),
     }
     current.clear();
+}
+
+/// Bytes of a group's span: from its first record's start to its last record's end.
+fn group_bytes(group: &[Located]) -> usize {
+    let (first, last) = (group[0].2, group[group.len() - 1].2);
+    (last.offset as u64 + last.physical_bytes() - first.offset as u64) as usize
+}
+
+/// Where in `buf` (a read at `offset`) block `b` is, if the read covers all of it.
+fn whole_block_range(buf: &[u8], offset: u64, b: u64) -> Option<std::ops::Range<usize>> {
+    let start = (b * BLOCK).checked_sub(offset)? as usize;
+    (start + BLOCK_BYTES <= buf.len()).then_some(start..start + BLOCK_BYTES)
+}
+
+/// The whole blocks of a read's buffer as separate slices, each handed out once: a
+/// scattered read fills them in the order their records lie on disk.
+struct BlockSlots<'a> {
+    /// The first whole block.
+    first: u64,
+    slots: Vec<Option<&'a mut [u8]>>,
+}
+
+impl<'a> BlockSlots<'a> {
+    fn new(buf: &'a mut [u8], offset: u64) -> BlockSlots<'a> {
+        let first = offset.div_ceil(BLOCK);
+        let skip = ((first * BLOCK - offset) as usize).min(buf.len());
+        let slots = buf[skip..]
+            .chunks_exact_mut(BLOCK_BYTES)
+            .map(Some)
+            .collect();
+        BlockSlots { first, slots }
+    }
+
+    /// Block `b`'s slice (a whole block of the read, not handed out before).
+    fn take(&mut self, b: u64) -> &'a mut [u8] {
+        self.slots[(b - self.first) as usize]
+            .take()
+            .expect("each block's slot is taken once")
+    }
+}
+
+thread_local! {
+    /// Each reading thread's buffer for grouped reads, kept between reads so that it is
+    /// allocated and zeroed once rather than per read.
+    static SPAN_BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A thread's span buffer, taken for one read and given back when dropped (a nested read
+/// on the same thread would find none and use a fresh one).
+struct SpanBuffer(Vec<u8>);
+
+impl SpanBuffer {
+    fn take() -> SpanBuffer {
+        SpanBuffer(SPAN_BUFFER.with(|b| b.take()))
+    }
+
+    /// The first `len` bytes of the buffer, grown if needed (grown bytes are zeroed once;
+    /// the bytes handed out hold whatever an earlier read left there).
+    fn get(&mut self, len: usize) -> &mut [u8] {
+        if self.0.len() < len {
+            self.0.resize(len, 0);
+        }
+        &mut self.0[..len]
+    }
+}
+
+/// Largest span buffer a thread keeps between reads (a 1 MiB read's records, with room);
+/// a larger one is freed after its read.
+const SPAN_BUFFER_KEPT_MAX: usize = 2 << 20;
+
+impl Drop for SpanBuffer {
+    fn drop(&mut self) {
+        if self.0.len() <= SPAN_BUFFER_KEPT_MAX {
+            let buf = std::mem::take(&mut self.0);
+            SPAN_BUFFER.with(|b| b.set(buf));
+        }
+    }
 }
 
 /// Copies the part of block `b` (`None`: zeros) that falls in the read `[offset, offset +
