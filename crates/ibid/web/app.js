@@ -539,6 +539,7 @@ async function pageOverview(main) {
     clear(top);
     append(top, [
       h('h2', {}, 'Capacity'),
+      state.poolFailed ? h('p', { class: 'error', id: 'capacity-stale' }, 'The pool has failed: these figures are from before the failure.') : null,
       h('div', { class: 'figures' },
         figure('Used and reserved', `${fmtBytes(usedAll)} of ${fmtBytes(p.capacity_bytes)}`, fmtPct(usedAll / Math.max(1, p.capacity_bytes))),
         figure('Data reduction', ratio(p.data_reduction_ratio), `${fmtBytes(p.logical_written_bytes)} written, ${fmtBytes(p.physical_bytes)} stored: dedup ${fmtNum(dedup, 2)} × compression ${fmtNum(compression, 2)}`),
@@ -675,7 +676,8 @@ async function pageVolumes(main) {
       return (x < y ? -1 : x > y ? 1 : 0) * tableState.dir;
     });
     const asking = rows.length <= SPACE_ROWS_MAX;
-    count.textContent = `${rows.length} of ${vols.length} volumes${asking ? '' : ` (filter to ${SPACE_ROWS_MAX} or fewer to see their physical space and reduction)`}`;
+    const b = state.pool && state.pool.breakdown;
+    count.textContent = `${rows.length} of ${vols.length} volumes${b ? `; unique and shared as computed ${fmtAge(b.age_s)} ago` : ''}${asking ? '' : ` (filter to ${SPACE_ROWS_MAX} or fewer to see their physical space and reduction)`}`;
     if (asking) fillSpace(rows);
     clear(table);
     const head = h('tr', {}, COLUMNS.map(([key, label, , long]) => {
