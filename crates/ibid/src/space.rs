@@ -41,6 +41,7 @@ struct Shared {
 pub struct SpaceCache {
     shared: Mutex<Shared>,
     wake: Condvar,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 fn now_unix_s() -> u64 {
@@ -54,10 +55,11 @@ impl SpaceCache {
     pub fn start(pool: Pool) -> Arc<SpaceCache> {
         let cache = Arc::new(SpaceCache::default());
         let me = cache.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("ibid-space".into())
             .spawn(move || me.run(&pool))
             .expect("spawn the space thread");
+        *cache.thread.lock() = Some(thread);
         cache
     }
 
@@ -123,10 +125,13 @@ impl SpaceCache {
         self.shared.lock().last.clone()
     }
 
-    /// Stops the thread (at its next wake-up).
+    /// Stops the thread and waits for it (a computation under way finishes first).
     pub fn stop(&self) {
         self.shared.lock().stop = true;
         self.wake.notify_all();
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
     }
 
     /// The `breakdown` object of `GET /api/v1/pool`: null before the first computation.

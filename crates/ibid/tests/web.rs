@@ -540,6 +540,12 @@ fn dashboard_in_chromium() {
     s.goto(&format!("{url}/#/pool"));
     wait_page(&s, "/pool");
     assert_labelled(&s, "pool");
+    // Every figure as text, the breakdown's included (no "[object Object]").
+    let figures = s.text_of("main");
+    assert!(
+        figures.contains("breakdown unique physical bytes") && !figures.contains("[object"),
+        "{figures}"
+    );
     s.type_into(&s.wait_for("#pool-soft", WAIT), "15");
     s.click(&s.wait_for("#act-settings button[type=submit]", WAIT));
     let banner = s.wait_until(

@@ -461,9 +461,10 @@ function figure(label, value, note) {
 
 /**
  * The data part of the capacity bar: unique, shared and snapshot-only from the server's
- * background breakdown (`p.breakdown`, computed every minute or so), scaled to today's
- * physical bytes (data written since then moves the total, not the proportions); one "data"
- * part until the first breakdown.
+ * background breakdown (`p.breakdown`, computed every minute or so). Their widths are scaled
+ * to today's physical bytes (data written since then moves the total, not the proportions);
+ * the legend says the computed figures themselves (the 4th element). One "data" part until
+ * the first breakdown.
  */
 function dataParts(p) {
   const b = p.breakdown;
@@ -471,9 +472,9 @@ function dataParts(p) {
   if (!b || sum === 0) return [['data', 'Data (after dedup and compression)', p.physical_bytes]];
   const k = p.physical_bytes / sum;
   return [
-    ['uniq', 'Unique data (one volume alone holds it)', Math.round(b.unique_physical_bytes * k)],
-    ['shrd', 'Shared data (deduplicated, cloned, or also a snapshot\'s)', Math.round(b.shared_physical_bytes * k)],
-    ['snap', 'Snapshot-only data (no volume shows it)', Math.round(b.snapshot_only_physical_bytes * k)],
+    ['uniq', 'Unique data (one volume alone holds it)', b.unique_physical_bytes * k, b.unique_physical_bytes],
+    ['shrd', 'Shared data (deduplicated, cloned, or also a snapshot\'s)', b.shared_physical_bytes * k, b.shared_physical_bytes],
+    ['snap', 'Snapshot-only data (no volume shows it)', b.snapshot_only_physical_bytes * k, b.snapshot_only_physical_bytes],
   ];
 }
 
@@ -491,10 +492,10 @@ function capacityBar(p) {
     ['free', 'Free', p.free_bytes - garbage],
   ];
   const total = Math.max(1, p.capacity_bytes);
-  const bar = h('div', { class: 'bar', role: 'img', 'aria-label': `Capacity ${fmtBytes(p.capacity_bytes)}: ${parts.map(([, l, v]) => `${l} ${fmtBytes(v)}`).join(', ')}` });
-  for (const [cls, label, v] of parts) {
+  const bar = h('div', { class: 'bar', role: 'img', 'aria-label': `Capacity ${fmtBytes(p.capacity_bytes)}: ${parts.map(([, l, v, shown = v]) => `${l} ${fmtBytes(shown)}`).join(', ')}` });
+  for (const [cls, label, v, shown = v] of parts) {
     if (v <= 0) continue;
-    const s = h('span', { class: `seg ${cls}`, title: `${label}: ${fmtBytes(v)}` });
+    const s = h('span', { class: `seg ${cls}`, title: `${label}: ${fmtBytes(shown)}` });
     s.style.width = `${Math.max(0.3, (v / total) * 100)}%`;
     bar.append(s);
   }
@@ -502,7 +503,7 @@ function capacityBar(p) {
   threshold.style.left = `${p.soft_threshold_pct}%`;
   bar.append(threshold);
   const legend = h('ul', { class: 'legend' },
-    parts.map(([cls, label, v]) => h('li', { 'data-part': cls }, h('span', { class: `swatch ${cls}` }), `${label}: `, h('strong', {}, fmtBytes(v)), ` (${fmtPct(v / total)})`)),
+    parts.map(([cls, label, v, shown = v]) => h('li', { 'data-part': cls }, h('span', { class: `swatch ${cls}` }), `${label}: `, h('strong', {}, fmtBytes(shown)), ` (${fmtPct(v / total)})`)),
     h('li', {}, h('span', { class: 'swatch tick' }), `Soft threshold: ${p.soft_threshold_pct} %`));
   const b = p.breakdown;
   const note = h('p', { class: 'muted', id: 'breakdown-age' }, b
@@ -677,7 +678,7 @@ async function pageVolumes(main) {
     });
     const asking = rows.length <= SPACE_ROWS_MAX;
     const b = state.pool && state.pool.breakdown;
-    count.textContent = `${rows.length} of ${vols.length} volumes${b ? `; unique and shared as computed ${fmtAge(b.age_s)} ago` : ''}${asking ? '' : ` (filter to ${SPACE_ROWS_MAX} or fewer to see their physical space and reduction)`}`;
+    count.textContent = `${rows.length} of ${vols.length} volumes${b ? `; unique and shared as computed ${fmtAge(b.age_s)} ago` : ''}${asking ? '' : ` (physical space and reduction cost a walk of each volume's map, ~0.1 s per 256 MiB written: filter to ${SPACE_ROWS_MAX} rows or fewer to see them)`}`;
     if (asking) fillSpace(rows);
     clear(table);
     const head = h('tr', {}, COLUMNS.map(([key, label, , long]) => {
@@ -1011,9 +1012,13 @@ async function pagePool(main) {
     toast('Pool settings saved');
     render();
   });
-  const rows = Object.entries(p).map(([k, v]) => h('tr', {}, h('th', { scope: 'row' }, k.replace(/_/g, ' ')),
-    h('td', { class: 'num' }, k.endsWith('_bytes') ? `${fmtBytes(v)}` : typeof v === 'number' ? fmtNum(v, 3) : String(v)),
-    h('td', { class: 'num muted' }, k.endsWith('_bytes') ? fmtNum(v) : '')));
+  // The breakdown's figures as rows of their own ("breakdown unique physical bytes", ...).
+  const flat = Object.entries(p).flatMap(([k, v]) => (v && typeof v === 'object'
+    ? Object.entries(v).map(([k2, v2]) => [`${k}_${k2}`, v2 ?? '–'])
+    : [[k, v ?? '–']]));
+  const rows = flat.map(([k, v]) => h('tr', {}, h('th', { scope: 'row' }, k.replace(/_/g, ' ')),
+    h('td', { class: 'num' }, k.endsWith('_bytes') && typeof v === 'number' ? `${fmtBytes(v)}` : typeof v === 'number' ? fmtNum(v, 3) : String(v)),
+    h('td', { class: 'num muted' }, k.endsWith('_bytes') && typeof v === 'number' ? fmtNum(v) : '')));
   const s = state.scrub;
   const scrubErr = h('p', { class: 'error', role: 'alert' });
   const scrubBtn = h('button', { type: 'button' }, 'Scrub now');
