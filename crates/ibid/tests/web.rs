@@ -1175,3 +1175,64 @@ fn assets_are_served_gzipped() {
     println!("dashboard assets compressed on the wire: {compressed_total} bytes");
     assert!(compressed_total <= 300 << 10, "{compressed_total}");
 }
+
+/// A snapshot schedule whose runs fail (its snapshot names are taken: snapshots named as its
+/// next runs' were made first) brings up the health banner naming the volume and the error.
+#[test]
+fn failing_schedule_in_health_banner() {
+    common::require("chromium");
+    common::require("chromedriver");
+    let srv = Server::start(&["--no-default-volume", "--volume", "sch=16M"]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    // The names the runner gives its snapshots (`auto-YYYYMMDDTHHMMSSZ`, UTC), taken for the
+    // next two minutes.
+    for t in now..now + 120 {
+        let name = run(
+            "date",
+            &["-u", "-d", &format!("@{t}"), "+auto-%Y%m%dT%H%M%SZ"],
+        );
+        let body = json!({ "name": name.trim() }).to_string();
+        let (status, v) =
+            common::api_call(&srv, "POST", "/api/v1/volumes/sch/snapshots", Some(&body));
+        assert_eq!(status, 201, "{v}");
+    }
+    let driver = Driver::start();
+    let s = driver.session(1280, 800);
+    s.goto(&format!("{}/", base(&srv)));
+    wait_page(&s, "/");
+    assert_eq!(
+        s.script("return document.querySelector('#health').hidden", &[]),
+        json!(true)
+    );
+    let (status, v) = common::api_call(
+        &srv,
+        "PUT",
+        "/api/v1/volumes/sch/schedule",
+        Some(r#"{"every_s": 1, "keep": 100}"#),
+    );
+    assert_eq!(status, 200, "{v}");
+    let banner = s.wait_until(
+        "the failing schedule in the banner",
+        "const b = document.querySelector('#health');
+         return !b.hidden && b.textContent.includes('snapshot schedule of sch failed') && b.textContent",
+        WAIT,
+    );
+    // The engine's error, as the API has it (each run names its own second's snapshot).
+    let (_, sched) = common::api_call(&srv, "GET", "/api/v1/volumes/sch/schedule", None);
+    let error = sched["last_error"].as_str().expect("a failed run");
+    let why = "already has a snapshot named \"auto-";
+    assert!(error.contains(why), "{error}");
+    assert!(banner.as_str().is_some_and(|b| b.contains(why)), "{banner}");
+    // Without a failure, the banner goes: the schedule removed.
+    let (status, _) = common::api_call(&srv, "DELETE", "/api/v1/volumes/sch/schedule", None);
+    assert_eq!(status, 204);
+    s.wait_until(
+        "the banner gone",
+        "return document.querySelector('#health').hidden",
+        WAIT,
+    );
+    assert_console_clean(&s, &[]);
+}

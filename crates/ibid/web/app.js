@@ -15,6 +15,7 @@ const state = {
   pool: null,
   poolError: null,
   poolFailed: null,
+  schedules: [],
   scrub: null,
   server: null,
   range: 900,
@@ -280,6 +281,15 @@ function problems() {
     }
     if (s.error) out.push(['error', `The background scrub failed: ${s.error}`]);
   }
+  // Snapshot schedules: a failed last run, or a run overdue by more than a minute (and a
+  // tenth of the interval).
+  for (const x of state.schedules || []) {
+    if (x.last_error) {
+      out.push(['warn', `The snapshot schedule of ${x.volume} failed at its last run (${fmtTime(x.last_run_unix_s)}): ${x.last_error}`]);
+    } else if (x.lag_s > Math.max(60, x.every_s / 10)) {
+      out.push(['warn', `The snapshot schedule of ${x.volume} is ${fmtAge(x.lag_s)} late.`]);
+    }
+  }
   return out;
 }
 
@@ -307,6 +317,7 @@ async function refreshPool() {
     else state.poolError = e.message;
   }
   try { state.scrub = await api('GET', '/pool/scrub'); } catch (_) { /* shown with the pool */ }
+  try { state.schedules = await api('GET', '/schedules'); } catch (_) { /* shown with the pool */ }
   renderHealth();
 }
 
