@@ -53,6 +53,8 @@ pub struct SpaceBreakdown {
 pub struct VolumeShare {
     /// Volume name.
     pub name: String,
+    /// Volume id (a name can be reused after a delete; an id is not).
+    pub id: u64,
     /// Blocks mapped to data (as committed).
     pub mapped_blocks: u64,
     /// Blocks whose chunk only this volume holds (in layers only it includes).
@@ -86,18 +88,18 @@ impl Pool {
         let (stacks, txn) = {
             let _commit = inner.commit.lock();
             let vols = inner.volumes.read();
-            let stacks: Vec<(String, Vec<Frame>, u64)> = vols
+            let stacks: Vec<(String, u64, Vec<Frame>, u64)> = vols
                 .values()
                 .map(|v| {
                     let m = v.map.lock();
-                    (v.name.clone(), m.stack.clone(), m.size)
+                    (v.name.clone(), v.id, m.stack.clone(), m.size)
                 })
                 .collect();
             (stacks, inner.db.read()?)
         };
         let mut seen: FxHashMap<u64, Seen> = FxHashMap::default();
         let mut out = SpaceBreakdown::default();
-        for (i, (name, stack, size)) in stacks.iter().enumerate() {
+        for (i, (name, id, stack, size)) in stacks.iter().enumerate() {
             // A frame's layer is shared when another stack, or another frame of this one,
             // includes it (the layer's reference count counts frames of every stack).
             let mut shared_frame = Vec::with_capacity(stack.len());
@@ -134,6 +136,7 @@ impl Pool {
             }
             out.volumes.push(VolumeShare {
                 name: name.clone(),
+                id: *id,
                 mapped_blocks: mapped,
                 ..Default::default()
             });

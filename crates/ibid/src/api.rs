@@ -803,8 +803,11 @@ async fn list_volumes(
             .map(|v| {
                 let n = snapshots.get(&v.name).copied().unwrap_or(0);
                 let mut view = VolumeView::with_snapshots(v, &api, n);
-                if let Some(&(_, excl, shared, excl_phys)) =
-                    breakdown.as_ref().and_then(|b| b.volumes.get(&view.name))
+                // (By id too: a volume deleted and made again under its name is another.)
+                if let Some(&(_, excl, shared, excl_phys)) = breakdown
+                    .as_ref()
+                    .and_then(|b| b.volumes.get(&view.name))
+                    .filter(|f| f.0 == view.id)
                 {
                     view.exclusive_blocks = Some(excl);
                     view.shared_blocks = Some(shared);

@@ -21,7 +21,7 @@ const SPACING: u32 = 20;
 pub struct Computed {
     /// The figures.
     pub breakdown: SpaceBreakdown,
-    /// Per volume name: (mapped, exclusive, shared blocks; exclusive physical bytes).
+    /// Per volume name: (volume id, exclusive blocks, shared blocks, exclusive physical bytes).
     pub volumes: HashMap<String, (u64, u64, u64, u64)>,
     /// When it finished, Unix seconds.
     pub at_unix_s: u64,
@@ -94,7 +94,7 @@ impl SpaceCache {
                     .iter()
                     .map(|v| {
                         let figures = (
-                            v.mapped_blocks,
+                            v.id,
                             v.exclusive_blocks,
                             v.shared_blocks,
                             v.exclusive_physical_bytes,
