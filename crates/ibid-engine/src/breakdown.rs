@@ -16,8 +16,10 @@
 //!   the volume's blocks frees it. Per volume this is `Volume::space`'s *exclusive* figure.
 //! - **shared**: shown by a live volume, and also referenced elsewhere: deduplicated blocks,
 //!   range copies, full and fast clones, and data a snapshot still sees too.
-//! - **snapshot-only**: shown by no live volume: kept by snapshots (or by map entries that
-//!   the windows of range-copied frames hide) alone; deleting snapshots is what frees it.
+//! - **snapshot-only**: shown by no live volume: kept by snapshots alone, or by map entries
+//!   no stack shows — a deleted snapshot's layer that the volume overwrote, until the
+//!   background flattening merges it (seconds), or entries the windows of range-copied frames
+//!   hide; deleting snapshots (and that merging) is what frees it.
 
 use crate::error::Result;
 use crate::format::{self, Frame, BLOCK_BYTES};

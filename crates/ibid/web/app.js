@@ -485,7 +485,7 @@ function dataParts(p) {
   return [
     ['uniq', 'Unique data (one volume alone holds it)', b.unique_physical_bytes * k, b.unique_physical_bytes],
     ['shrd', 'Shared data (deduplicated, cloned, or also a snapshot\'s)', b.shared_physical_bytes * k, b.shared_physical_bytes],
-    ['snap', 'Snapshot-only data (no volume shows it)', b.snapshot_only_physical_bytes * k, b.snapshot_only_physical_bytes],
+    ['snap', 'Snapshot-only data (no volume shows it: kept by snapshots, or until the cleaner merges a deleted one\'s layer)', b.snapshot_only_physical_bytes * k, b.snapshot_only_physical_bytes],
   ];
 }
 
