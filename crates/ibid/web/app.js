@@ -472,21 +472,25 @@ function figure(label, value, note) {
 
 /**
  * The data part of the capacity bar: unique, shared and snapshot-only from the server's
- * background breakdown (`p.breakdown`, computed every minute or so). Their widths are scaled
- * to today's physical bytes (data written since then moves the total, not the proportions);
- * the legend says the computed figures themselves (the 4th element). One "data" part until
- * the first breakdown.
+ * background breakdown (`p.breakdown`, computed every minute or so). Data written since then
+ * is a part of its own ("not yet classified"); when data was freed since, the three are
+ * scaled down to today's physical bytes (the legend then says "about"). One "data" part
+ * until the first breakdown.
  */
 function dataParts(p) {
   const b = p.breakdown;
   const sum = b ? b.unique_physical_bytes + b.shared_physical_bytes + b.snapshot_only_physical_bytes : 0;
   if (!b || sum === 0) return [['data', 'Data (after dedup and compression)', p.physical_bytes]];
-  const k = p.physical_bytes / sum;
-  return [
-    ['uniq', 'Unique data (one volume alone holds it)', b.unique_physical_bytes * k, b.unique_physical_bytes],
-    ['shrd', 'Shared data (deduplicated, cloned, or also a snapshot\'s)', b.shared_physical_bytes * k, b.shared_physical_bytes],
-    ['snap', 'Snapshot-only data (no volume shows it: kept by snapshots, or until the cleaner merges a deleted one\'s layer)', b.snapshot_only_physical_bytes * k, b.snapshot_only_physical_bytes],
+  const k = Math.min(1, p.physical_bytes / sum);
+  const about = k < 1 ? 'about ' : '';
+  const part = (cls, label, v) => [cls, label, v * k, `${about}${fmtBytes(Math.round(v * k))}`];
+  const out = [
+    part('uniq', 'Unique data (one volume alone holds it)', b.unique_physical_bytes),
+    part('shrd', 'Shared data (deduplicated, cloned, or also a snapshot\'s)', b.shared_physical_bytes),
+    part('snap', 'Snapshot-only data (no volume shows it: kept by snapshots, or until the cleaner merges a deleted one\'s layer)', b.snapshot_only_physical_bytes),
   ];
+  if (p.physical_bytes > sum) out.push(['pend', 'Data written since the split was computed (not yet classified)', p.physical_bytes - sum]);
+  return out;
 }
 
 function capacityBar(p) {
@@ -503,10 +507,10 @@ function capacityBar(p) {
     ['free', 'Free', p.free_bytes - garbage],
   ];
   const total = Math.max(1, p.capacity_bytes);
-  const bar = h('div', { class: 'bar', role: 'img', 'aria-label': `Capacity ${fmtBytes(p.capacity_bytes)}: ${parts.map(([, l, v, shown = v]) => `${l} ${fmtBytes(shown)}`).join(', ')}` });
-  for (const [cls, label, v, shown = v] of parts) {
+  const bar = h('div', { class: 'bar', role: 'img', 'aria-label': `Capacity ${fmtBytes(p.capacity_bytes)}: ${parts.map(([, l, v, shown = fmtBytes(v)]) => `${l} ${shown}`).join(', ')}` });
+  for (const [cls, label, v, shown = fmtBytes(v)] of parts) {
     if (v <= 0) continue;
-    const s = h('span', { class: `seg ${cls}`, title: `${label}: ${fmtBytes(shown)}` });
+    const s = h('span', { class: `seg ${cls}`, title: `${label}: ${shown}` });
     s.style.width = `${Math.max(0.3, (v / total) * 100)}%`;
     bar.append(s);
   }
@@ -514,7 +518,7 @@ function capacityBar(p) {
   threshold.style.left = `${p.soft_threshold_pct}%`;
   bar.append(threshold);
   const legend = h('ul', { class: 'legend' },
-    parts.map(([cls, label, v, shown = v]) => h('li', { 'data-part': cls }, h('span', { class: `swatch ${cls}` }), `${label}: `, h('strong', {}, fmtBytes(shown)), ` (${fmtPct(v / total)})`)),
+    parts.map(([cls, label, v, shown = fmtBytes(v)]) => h('li', { 'data-part': cls }, h('span', { class: `swatch ${cls}` }), `${label}: `, h('strong', {}, shown), ` (${fmtPct(v / total)})`)),
     h('li', {}, h('span', { class: 'swatch tick' }), `Soft threshold: ${p.soft_threshold_pct} %`));
   const b = p.breakdown;
   const note = h('p', { class: 'muted', id: 'breakdown-age' }, b
