@@ -20,6 +20,7 @@
 #[cfg(feature = "mimalloc")]
 pub mod allocator;
 mod bloom;
+mod breakdown;
 pub mod chunk_table;
 mod commit;
 mod compression;
@@ -55,6 +56,7 @@ pub mod units;
 pub mod verify;
 mod volume;
 
+pub use breakdown::{SpaceBreakdown, VolumeShare};
 pub use config::PoolConfig;
 pub use error::{Error, Result};
 pub use format::VolumeFormat;

@@ -107,6 +107,7 @@ impl From<Error> for ApiError {
             Error::NoSpace => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             Error::CannotReserve { .. } => (StatusCode::CONFLICT, "cannot_reserve"),
             Error::ReadOnly(_) => (StatusCode::CONFLICT, "read_only"),
+            Error::Failed(_) => (StatusCode::SERVICE_UNAVAILABLE, "pool_failed"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         let mut message = e.to_string();
@@ -313,6 +314,14 @@ struct VolumeView {
     snapshots: usize,
     /// iSCSI LUN number (null only if all LUNs are taken).
     lun: Option<u64>,
+    /// Blocks whose data only this volume holds, and blocks it shares (with other volumes,
+    /// its snapshots or clones), from the background space breakdown (`breakdown` in
+    /// `GET /api/v1/pool` says how old): null in answers other than the listing, and until
+    /// the volume is in a breakdown.
+    exclusive_blocks: Option<u64>,
+    shared_blocks: Option<u64>,
+    /// Physical bytes of the chunks only this volume holds (same source).
+    exclusive_physical_bytes: Option<u64>,
     /// QoS limits (null: none), shared by all the volume's connections.
     qos: Limits,
     /// Open connections using the volume or its snapshots (NBD, iSCSI): what deleting it would
@@ -332,6 +341,9 @@ impl VolumeView {
             clients: api.clients.of_volume_and_snapshots(&v.name),
             qos: api.qos.limits(v.id),
             lun: api.luns.lun_of_volume(v.id),
+            exclusive_blocks: None,
+            shared_blocks: None,
+            exclusive_physical_bytes: None,
             name: v.name,
             id: v.id,
             format: v.format.as_str(),
@@ -580,6 +592,7 @@ pub fn router(
         .route("/api/v1/openapi.json", get(openapi))
         .route("/api/v1/pool", get(pool_stats).patch(update_pool))
         .route("/api/v1/pool/verify", post(verify_pool))
+        .route("/api/v1/pool/breakdown", post(compute_breakdown))
         .route("/api/v1/server", get(server_info))
         .route("/api/v1/stats/history", get(crate::history::get_history))
         .route(
@@ -651,10 +664,29 @@ async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
-async fn pool_stats(State(pool): State<Pool>) -> ApiResult<Json<Value>> {
+async fn pool_stats(
+    State(pool): State<Pool>,
+    Extension(space): Extension<Arc<crate::space::SpaceCache>>,
+) -> ApiResult<Json<Value>> {
     blocking(move || {
         pool.sync()?;
-        Ok(Json(stats_json(&pool.stats())))
+        let mut v = stats_json(&pool.stats());
+        v["breakdown"] = space.json();
+        Ok(Json(v))
+    })
+    .await
+}
+
+/// Computes the space breakdown now (a walk of every live volume's map) and answers it as
+/// `breakdown` in `GET /api/v1/pool` shows it.
+async fn compute_breakdown(
+    State(pool): State<Pool>,
+    Extension(space): Extension<Arc<crate::space::SpaceCache>>,
+) -> ApiResult<Json<Value>> {
+    blocking(move || {
+        pool.sync()?;
+        let c = space.compute(&pool)?;
+        Ok(Json(crate::space::computed_json(&c, None)))
     })
     .await
 }
@@ -754,19 +786,34 @@ async fn update_pool(State(pool): State<Pool>, req: Body<PoolSettings>) -> ApiRe
     .await
 }
 
-async fn list_volumes(State(api): State<Api>) -> Json<Vec<VolumeView>> {
+async fn list_volumes(
+    State(api): State<Api>,
+    Extension(space): Extension<Arc<crate::space::SpaceCache>>,
+) -> Json<Vec<VolumeView>> {
     // One listing of the snapshots for all volumes, not one per volume.
     let mut snapshots: std::collections::HashMap<String, usize> = Default::default();
     for s in api.pool.list_snapshots(None) {
         *snapshots.entry(s.volume).or_default() += 1;
     }
+    let breakdown = space.last();
     Json(
         api.pool
             .list_volumes()
             .into_iter()
             .map(|v| {
                 let n = snapshots.get(&v.name).copied().unwrap_or(0);
-                VolumeView::with_snapshots(v, &api, n)
+                let mut view = VolumeView::with_snapshots(v, &api, n);
+                // (By id too: a volume deleted and made again under its name is another.)
+                if let Some(&(_, excl, shared, excl_phys)) = breakdown
+                    .as_ref()
+                    .and_then(|b| b.volumes.get(&view.name))
+                    .filter(|f| f.0 == view.id)
+                {
+                    view.exclusive_blocks = Some(excl);
+                    view.shared_blocks = Some(shared);
+                    view.exclusive_physical_bytes = Some(excl_phys);
+                }
+                view
             })
             .collect(),
     )

@@ -16,6 +16,7 @@ mod remotes;
 mod schedules;
 mod scrub;
 mod serve;
+mod space;
 mod units;
 mod web;
 

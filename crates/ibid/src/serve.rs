@@ -101,9 +101,17 @@ pub fn run(opts: ServeOptions) -> anyhow::Result<()> {
         }
     };
     let scrubber = crate::scrub::Scrubber::start(pool.clone(), opts.scrub_rate, opts.scrub_every);
-    let result = runtime.block_on(serve(pool.clone(), &opts, listeners, scrubber.clone()));
+    let space = crate::space::SpaceCache::start(pool.clone());
+    let result = runtime.block_on(serve(
+        pool.clone(),
+        &opts,
+        listeners,
+        scrubber.clone(),
+        space.clone(),
+    ));
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     scrubber.stop();
+    space.stop();
     pool.close().context("close pool")?;
     result
 }
@@ -225,6 +233,7 @@ async fn serve(
     opts: &ServeOptions,
     listeners: Listeners,
     scrubber: Arc<crate::scrub::Scrubber>,
+    space: Arc<crate::space::SpaceCache>,
 ) -> anyhow::Result<()> {
     let Listeners {
         nbd: nbd_listener,
@@ -342,6 +351,7 @@ async fn serve(
                     .layer(axum::Extension(offload_stats.clone()))
                     .layer(axum::Extension(Arc::new(crate::jobs::Jobs::default())))
                     .layer(axum::Extension(scrubber.clone()))
+                    .layer(axum::Extension(space.clone()))
                     .layer(axum::Extension(history.clone()))
                     .layer(axum::Extension(server_info.clone()))
                     .layer(axum::middleware::from_fn_with_state(

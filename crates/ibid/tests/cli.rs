@@ -454,6 +454,7 @@ fn pool_stats_and_settings() {
         "85%",
         "free:",
         "data reduction:",
+        "by sharing:",
     ] {
         assert!(out.contains(want), "{want:?} missing from:\n{out}");
     }

@@ -281,3 +281,65 @@ impl<F: FnMut()> Drop for Defer<F> {
         (self.0)()
     }
 }
+
+/// `scripts/faultfs.py` mounted for a test (a FUSE filesystem that fails chosen operations
+/// with EIO): unmounted and stopped when dropped. (`io_errors.rs` has its own copy.)
+pub struct FaultFs {
+    child: Child,
+    /// Where it is mounted: put the pool under it.
+    pub mount: PathBuf,
+    control: PathBuf,
+    _dirs: tempfile::TempDir,
+}
+
+impl FaultFs {
+    /// Mounts it on a new temporary directory.
+    pub fn mount() -> FaultFs {
+        let dirs = tempfile::tempdir().expect("tempdir");
+        let (backing, mount) = (dirs.path().join("backing"), dirs.path().join("mnt"));
+        std::fs::create_dir(&backing).expect("backing dir");
+        std::fs::create_dir(&mount).expect("mount point");
+        let control = dirs.path().join("control");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/faultfs.py");
+        let child = Command::new("/usr/bin/python3")
+            .arg(script)
+            .args([&backing, &mount, &control])
+            .spawn()
+            .expect("start faultfs.py");
+        let fs = FaultFs {
+            child,
+            mount,
+            control,
+            _dirs: dirs,
+        };
+        for _ in 0..100 {
+            let mounts = std::fs::read_to_string("/proc/mounts").expect("/proc/mounts");
+            if mounts.contains(fs.mount.to_str().expect("utf-8")) {
+                return fs;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("faultfs did not mount within 10 s");
+    }
+
+    /// Makes every `op` (read, write, fsync) on a path containing `what` fail with EIO.
+    pub fn fail(&self, op: &str, what: &str) {
+        std::fs::write(&self.control, format!("{op} {what} 5\n")).expect("control");
+    }
+
+    /// Ends the failures.
+    pub fn heal(&self) {
+        std::fs::write(&self.control, "").expect("control");
+    }
+}
+
+impl Drop for FaultFs {
+    fn drop(&mut self) {
+        let _ = Command::new("fusermount")
+            .arg("-u")
+            .arg(&self.mount)
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

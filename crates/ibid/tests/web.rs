@@ -255,6 +255,134 @@ fn dashboard_in_chromium() {
         "qemu-io",
         &["-f", "raw", "-c", "write -P 0xcd 0 1M", &srv.url("web1")],
     );
+
+    // The capacity bar splits the data: s1 alone keeps web1's old data now (snapshot-only),
+    // web1's new data is its own (unique). "Recompute now" asks for the breakdown at once.
+    s.goto(&format!("{url}/#/"));
+    wait_page(&s, "/");
+    s.click(&s.wait_for("#breakdown-now", WAIT));
+    s.wait_until(
+        "snapshot-only and unique data in the capacity bar",
+        "const part = (p) => document.querySelector(`.legend li[data-part=\"${p}\"]`);
+         const some = (p) => part(p) && !part(p).textContent.includes(': 0 B');
+         return some('snap') && some('uniq') && document.querySelector('.bar .seg.snap') !== null",
+        WAIT,
+    );
+    let (_, pool) = api_call_as(&srv, Some(TOKEN), "GET", "/api/v1/pool", None);
+    let b = &pool["breakdown"];
+    assert!(b["snapshot_only_chunks"].as_u64() >= Some(1), "{pool}");
+    assert!(b["unique_chunks"].as_u64() >= Some(1), "{pool}");
+    let split: u64 = ["unique", "shared", "snapshot_only"]
+        .iter()
+        .map(|k| b[format!("{k}_physical_bytes")].as_u64().expect("bytes"))
+        .sum();
+    assert_eq!(
+        split,
+        pool["physical_bytes"].as_u64().expect("physical"),
+        "{pool}"
+    );
+    assert!(
+        s.text_of("#breakdown-age").contains("computed"),
+        "{}",
+        s.text_of("#breakdown-age")
+    );
+
+    // The volume table: web1's unique and shared space (from the same breakdown, for every
+    // row), its LUN, and a schedule set below.
+    s.goto(&format!("{url}/#/volumes"));
+    wait_page(&s, "/volumes");
+    let (_, web1) = api_call_as(&srv, Some(TOKEN), "GET", "/api/v1/volumes/web1", None);
+    let cell = |col: &str| s.text_of(&format!("tr[data-volume=\"web1\"] td[data-col=\"{col}\"]"));
+    assert_eq!(cell("unique"), "1 MiB");
+    assert_eq!(cell("lun"), web1["lun"].to_string());
+
+    // LUNs on the volume page: move web1 to LUN 9, export s1 read-only and read it over
+    // iSCSI with qemu-io.
+    s.goto(&format!("{url}/#/volumes/web1"));
+    wait_page(&s, "/volumes/web1");
+    s.type_into(&s.wait_for("#lun-to", WAIT), "9");
+    s.click(&s.wait_for("#act-iscsi-lun button[type=submit]", WAIT));
+    s.wait_until(
+        "LUN 9 shown",
+        "return document.querySelector('#volume-lun')?.textContent === '9'",
+        WAIT,
+    );
+    let (_, web1) = api_call_as(&srv, Some(TOKEN), "GET", "/api/v1/volumes/web1", None);
+    assert_eq!(web1["lun"], json!(9), "{web1}");
+    s.click(&s.wait_for(
+        "button[aria-label=\"Export snapshot s1 as an iSCSI LUN\"]",
+        WAIT,
+    ));
+    s.wait_until(
+        "s1's LUN shown",
+        "return document.querySelector('tr[data-snapshot=\"s1\"] td[data-col=\"lun\"]')?.textContent.includes('read-only')",
+        WAIT,
+    );
+    let (_, snaps) = api_call_as(
+        &srv,
+        Some(TOKEN),
+        "GET",
+        "/api/v1/volumes/web1/snapshots",
+        None,
+    );
+    let snap_lun = snaps[0]["lun"].as_u64().expect("s1 exported");
+    assert!(
+        s.text_of("tr[data-snapshot=\"s1\"]")
+            .contains(&snap_lun.to_string()),
+        "{}",
+        s.text_of("tr[data-snapshot=\"s1\"]")
+    );
+    let read = run(
+        "qemu-io",
+        &[
+            "-r",
+            "--image-opts",
+            &format!(
+                "driver=iscsi,transport=tcp,portal={},target={},lun={snap_lun}",
+                srv.iscsi.as_deref().expect("iSCSI target"),
+                common::IQN
+            ),
+            "-c",
+            "read -P 0xab 0 1M",
+        ],
+    );
+    assert!(
+        !read.contains("verification failed") && read.contains("read 1048576"),
+        "{read}"
+    );
+
+    // A snapshot schedule set in the UI, shown with its next run.
+    s.type_into(&s.wait_for("#schedule-every-input", WAIT), "1h");
+    s.type_into(&s.wait_for("#schedule-keep-input", WAIT), "24");
+    s.click(&s.wait_for("#act-schedule button[type=submit]", WAIT));
+    s.wait_until(
+        "the schedule shown",
+        "return document.querySelector('#schedule-every')?.textContent.startsWith('1h (keeps 24')
+           && document.querySelector('#schedule-next')?.textContent.length > 0",
+        WAIT,
+    );
+    let (_, sched) = api_call_as(
+        &srv,
+        Some(TOKEN),
+        "GET",
+        "/api/v1/volumes/web1/schedule",
+        None,
+    );
+    assert_eq!(
+        (sched["every_s"].as_u64(), sched["keep"].as_u64()),
+        (Some(3600), Some(24)),
+        "{sched}"
+    );
+    s.goto(&format!("{url}/#/volumes"));
+    wait_page(&s, "/volumes");
+    assert!(
+        cell("schedule").starts_with("every 1h, keep 24"),
+        "{}",
+        cell("schedule")
+    );
+    s.goto(&format!("{url}/#/volumes/web1"));
+    wait_page(&s, "/volumes/web1");
+
     s.type_into(&s.wait_for("#clone-name", WAIT), "web1-clone");
     s.click(&s.wait_for("#clone-source option[value=\"s1\"]", WAIT));
     s.click(&s.wait_for("#act-clone button[type=submit]", WAIT));
@@ -412,6 +540,12 @@ fn dashboard_in_chromium() {
     s.goto(&format!("{url}/#/pool"));
     wait_page(&s, "/pool");
     assert_labelled(&s, "pool");
+    // Every figure as text, the breakdown's included (no "[object Object]").
+    let figures = s.text_of("main");
+    assert!(
+        figures.contains("breakdown unique physical bytes") && !figures.contains("[object"),
+        "{figures}"
+    );
     s.type_into(&s.wait_for("#pool-soft", WAIT), "15");
     s.click(&s.wait_for("#act-settings button[type=submit]", WAIT));
     let banner = s.wait_until(
@@ -762,6 +896,11 @@ fn overview_renders_fast_with_1000_volumes_and_10000_snapshots() {
         "created 1000 volumes and 10000 snapshots in {:?}",
         started.elapsed()
     );
+    // The space breakdown behind the capacity bar, on this catalog (empty volumes: the cost
+    // of walking 1,000 stacks; data adds the map entries read).
+    let (status, b) = common::api_call(&srv, "POST", "/api/v1/pool/breakdown", Some("{}"));
+    assert_eq!(status, 200, "{b}");
+    eprintln!("space breakdown: {} ms", b["took_ms"]);
     let driver = Driver::start();
     let s = driver.session(1280, 800);
     for (route, goal_ms) in [("/", 300.0), ("/volumes", 300.0)] {
@@ -862,4 +1001,238 @@ fn stats_history_follows_real_io() {
             "{path}: {v}"
         );
     }
+}
+
+/// A failed pool (an fsync under the pool fails with EIO, so the engine stops writing): the
+/// dashboard shows a dedicated red banner saying what failed and what to do, not the API's
+/// raw error; the API answers 503 `pool_failed`.
+#[test]
+fn failed_pool_banner_in_chromium() {
+    common::require("chromium");
+    common::require("chromedriver");
+    common::require("fusermount");
+    let fs = common::FaultFs::mount();
+    let dir = tempfile::tempdir_in(&fs.mount).expect("tempdir on faultfs");
+    let srv = Server::start_in(dir, &["--no-default-volume", "--volume", "f1=16M"]);
+    let driver = Driver::start();
+    let s = driver.session(1280, 800);
+    let url = base(&srv);
+    s.goto(&format!("{url}/"));
+    wait_page(&s, "/");
+    assert_eq!(
+        s.script("return document.querySelector('#health').hidden", &[]),
+        json!(true)
+    );
+
+    // A write whose flush meets EIO: the pool fails.
+    fs.fail("fsync", "pool");
+    let out = std::process::Command::new("qemu-io")
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x5a 0 64k",
+            "-c",
+            "flush",
+            &srv.url("f1"),
+        ])
+        .output()
+        .expect("run qemu-io");
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("Input/output error") || said.contains("EIO"),
+        "{said}"
+    );
+    fs.heal();
+    let (status, body) = common::api_call(&srv, "GET", "/api/v1/pool", None);
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("pool_failed")),
+        "{body}"
+    );
+
+    let banner = s.wait_until(
+        "the failed-pool banner",
+        "const b = document.querySelector('#health');
+         return !b.hidden && b.classList.contains('failed') && b.textContent",
+        WAIT,
+    );
+    let banner = banner.as_str().unwrap_or_default().to_string();
+    assert!(
+        banner.contains("The pool has failed")
+            && banner.contains("What failed:")
+            && banner.contains("What to do:")
+            && banner.contains("ibid pool verify"),
+        "{banner}"
+    );
+    // The reason is the engine's, without the API's generic wrapping.
+    assert!(!banner.contains("cannot be read"), "{banner}");
+    let red = s.script(
+        "return getComputedStyle(document.querySelector('#health')).backgroundColor",
+        &[],
+    );
+    assert_eq!(red, json!("rgb(185, 28, 28)"));
+    if let Some(dir) = screenshots_dir() {
+        s.screenshot(&dir.join("dashboard-failed-pool.png"));
+    }
+    // Chromium logs the 503 answers of the pool poll.
+    assert_console_clean(&s, &[503]);
+    drop(s);
+    // A failed pool does not close cleanly: kill the server, then unmount.
+    drop(srv.kill());
+}
+
+/// The dashboard's files go gzip-compressed to a client that accepts it (`curl
+/// --compressed` decodes them back to the embedded files), plain to one that does not, with
+/// `Vary: Accept-Encoding` either way and an ETag per representation; all compressed files
+/// together stay under the issue's 300 KiB.
+#[test]
+fn assets_are_served_gzipped() {
+    let srv = Server::start(&["--no-default-volume"]);
+    let url = base(&srv);
+    let web = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("web");
+    let mut compressed_total = 0;
+    for (path, file) in [
+        ("/", "index.html"),
+        ("/app.js", "app.js"),
+        ("/app.css", "app.css"),
+        ("/vendor/uPlot.iife.min.js", "vendor/uPlot.iife.min.js"),
+        ("/vendor/uPlot.min.css", "vendor/uPlot.min.css"),
+    ] {
+        let original = std::fs::read_to_string(web.join(file)).expect("asset");
+        // Compressed: fewer bytes on the wire, the same file once decoded.
+        let head = run(
+            "curl",
+            &[
+                "-s",
+                "-D",
+                "-",
+                "-o",
+                "/dev/null",
+                "-H",
+                "Accept-Encoding: gzip",
+                &format!("{url}{path}"),
+            ],
+        )
+        .to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 200"), "{path}: {head}");
+        assert!(head.contains("content-encoding: gzip"), "{path}: {head}");
+        assert!(head.contains("vary: accept-encoding"), "{path}: {head}");
+        let size = run(
+            "curl",
+            &[
+                "-s",
+                "-H",
+                "Accept-Encoding: gzip",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{size_download}",
+                &format!("{url}{path}"),
+            ],
+        );
+        let size: usize = size.trim().parse().expect("size");
+        assert!(
+            size < original.len() / 2,
+            "{path}: {size} of {}",
+            original.len()
+        );
+        compressed_total += size;
+        let (_, _, decoded) = curl(&["--compressed", &format!("{url}{path}")]);
+        assert_eq!(decoded, original, "{path} decoded");
+        let etag_gz = head
+            .lines()
+            .find_map(|l| l.strip_prefix("etag: "))
+            .expect("etag")
+            .trim()
+            .to_string();
+        // Plain for a client that does not accept gzip (or refuses it with q=0).
+        for accept in ["Accept-Encoding: identity", "Accept-Encoding: gzip;q=0"] {
+            let (status, head, body) = curl(&["-H", accept, &format!("{url}{path}")]);
+            assert_eq!(status, 200);
+            assert!(
+                !head.contains("content-encoding"),
+                "{path} {accept}: {head}"
+            );
+            assert!(head.contains("vary: accept-encoding"), "{path}: {head}");
+            assert_eq!(body, original, "{path} {accept}");
+            assert!(
+                !head.contains(&format!("etag: {etag_gz}")),
+                "one ETag for both"
+            );
+        }
+        // Revalidation: the compressed representation's ETag gives a 304.
+        let (status, _, _) = curl(&[
+            "-H",
+            "Accept-Encoding: gzip",
+            "-H",
+            &format!("If-None-Match: {etag_gz}"),
+            &format!("{url}{path}"),
+        ]);
+        assert_eq!(status, 304, "{path}");
+    }
+    println!("dashboard assets compressed on the wire: {compressed_total} bytes");
+    assert!(compressed_total <= 300 << 10, "{compressed_total}");
+}
+
+/// A snapshot schedule whose runs fail (its snapshot names are taken: snapshots named as its
+/// next runs' were made first) brings up the health banner naming the volume and the error.
+#[test]
+fn failing_schedule_in_health_banner() {
+    common::require("chromium");
+    common::require("chromedriver");
+    let srv = Server::start(&["--no-default-volume", "--volume", "sch=16M"]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    // The names the runner gives its snapshots (`auto-YYYYMMDDTHHMMSSZ`, UTC), taken for the
+    // next two minutes.
+    for t in now..now + 120 {
+        let name = run(
+            "date",
+            &["-u", "-d", &format!("@{t}"), "+auto-%Y%m%dT%H%M%SZ"],
+        );
+        let body = json!({ "name": name.trim() }).to_string();
+        let (status, v) =
+            common::api_call(&srv, "POST", "/api/v1/volumes/sch/snapshots", Some(&body));
+        assert_eq!(status, 201, "{v}");
+    }
+    let driver = Driver::start();
+    let s = driver.session(1280, 800);
+    s.goto(&format!("{}/", base(&srv)));
+    wait_page(&s, "/");
+    assert_eq!(
+        s.script("return document.querySelector('#health').hidden", &[]),
+        json!(true)
+    );
+    let (status, v) = common::api_call(
+        &srv,
+        "PUT",
+        "/api/v1/volumes/sch/schedule",
+        Some(r#"{"every_s": 1, "keep": 100}"#),
+    );
+    assert_eq!(status, 200, "{v}");
+    let banner = s.wait_until(
+        "the failing schedule in the banner",
+        "const b = document.querySelector('#health');
+         return !b.hidden && b.textContent.includes('snapshot schedule of sch failed') && b.textContent",
+        WAIT,
+    );
+    // The engine's error, as the API has it (each run names its own second's snapshot).
+    let (_, sched) = common::api_call(&srv, "GET", "/api/v1/volumes/sch/schedule", None);
+    let error = sched["last_error"].as_str().expect("a failed run");
+    let why = "already has a snapshot named \"auto-";
+    assert!(error.contains(why), "{error}");
+    assert!(banner.as_str().is_some_and(|b| b.contains(why)), "{banner}");
+    // Without a failure, the banner goes: the schedule removed.
+    let (status, _) = common::api_call(&srv, "DELETE", "/api/v1/volumes/sch/schedule", None);
+    assert_eq!(status, 204);
+    s.wait_until(
+        "the banner gone",
+        "return document.querySelector('#health').hidden",
+        WAIT,
+    );
+    assert_console_clean(&s, &[]);
 }

@@ -14,6 +14,8 @@ const state = {
   token: sessionStorage.getItem(TOKEN_KEY) || '',
   pool: null,
   poolError: null,
+  poolFailed: null,
+  schedules: [],
   scrub: null,
   server: null,
   range: 900,
@@ -79,6 +81,12 @@ function fmtPct(x) { return `${fmtNum(x * 100, x < 0.1 ? 1 : 0)} %`; }
 function fmtTime(unixS) {
   if (!unixS) return '–';
   return new Date(unixS * 1000).toISOString().replace('T', ' ').replace(/\.\d+Z$/, ' UTC');
+}
+
+function fmtAge(s) {
+  if (s < 120) return `${fmtNum(s)} s`;
+  if (s < 7200) return `${fmtNum(s / 60)} min`;
+  return `${fmtNum(s / 3600, 1)} h`;
 }
 
 function ratio(x) { return `${fmtNum(x, x >= 100 ? 0 : 2)} : 1`; }
@@ -236,6 +244,17 @@ async function act(errEl, button, fn, success) {
 /** What is wrong with the pool, most serious first; empty when all is well. */
 function problems() {
   const out = [];
+  if (state.poolFailed) {
+    // The engine stopped writing after an I/O error or damage met by a metadata commit: it
+    // never retries a failed write or sync. What to do is the same whatever failed.
+    const why = state.poolFailed.replace(/^the pool has failed after an earlier error and must be reopened: /, '');
+    out.push(['error', 'The pool has failed and stopped writing.',
+      h('span', {}, 'What failed: ', h('strong', {}, why)),
+      h('span', {}, 'What to do: check the disk and filesystem under the pool (kernel log, free space, SMART), then restart ',
+        h('code', {}, 'ibid serve'), ': the pool reopens from its last commit and journal, with every write acknowledged before the failure. Then run ',
+        h('code', {}, 'ibid pool verify'), '. Until then, reads may work; writes, snapshots and changes fail.')]);
+    return out;
+  }
   if (state.poolError) {
     out.push(['error', `The pool cannot be read: ${state.poolError}`]);
     return out;
@@ -262,6 +281,15 @@ function problems() {
     }
     if (s.error) out.push(['error', `The background scrub failed: ${s.error}`]);
   }
+  // Snapshot schedules: a failed last run, or a run overdue by more than a minute (and a
+  // tenth of the interval).
+  for (const x of state.schedules || []) {
+    if (x.last_error) {
+      out.push(['warn', `The snapshot schedule of ${x.volume} failed at its last run (${fmtTime(x.last_run_unix_s)}): ${x.last_error}`]);
+    } else if (x.lag_s > Math.max(60, x.every_s / 10)) {
+      out.push(['warn', `The snapshot schedule of ${x.volume} is ${fmtAge(x.lag_s)} late.`]);
+    }
+  }
   return out;
 }
 
@@ -271,18 +299,25 @@ function renderHealth() {
   clear(el);
   el.hidden = list.length === 0;
   el.className = list.some(([k]) => k === 'error') ? 'health error' : 'health warn';
-  for (const [kind, msg] of list) append(el, [h('p', { class: kind }, msg)]);
+  el.classList.toggle('failed', Boolean(state.poolFailed));
+  for (const [kind, msg, ...more] of list) {
+    append(el, [h('p', { class: kind }, more.length ? h('strong', {}, msg) : msg)]);
+    for (const m of more) append(el, [h('p', { class: 'detail' }, m)]);
+  }
 }
 
 async function refreshPool() {
   try {
     state.pool = await api('GET', '/pool');
     state.poolError = null;
+    state.poolFailed = null;
   } catch (e) {
     if (e.status === 401 || e.status === 0) return;
-    state.poolError = e.message;
+    if (e.code === 'pool_failed') state.poolFailed = e.message;
+    else state.poolError = e.message;
   }
   try { state.scrub = await api('GET', '/pool/scrub'); } catch (_) { /* shown with the pool */ }
+  try { state.schedules = await api('GET', '/schedules'); } catch (_) { /* shown with the pool */ }
   renderHealth();
 }
 
@@ -435,20 +470,47 @@ function figure(label, value, note) {
     note ? h('div', { class: 'note' }, note) : null);
 }
 
+/**
+ * The data part of the capacity bar: unique, shared and snapshot-only from the server's
+ * background breakdown (`p.breakdown`, computed every minute or so). Data written since then
+ * is a part of its own ("not yet classified"); when data was freed since, the three are
+ * scaled down to today's physical bytes (the legend then says "about"). One "data" part
+ * until the first breakdown.
+ */
+function dataParts(p) {
+  const b = p.breakdown;
+  const sum = b ? b.unique_physical_bytes + b.shared_physical_bytes + b.snapshot_only_physical_bytes : 0;
+  if (!b || sum === 0) return [['data', 'Data (after dedup and compression)', p.physical_bytes]];
+  const k = Math.min(1, p.physical_bytes / sum);
+  const about = k < 1 ? 'about ' : '';
+  const part = (cls, label, v) => [cls, label, v * k, `${about}${fmtBytes(Math.round(v * k))}`];
+  const out = [
+    part('uniq', 'Unique data (one volume alone holds it)', b.unique_physical_bytes),
+    part('shrd', 'Shared data (deduplicated, cloned, or also a snapshot\'s)', b.shared_physical_bytes),
+    part('snap', 'Snapshot-only data (no volume shows it: kept by snapshots, or until the cleaner merges a deleted one\'s layer)', b.snapshot_only_physical_bytes),
+  ];
+  if (p.physical_bytes > sum) out.push(['pend', 'Data written since the split was computed (not yet classified)', p.physical_bytes - sum]);
+  return out;
+}
+
 function capacityBar(p) {
   const dataReserved = p.reserved_bytes - p.overwrite_headroom_bytes;
+  // Garbage is dead bytes in segment files the cleaner has yet to reclaim: counted as free
+  // (the capacity does not count it), so it is drawn as the first part of the free space.
+  const garbage = Math.min(p.garbage_bytes, p.free_bytes);
   const parts = [
-    ['data', 'Data (after dedup and compression)', p.physical_bytes],
+    ...dataParts(p),
     ['meta', 'Metadata', p.metadata_bytes],
     ['resv', 'Thick reservations', dataReserved],
     ['head', 'Overwrite headroom', p.overwrite_headroom_bytes],
-    ['free', 'Free', p.free_bytes],
+    ['garbage', 'Garbage awaiting the cleaner (counted as free)', garbage],
+    ['free', 'Free', p.free_bytes - garbage],
   ];
   const total = Math.max(1, p.capacity_bytes);
-  const bar = h('div', { class: 'bar', role: 'img', 'aria-label': `Capacity ${fmtBytes(p.capacity_bytes)}: ${parts.map(([, l, v]) => `${l} ${fmtBytes(v)}`).join(', ')}` });
-  for (const [cls, label, v] of parts) {
+  const bar = h('div', { class: 'bar', role: 'img', 'aria-label': `Capacity ${fmtBytes(p.capacity_bytes)}: ${parts.map(([, l, v, shown = fmtBytes(v)]) => `${l} ${shown}`).join(', ')}` });
+  for (const [cls, label, v, shown = fmtBytes(v)] of parts) {
     if (v <= 0) continue;
-    const s = h('span', { class: `seg ${cls}`, title: `${label}: ${fmtBytes(v)}` });
+    const s = h('span', { class: `seg ${cls}`, title: `${label}: ${shown}` });
     s.style.width = `${Math.max(0.3, (v / total) * 100)}%`;
     bar.append(s);
   }
@@ -456,10 +518,24 @@ function capacityBar(p) {
   threshold.style.left = `${p.soft_threshold_pct}%`;
   bar.append(threshold);
   const legend = h('ul', { class: 'legend' },
-    parts.map(([cls, label, v]) => h('li', {}, h('span', { class: `swatch ${cls}` }), `${label}: `, h('strong', {}, fmtBytes(v)), ` (${fmtPct(v / total)})`)),
-    h('li', {}, h('span', { class: 'swatch garbage' }), 'Garbage awaiting the cleaner (not counted): ', h('strong', {}, fmtBytes(p.garbage_bytes))),
+    parts.map(([cls, label, v, shown = fmtBytes(v)]) => h('li', { 'data-part': cls }, h('span', { class: `swatch ${cls}` }), `${label}: `, h('strong', {}, shown), ` (${fmtPct(v / total)})`)),
     h('li', {}, h('span', { class: 'swatch tick' }), `Soft threshold: ${p.soft_threshold_pct} %`));
-  return [bar, legend];
+  const b = p.breakdown;
+  const note = h('p', { class: 'muted', id: 'breakdown-age' }, b
+    ? `Unique, shared and snapshot-only as computed ${fmtAge(b.age_s)} ago (in ${fmtNum(b.took_ms, 1)} ms; the server walks every volume's map in the background, at most once a minute)${b.error ? `; the last attempt failed: ${b.error}` : ''}. `
+    : 'The split of the data into unique, shared and snapshot-only is being computed. ');
+  const recompute = h('button', { type: 'button', class: 'small', id: 'breakdown-now' }, 'Recompute now');
+  recompute.addEventListener('click', async () => {
+    recompute.disabled = true;
+    try {
+      p.breakdown = await api('POST', '/pool/breakdown');
+      if (state.pool) state.pool.breakdown = p.breakdown;
+      toast('Space breakdown recomputed');
+      render();
+    } catch (e) { toast(e.message); } finally { recompute.disabled = false; }
+  });
+  note.append(recompute);
+  return [bar, legend, note];
 }
 
 async function pageOverview(main) {
@@ -479,6 +555,7 @@ async function pageOverview(main) {
     clear(top);
     append(top, [
       h('h2', {}, 'Capacity'),
+      state.poolFailed ? h('p', { class: 'error', id: 'capacity-stale' }, 'The pool has failed: these figures are from before the failure.') : null,
       h('div', { class: 'figures' },
         figure('Used and reserved', `${fmtBytes(usedAll)} of ${fmtBytes(p.capacity_bytes)}`, fmtPct(usedAll / Math.max(1, p.capacity_bytes))),
         figure('Data reduction', ratio(p.data_reduction_ratio), `${fmtBytes(p.logical_written_bytes)} written, ${fmtBytes(p.physical_bytes)} stored: dedup ${fmtNum(dedup, 2)} × compression ${fmtNum(compression, 2)}`),
@@ -502,7 +579,7 @@ async function pageOverview(main) {
       h('dl', { class: 'hints' },
         h('dt', {}, 'NBD'), h('dd', {}, h('code', {}, `nbd://${nbdHost()}/VOLUME`), ' (snapshots: ', h('code', {}, 'VOLUME@SNAPSHOT'), ', read-only)'),
         s.iscsi ? [h('dt', {}, 'iSCSI portal'), h('dd', {}, h('code', {}, iscsiPortal()))] : [h('dt', {}, 'iSCSI'), h('dd', {}, 'off')],
-        s.iscsi ? [h('dt', {}, 'iSCSI target'), h('dd', {}, h('code', {}, s.iqn), ' (LUN = volume id − 1)')] : null,
+        s.iscsi ? [h('dt', {}, 'iSCSI target'), h('dd', {}, h('code', {}, s.iqn), ' (each volume\'s LUN is in the volume table; snapshots can be exported as read-only LUNs)')] : null,
         h('dt', {}, 'Example'), h('dd', {}, h('code', {}, `nbdinfo nbd://${nbdHost()}/${example}`)),
         s.iscsi ? [h('dt', {}, ''), h('dd', {}, h('code', {}, `iscsi-inq iscsi://${iscsiPortal()}/${s.iqn}/${lun}`))] : null,
         h('dt', {}, 'Server'), h('dd', {}, `ibid ${s.version}`)),
@@ -527,23 +604,26 @@ const COLUMNS = [
   ['format', 'Format', (v) => v.format],
   ['size', 'Size', (v) => v.size_bytes],
   ['written', 'Written', (v) => v.mapped_blocks * 4096],
-  ['unique', 'Unique', (v) => spaceOf(v, (d) => d.exclusive_blocks * 4096)],
-  ['shared', 'Shared', (v) => spaceOf(v, (d) => d.shared_blocks * 4096)],
+  ['unique', 'Unique', (v) => (v.exclusive_blocks ?? -1) * 4096],
+  ['shared', 'Shared', (v) => (v.shared_blocks ?? -1) * 4096],
   ['physical', 'Physical', (v) => spaceOf(v, (d) => d.physical_bytes)],
   ['reduction', 'Reduction', (v) => spaceOf(v, reductionOf)],
   ['tbz', 'TBZ', (v) => v.tbz_blocks * 4096, 'to be zeroed'],
   ['reserved', 'Reserved', (v) => v.reserved_bytes],
   ['snapshots', 'Snaps', (v) => v.snapshots, 'snapshots'],
-  ['lun', 'LUN', (v) => v.id - 1],
+  ['lun', 'LUN', (v) => v.lun ?? -1, 'iSCSI LUN'],
+  ['schedule', 'Schedule', (v, sp, sch) => (sch[v.name] ? sch[v.name].every_s : Infinity), 'snapshot schedule'],
   ['clients', 'Clients', (v) => v.clients.length],
   ['iops', 'IOPS (5 min)', (v, sp) => last(sp[v.name])],
 ];
 
 function last(a) { return a && a.length ? a[a.length - 1] : 0; }
 
-// Per-volume space (unique, shared, physical) is `describe`'s: a walk of the volume's map, too
-// dear to ask for every volume on every refresh. The table asks for the rows it shows when
-// they are few, one volume at a time, and keeps each answer for a minute.
+// Unique and shared come with the listing for every row: the server's background breakdown
+// (one walk of all the maps at most once a minute; its age is on the overview). Physical and
+// reduction need the set of distinct chunks each volume references, which only `describe`'s
+// walk of that one volume gives: too dear for every volume on every refresh, so the table asks
+// for the rows it shows when they are few, one volume at a time, and keeps each for a minute.
 const SPACE_ROWS_MAX = 50;
 const SPACE_MAX_AGE_MS = 60000;
 const spaceCache = new Map();
@@ -561,8 +641,6 @@ function reductionOf(d) {
 function spaceText(v, key, asking) {
   const d = spaceCache.get(v.name);
   if (!d) return asking ? '…' : '–';
-  if (key === 'unique') return fmtBytes(d.exclusive_blocks * 4096);
-  if (key === 'shared') return fmtBytes(d.shared_blocks * 4096);
   if (key === 'physical') return fmtBytes(d.physical_bytes);
   return d.physical_bytes ? ratio(reductionOf(d)) : '–';
 }
@@ -603,17 +681,19 @@ async function pageVolumes(main) {
 
   let vols = [];
   let spark = {};
+  let scheds = {};
   const draw = () => {
     const f = tableState.filter.toLowerCase();
     const col = COLUMNS.find((c) => c[0] === tableState.sort) || COLUMNS[0];
     const rows = vols.filter((v) => !f || v.name.toLowerCase().includes(f) || v.format.includes(f) || SHORT_FORMAT[v.format].includes(f));
     rows.sort((a, b) => {
-      const x = col[2](a, spark);
-      const y = col[2](b, spark);
+      const x = col[2](a, spark, scheds);
+      const y = col[2](b, spark, scheds);
       return (x < y ? -1 : x > y ? 1 : 0) * tableState.dir;
     });
     const asking = rows.length <= SPACE_ROWS_MAX;
-    count.textContent = `${rows.length} of ${vols.length} volumes${asking ? '' : ` (filter to ${SPACE_ROWS_MAX} or fewer to see their unique, shared and physical space)`}`;
+    const b = state.pool && state.pool.breakdown;
+    count.textContent = `${rows.length} of ${vols.length} volumes${b ? `; unique and shared as computed ${fmtAge(b.age_s)} ago` : ''}${asking ? '' : ` (physical space and reduction cost a walk of each volume's map, ~0.1 s per 256 MiB written: filter to ${SPACE_ROWS_MAX} rows or fewer to see them)`}`;
     if (asking) fillSpace(rows);
     clear(table);
     const head = h('tr', {}, COLUMNS.map(([key, label, , long]) => {
@@ -636,11 +716,14 @@ async function pageVolumes(main) {
         h('td', { title: v.format }, SHORT_FORMAT[v.format] || v.format),
         h('td', { class: 'num' }, fmtBytes(v.size_bytes)),
         h('td', { class: 'num' }, fmtBytes(v.mapped_blocks * 4096)),
-        ['unique', 'shared', 'physical', 'reduction'].map((k) => h('td', { class: 'num', 'data-col': k }, spaceText(v, k, asking))),
+        h('td', { class: 'num', 'data-col': 'unique' }, v.exclusive_blocks == null ? '–' : fmtBytes(v.exclusive_blocks * 4096)),
+        h('td', { class: 'num', 'data-col': 'shared' }, v.shared_blocks == null ? '–' : fmtBytes(v.shared_blocks * 4096)),
+        ['physical', 'reduction'].map((k) => h('td', { class: 'num', 'data-col': k }, spaceText(v, k, asking))),
         h('td', { class: 'num' }, v.tbz_blocks ? fmtBytes(v.tbz_blocks * 4096) : '–'),
         h('td', { class: 'num' }, v.reserved_bytes ? fmtBytes(v.reserved_bytes) : '–'),
         h('td', { class: 'num' }, fmtNum(v.snapshots)),
-        h('td', { class: 'num' }, fmtNum(v.id - 1)),
+        h('td', { class: 'num', 'data-col': 'lun' }, v.lun == null ? '–' : fmtNum(v.lun)),
+        h('td', { 'data-col': 'schedule' }, scheduleShort(scheds[v.name])),
         h('td', { class: 'num' }, fmtNum(v.clients.length)),
         h('td', { class: 'num spark-cell' }, sparkline(spark[v.name]), ' ', fmtNum(last(spark[v.name])))));
     }
@@ -665,7 +748,7 @@ async function pageVolumes(main) {
         spaceCache.set(v.name, d);
         const tr = [...table.querySelectorAll('tbody tr')].find((r) => r.dataset.volume === v.name);
         if (!tr) continue;
-        for (const td of tr.querySelectorAll('td[data-col]')) td.textContent = spaceText(v, td.dataset.col, true);
+        for (const td of tr.querySelectorAll('td[data-col="physical"], td[data-col="reduction"]')) td.textContent = spaceText(v, td.dataset.col, true);
       }
     } finally {
       filling = false;
@@ -673,9 +756,10 @@ async function pageVolumes(main) {
   };
 
   const refreshTable = async () => {
-    const [v, s] = await Promise.all([api('GET', '/volumes'), api('GET', '/stats/volumes?seconds=300')]);
+    const [v, s, sch] = await Promise.all([api('GET', '/volumes'), api('GET', '/stats/volumes?seconds=300'), api('GET', '/schedules')]);
     vols = v;
     spark = s.volumes;
+    scheds = Object.fromEntries(sch.map((x) => [x.volume, x]));
     draw();
   };
   await refreshTable();
@@ -705,6 +789,26 @@ function actionForm(title, fields, button, onSubmit) {
   return form;
 }
 
+/** A duration in seconds as the CLI takes it: 90 -> "90s", 3600 -> "1h". */
+function fmtEvery(s) {
+  for (const [unit, n] of [['d', 86400], ['h', 3600], ['m', 60]]) if (s % n === 0) return `${s / n}${unit}`;
+  return `${s}s`;
+}
+
+/** "every 1h, keep 24" (and "late" when a run is overdue), or "–". */
+function scheduleShort(x) {
+  if (!x) return '–';
+  const late = x.lag_s > Math.max(60, x.every_s / 10) ? ` (late ${fmtAge(x.lag_s)})` : '';
+  return `every ${fmtEvery(x.every_s)}, keep ${x.keep}${late}${x.last_error ? ' (failing)' : ''}`;
+}
+
+/** Seconds from "90", "90s", "15m", "1h", "2d". */
+function parseEvery(text) {
+  const m = /^\s*(\d+)\s*([smhd]?)\s*$/i.exec(text);
+  if (!m) throw new Error(`"${text}" is not a duration (e.g. 15m, 1h, 1d)`);
+  return Number(m[1]) * { '': 1, s: 1, m: 60, h: 3600, d: 86400 }[m[2].toLowerCase()];
+}
+
 /** A volume's QoS limits in words ("none" when unlimited). */
 function qosText(q) {
   const parts = Object.entries(q || {}).filter(([, v]) => v !== null && v !== undefined)
@@ -721,6 +825,9 @@ async function pageVolume(main, name) {
     return;
   }
   const s = await loadServer();
+  // The listing, not the volume's own route: that answers 404 when there is no schedule,
+  // which the browser would log as an error.
+  const sched = (await api('GET', '/schedules')).find((x) => x.volume === d.name) || null;
   const reload = async (message) => { if (message) toast(message); render(); };
   const written = d.mapped_blocks * 4096;
   const reduction = d.physical_bytes ? written / d.physical_bytes : 1;
@@ -739,12 +846,14 @@ async function pageVolume(main, name) {
       figure('QoS limits', qosText(d.qos), 'ibid volume qos'),
       figure('QoS waits', `${fmtNum(d.qos_throttled_requests)} requests`, `${fmtNum(d.qos_throttled_seconds, 2)} s`)));
 
-  const lun = d.id - 1;
+  const lun = d.lun;
   const conn = h('section', { class: 'card', 'aria-label': 'Connect' },
     h('h2', {}, 'Connect'),
     h('dl', { class: 'hints' },
       h('dt', {}, 'NBD'), h('dd', {}, h('code', { id: 'nbd-url' }, `nbd://${nbdHost()}/${d.name}`)),
-      s.iscsi ? [h('dt', {}, 'iSCSI'), h('dd', {}, h('code', {}, `iscsi://${iscsiPortal()}/${s.iqn}/${lun}`), ` (target ${s.iqn}, LUN ${lun})`)] : null,
+      h('dt', {}, 'iSCSI LUN'), h('dd', { id: 'volume-lun' }, lun == null ? 'none (every LUN is taken)' : fmtNum(lun)),
+      s.iscsi && lun != null ? [h('dt', {}, 'iSCSI'), h('dd', {}, h('code', {}, `iscsi://${iscsiPortal()}/${s.iqn}/${lun}`), ` (target ${s.iqn}, LUN ${lun})`)] : null,
+      s.iscsi ? null : [h('dt', {}, 'iSCSI'), h('dd', {}, 'the server runs no iSCSI target')],
       h('dt', {}, 'Clients'),
       h('dd', {}, d.clients.length ? h('ul', { class: 'plain' }, d.clients.map((c) => h('li', {}, `${c.protocol} ${c.remote}${c.initiator ? ` (${c.initiator})` : ''}${c.export && c.export !== d.name ? ` on ${c.export}` : ''}`))) : 'none connected')));
 
@@ -753,7 +862,21 @@ async function pageVolume(main, name) {
     h('td', {}, fmtTime(sn.created_unix_s)),
     h('td', { class: 'num' }, fmtBytes(sn.mapped_blocks * 4096)),
     h('td', {}, h('code', {}, `nbd://${nbdHost()}/${d.name}@${sn.name}`)),
+    h('td', { class: 'num', 'data-col': 'lun' }, sn.lun == null ? '–' : `${fmtNum(sn.lun)} (read-only)`),
     h('td', {}, h('button', {
+      type: 'button', class: 'small', 'aria-label': sn.lun == null ? `Export snapshot ${sn.name} as an iSCSI LUN` : `Stop exporting snapshot ${sn.name} (LUN ${sn.lun})`,
+      onclick: async () => {
+        try {
+          if (sn.lun == null) {
+            const r = await api('POST', `/volumes/${seg(d.name)}/snapshots/${seg(sn.name)}/export`, {});
+            reload(`Exported ${d.name}@${sn.name} read-only as LUN ${r.lun}`);
+          } else {
+            await api('DELETE', `/volumes/${seg(d.name)}/snapshots/${seg(sn.name)}/export`);
+            reload(`LUN ${sn.lun} (${d.name}@${sn.name}) removed`);
+          }
+        } catch (e) { toast(e.message); }
+      },
+    }, sn.lun == null ? 'Export LUN' : 'Unexport'), ' ', h('button', {
       type: 'button', class: 'danger small', 'aria-label': `Delete snapshot ${sn.name}`,
       onclick: async () => {
         const ok = await confirmAction({
@@ -772,8 +895,19 @@ async function pageVolume(main, name) {
   const snaps = h('section', { class: 'card', 'aria-label': 'Snapshots' },
     h('h2', {}, `Snapshots (${d.snapshots.length})`),
     d.snapshots.length ? h('div', { class: 'scroll' }, h('table', { id: 'snapshots-table' },
-      h('thead', {}, h('tr', {}, ['Name', 'Created', 'Written', 'NBD (read-only)', ''].map((t) => h('th', { scope: 'col' }, t)))),
+      h('thead', {}, h('tr', {}, ['Name', 'Created', 'Written', 'NBD (read-only)', 'iSCSI LUN', ''].map((t) => h('th', { scope: 'col' }, t)))),
       h('tbody', {}, snapRows))) : h('p', { class: 'muted' }, 'No snapshots.'));
+
+  const schedCard = h('section', { class: 'card', 'aria-label': 'Snapshot schedule', id: 'schedule' },
+    h('h2', {}, 'Snapshot schedule'),
+    sched ? h('dl', { class: 'hints' },
+      h('dt', {}, 'Every'), h('dd', { id: 'schedule-every' }, `${fmtEvery(sched.every_s)} (keeps ${sched.keep} snapshots${sched.remote ? `; pushed to ${sched.remote}, ${sched.keep_remote ?? 'all'} kept there` : ''})`),
+      h('dt', {}, 'Last run'), h('dd', { id: 'schedule-last' }, sched.last_run_unix_s ? fmtTime(sched.last_run_unix_s) : 'not since the server started'),
+      h('dt', {}, 'Next run'), h('dd', { id: 'schedule-next' }, fmtTime(sched.next_run_unix_s)),
+      h('dt', {}, 'Lag'), h('dd', { id: 'schedule-lag' }, sched.lag_s ? `${fmtAge(sched.lag_s)} late` : 'on time'),
+      h('dt', {}, 'Runs'), h('dd', {}, `${fmtNum(sched.runs)} since the server started`),
+      sched.last_error ? [h('dt', {}, 'Last error'), h('dd', { class: 'error' }, sched.last_error)] : null)
+      : h('p', { class: 'muted', id: 'schedule-none' }, 'No schedule: snapshots are taken only when asked.'));
 
   // Actions
   const snapName = h('input', { id: 'snap-name', required: true, autocomplete: 'off' });
@@ -786,6 +920,9 @@ async function pageVolume(main, name) {
   const copySrcOff = h('input', { id: 'copy-source-offset', value: '0' });
   const copyOff = h('input', { id: 'copy-offset', value: '0' });
   const copyLen = h('input', { id: 'copy-length', placeholder: 'whole source' });
+  const lunTo = h('input', { id: 'lun-to', required: true, inputmode: 'numeric', value: lun == null ? '' : String(lun) });
+  const schedEvery = h('input', { id: 'schedule-every-input', required: true, placeholder: 'e.g. 1h', value: sched ? fmtEvery(sched.every_s) : '1h' });
+  const schedKeep = h('input', { id: 'schedule-keep-input', required: true, inputmode: 'numeric', value: sched ? String(sched.keep) : '24' });
   const actions = h('section', { class: 'card actions', 'aria-label': 'Actions' },
     h('h2', {}, 'Actions'),
     actionForm('Snapshot', [field('snap-name', 'Snapshot name', snapName)], 'Take snapshot', async () => {
@@ -807,6 +944,24 @@ async function pageVolume(main, name) {
     actionForm('Format', [field('format-to', 'Convert to (inflate, eager-zero, back to thin)', formatTo)], 'Convert', async () => {
       const v = await api('POST', `/volumes/${seg(d.name)}/format`, { format: formatTo.value });
       reload(`${v.name} is now ${v.format}`);
+    }),
+    actionForm('Schedule', [field('schedule-every-input', 'Snapshot every (s, m, h, d)', schedEvery), field('schedule-keep-input', 'Keep', schedKeep)],
+      sched ? 'Change schedule' : 'Set schedule', async () => {
+        const keep = Number(schedKeep.value.trim());
+        const body = { every_s: parseEvery(schedEvery.value), keep };
+        if (sched && sched.remote) { body.remote = sched.remote; if (sched.keep_remote != null) body.keep_remote = sched.keep_remote; }
+        const r = await api('PUT', `/volumes/${seg(d.name)}/schedule`, body);
+        reload(`${d.name}: a snapshot every ${fmtEvery(r.every_s)}, ${r.keep} kept`);
+      }),
+    sched ? h('div', { class: 'action' }, h('button', {
+      type: 'button', id: 'schedule-remove', class: 'small',
+      onclick: async () => {
+        try { await api('DELETE', `/volumes/${seg(d.name)}/schedule`); reload(`${d.name} has no schedule now`); } catch (e) { toast(e.message); }
+      },
+    }, 'Remove schedule')) : null,
+    actionForm('iSCSI LUN', [field('lun-to', 'Move to LUN', lunTo)], 'Change LUN', async () => {
+      const v = await api('PATCH', `/volumes/${seg(d.name)}`, { lun: Number(lunTo.value.trim()) });
+      reload(`${v.name} is LUN ${v.lun} now`);
     }),
     actionForm('Range copy', [field('copy-source', 'Source', copySource), field('copy-source-offset', 'Source offset', copySrcOff),
       field('copy-offset', `Offset in ${d.name}`, copyOff), field('copy-length', 'Length', copyLen)], 'Copy', async () => {
@@ -839,6 +994,7 @@ async function pageVolume(main, name) {
     chartsBlock('vol', 'Performance'),
     conn,
     snaps,
+    schedCard,
     actions,
     danger,
   ]);
@@ -871,9 +1027,13 @@ async function pagePool(main) {
     toast('Pool settings saved');
     render();
   });
-  const rows = Object.entries(p).map(([k, v]) => h('tr', {}, h('th', { scope: 'row' }, k.replace(/_/g, ' ')),
-    h('td', { class: 'num' }, k.endsWith('_bytes') ? `${fmtBytes(v)}` : typeof v === 'number' ? fmtNum(v, 3) : String(v)),
-    h('td', { class: 'num muted' }, k.endsWith('_bytes') ? fmtNum(v) : '')));
+  // The breakdown's figures as rows of their own ("breakdown unique physical bytes", ...).
+  const flat = Object.entries(p).flatMap(([k, v]) => (v && typeof v === 'object'
+    ? Object.entries(v).map(([k2, v2]) => [`${k}_${k2}`, v2 ?? '–'])
+    : [[k, v ?? '–']]));
+  const rows = flat.map(([k, v]) => h('tr', {}, h('th', { scope: 'row' }, k.replace(/_/g, ' ')),
+    h('td', { class: 'num' }, k.endsWith('_bytes') && typeof v === 'number' ? `${fmtBytes(v)}` : typeof v === 'number' ? fmtNum(v, 3) : String(v)),
+    h('td', { class: 'num muted' }, k.endsWith('_bytes') && typeof v === 'number' ? fmtNum(v) : '')));
   const s = state.scrub;
   const scrubErr = h('p', { class: 'error', role: 'alert' });
   const scrubBtn = h('button', { type: 'button' }, 'Scrub now');

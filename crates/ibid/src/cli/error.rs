@@ -61,7 +61,7 @@ impl Exit {
             "no_space" => Exit::NoSpace,
             "unauthorized" => Exit::Unauthorized,
             "bad_request" | "invalid_argument" | "out_of_range" => Exit::Usage,
-            "internal" => Exit::Failed,
+            "internal" | "pool_failed" => Exit::Failed,
             _ => match status {
                 401 | 403 => Exit::Unauthorized,
                 404 => Exit::NotFound,
@@ -146,6 +146,7 @@ mod tests {
             ("unauthorized", 401, Exit::Unauthorized),
             ("invalid_argument", 400, Exit::Usage),
             ("internal", 500, Exit::Failed),
+            ("pool_failed", 503, Exit::Failed),
             // Unknown codes fall back on the HTTP status.
             ("http_404", 404, Exit::NotFound),
             ("teapot", 418, Exit::Usage),

@@ -312,6 +312,7 @@ fn print_stats(s: &Value) -> Result<(), CliError> {
             ),
         ),
         ("physical", bytes("physical_bytes")?),
+        ("by sharing", sharing(&s["breakdown"])),
         ("metadata", bytes("metadata_bytes")?),
         ("segment files", bytes("segment_file_bytes")?),
         ("garbage", bytes("garbage_bytes")?),
@@ -323,4 +324,19 @@ fn print_stats(s: &Value) -> Result<(), CliError> {
         ("layer filter RAM", bytes("layer_filter_ram_bytes")?),
     ]);
     Ok(())
+}
+
+/// The `breakdown` of `GET /api/v1/pool` in one line: physical data by sharing, and its age.
+fn sharing(b: &Value) -> String {
+    let field = |k: &str| size(b[k].as_u64().unwrap_or(0));
+    match b["computed_unix_s"].as_u64() {
+        None => "not computed yet (the server computes it in the background)".into(),
+        Some(_) => format!(
+            "{} unique, {} shared, {} only in snapshots (computed {} s ago)",
+            field("unique_physical_bytes"),
+            field("shared_physical_bytes"),
+            field("snapshot_only_physical_bytes"),
+            b["age_s"].as_u64().unwrap_or(0)
+        ),
+    }
 }
