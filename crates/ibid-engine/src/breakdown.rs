@@ -7,7 +7,9 @@
 //! ([`Pool::space_breakdown`]) and callers cache them (the server refreshes them in the
 //! background and shows their age). Cost: O(live volumes' mapped blocks) map entries read
 //! plus one pass over the chunk table, and about 40 bytes of memory per distinct chunk a
-//! volume shows, freed at the end.
+//! volume shows, freed at the end — in passes over classes of chunk ids when the pool holds
+//! more than [`PASS_CHUNKS_MAX`] chunks (each pass walks the maps again: time grows with
+//! the passes, memory does not).
 //!
 //! Every live chunk falls in exactly one class, so the three sums add up to
 //! [`PoolStats::physical_bytes`](crate::PoolStats) on a quiet pool:
@@ -30,6 +32,14 @@ use rustc_hash::FxHashMap;
 
 /// Blocks of one volume resolved per step (bounds the entries held at once).
 const WINDOW_BLOCKS: u64 = 1 << 20;
+
+/// Most chunks one pass keeps track of (~40 bytes each: ~160 MiB); a larger pool is
+/// walked in several passes, each for a class of chunk ids.
+#[cfg(not(test))]
+const PASS_CHUNKS_MAX: u64 = 4 << 20;
+/// Small in tests, so that they cover several passes.
+#[cfg(test)]
+const PASS_CHUNKS_MAX: u64 = 7;
 
 /// The pool's physical data bytes split by sharing; see the module documentation.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -99,9 +109,42 @@ impl Pool {
                 .collect();
             (stacks, inner.db.read()?)
         };
+        let mut out = SpaceBreakdown {
+            volumes: stacks
+                .iter()
+                .map(|(name, id, _, _)| VolumeShare {
+                    name: name.clone(),
+                    id: *id,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        // Memory is bounded by splitting the chunks into `passes` classes by id, each pass
+        // walking every map again for its own class.
+        let passes = inner.stats().unique_chunks.div_ceil(PASS_CHUNKS_MAX).max(1);
+        for pass in 0..passes {
+            self.breakdown_pass(&txn, &stacks, (pass, passes), &mut out)?;
+        }
+        for v in &mut out.volumes {
+            v.shared_blocks = v.mapped_blocks - v.exclusive_blocks;
+        }
+        Ok(out)
+    }
+
+    /// One pass of [`Pool::space_breakdown`]: the chunks whose id is `pass.0` modulo `pass.1`
+    /// (map entries counted in pass 0).
+    fn breakdown_pass(
+        &self,
+        txn: &crate::store::ReadTxn,
+        stacks: &[(String, u64, Vec<Frame>, u64)],
+        pass: (u64, u64),
+        out: &mut SpaceBreakdown,
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        let ours = |id: u64| id % pass.1 == pass.0;
         let mut seen: FxHashMap<u64, Seen> = FxHashMap::default();
-        let mut out = SpaceBreakdown::default();
-        for (i, (name, id, stack, size)) in stacks.iter().enumerate() {
+        for (i, (_, _, stack, size)) in stacks.iter().enumerate() {
             // A frame's layer is shared when another stack, or another frame of this one,
             // includes it (the layer's reference count counts frames of every stack).
             let mut shared_frame = Vec::with_capacity(stack.len());
@@ -116,12 +159,15 @@ impl Pool {
             while b0 < blocks {
                 let b1 = (b0 + WINDOW_BLOCKS).min(blocks);
                 let visible =
-                    crate::volume::resolve_stored(&txn, &inner.layer_filters, stack, b0, b1, true)?;
+                    crate::volume::resolve_stored(txn, &inner.layer_filters, stack, b0, b1, true)?;
                 for (b, id) in visible.entries {
                     if id == format::ZERO_TOMBSTONE {
                         continue;
                     }
                     mapped += 1;
+                    if !ours(id) {
+                        continue;
+                    }
                     let via_shared = shared_frame[visible.frames[&b]];
                     let s = seen.entry(id).or_insert(Seen {
                         owner: i as u32,
@@ -136,14 +182,14 @@ impl Pool {
                 }
                 b0 = b1;
             }
-            out.volumes.push(VolumeShare {
-                name: name.clone(),
-                id: *id,
-                mapped_blocks: mapped,
-                ..Default::default()
-            });
+            if pass.0 == 0 {
+                out.volumes[i].mapped_blocks = mapped;
+            }
         }
-        crate::chunk_table::for_each(&txn, |id, rec| {
+        crate::chunk_table::for_each(txn, |id, rec| {
+            if !ours(id) {
+                return Ok(());
+            }
             let bytes = rec.physical_bytes();
             match seen.get(&id) {
                 None => {
@@ -163,11 +209,7 @@ impl Pool {
                 }
             }
             Ok(())
-        })?;
-        for v in &mut out.volumes {
-            v.shared_blocks = v.mapped_blocks - v.exclusive_blocks;
-        }
-        Ok(out)
+        })
     }
 }
 
