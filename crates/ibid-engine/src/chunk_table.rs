@@ -107,6 +107,30 @@ pub fn get(r: &impl Reader, id: u64) -> Result<Option<ChunkRecord>> {
     Ok(None)
 }
 
+/// The records of those of `ids` the store holds, each page read once (sorts `ids`).
+pub fn get_many(
+    r: &impl Reader,
+    ids: &mut [u64],
+    mut found: impl FnMut(u64, ChunkRecord),
+) -> Result<()> {
+    ids.sort_unstable();
+    let mut at = 0;
+    while at < ids.len() {
+        let key = page_of(ids[at]);
+        let end = at + ids[at..].partition_point(|&id| page_of(id) == key);
+        if let Some(page) = r.get(meta::CHUNK_PAGES, &key)? {
+            let n = entry_count(key, &page)?;
+            for &id in &ids[at..end] {
+                if let Some(i) = (0..n).find(|&i| entry_id(&page, i) == id) {
+                    found(id, entry_record(&page, i)?);
+                }
+            }
+        }
+        at = end;
+    }
+    Ok(())
+}
+
 /// The record of chunk `id`, which something references: corrupt if the store lacks it.
 pub fn load(r: &impl Reader, id: u64) -> Result<ChunkRecord> {
     get(r, id)?.ok_or_else(|| missing(id))
@@ -309,6 +333,23 @@ mod tests {
         };
         let want: Vec<u64> = ids[PAGE_SEQS..].to_vec();
         assert_eq!(all.iter().map(|&(id, _)| id).collect::<Vec<_>>(), want);
+        // Many at once (unsorted, repeated, absent, on pages gone) as one at a time.
+        let mut asked: Vec<u64> = ids
+            .iter()
+            .rev()
+            .copied()
+            .chain([ids[39] + 1, ids[25]])
+            .collect();
+        let mut got = Vec::new();
+        get_many(&r, &mut asked, |id, rec| got.push((id, rec)))?;
+        let mut one_by_one = Vec::new();
+        for &id in &asked {
+            if let Some(rec) = get(&r, id)? {
+                one_by_one.push((id, rec));
+            }
+        }
+        assert_eq!(got, one_by_one);
+        assert_eq!(got.len(), ids.len() - PAGE_SEQS + 1);
         let some = range(&r, ids[18], ids[33])?;
         assert_eq!(
             some.iter().map(|&(id, _)| id).collect::<Vec<_>>(),

@@ -129,11 +129,9 @@ impl Inner {
         }
         if !stored.is_empty() {
             let txn = self.db.read()?;
-            for id in stored {
-                if let Some(rec) = crate::chunk_table::get(&txn, id)? {
-                    out.insert(id, rec);
-                }
-            }
+            crate::chunk_table::get_many(&txn, &mut stored, |id, rec| {
+                out.insert(id, rec);
+            })?;
         }
         Ok(out)
     }
