@@ -3,6 +3,7 @@
 //! grouped by segment when they lie close together.
 
 use super::*;
+use rustc_hash::FxHashMap;
 
 impl Inner {
     /// Reads `buf.len()` bytes at `offset` (range already checked). The records of the range's
@@ -116,8 +117,8 @@ impl Inner {
     pub(super) fn chunk_locations(
         &self,
         ids: impl Iterator<Item = u64>,
-    ) -> Result<HashMap<u64, format::ChunkRecord>> {
-        let mut out = HashMap::new();
+    ) -> Result<FxHashMap<u64, format::ChunkRecord>> {
+        let mut out = FxHashMap::default();
         let mut stored = Vec::new();
         for id in ids {
             match self.uncommitted_location(id) {
@@ -402,7 +403,7 @@ pub(super) type Located = (u64, u64, format::ChunkRecord);
 /// located) go to `lone` as (block, chunk).
 pub(super) fn read_groups(
     entries: &BTreeMap<u64, u64>,
-    locations: &HashMap<u64, format::ChunkRecord>,
+    locations: &FxHashMap<u64, format::ChunkRecord>,
     lone: &mut Vec<(u64, u64)>,
 ) -> Vec<Vec<Located>> {
     let mut located: Vec<Located> = Vec::with_capacity(entries.len());
