@@ -168,6 +168,31 @@ fn json(srv: &Server, rgw: &Rgw, args: &[&str]) -> Value {
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("ibid {args:?}: {e}: {out}"))
 }
 
+/// As [`json`], with the progress events `--json` writes to standard error (one JSON object
+/// per line).
+fn json_with_events(srv: &Server, rgw: &Rgw, args: &[&str]) -> (Value, Vec<Value>) {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = ibid(srv, rgw, &all);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "ibid {args:?}: stdout {stdout} stderr {stderr}"
+    );
+    let result =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("ibid {args:?}: {e}: {stdout}"));
+    let events = stderr
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("event {l}: {e}")))
+        .collect();
+    (result, events)
+}
+
 /// Adds the gateway as remote `name` (keys under the run's `prefix`) to `srv`.
 fn add_remote(srv: &Server, rgw: &Rgw, name: &str, prefix: &str) {
     let prefix = &format!("{}/{prefix}", rgw.run);
@@ -322,8 +347,30 @@ fn push_incremental_and_restore_on_another_server(rgw: &Rgw) {
     add_remote(&a, rgw, "rgw", "incr");
     fill(&a, rgw, "vm", size);
     ok(&a, rgw, &["snapshot", "create", "vm@one"]);
-    let full = json(&a, rgw, &["snapshot", "push", "vm@one", "--remote", "rgw"]);
+    let (full, events) =
+        json_with_events(&a, rgw, &["snapshot", "push", "vm@one", "--remote", "rgw"]);
     eprintln!("full push: {full}");
+    // `--json` follows the job with progress events on standard error: bytes done never go
+    // back, and the last event says it succeeded, with everything done.
+    let last = events.last().expect("progress events on stderr");
+    assert_eq!(last["event"], "succeeded", "{events:?}");
+    assert_eq!(last["kind"], "push", "{last}");
+    assert!(
+        last["bytes_total"].as_u64().expect("bytes_total") > 0,
+        "{last}"
+    );
+    assert_eq!(last["bytes_done"], last["bytes_total"], "{last}");
+    let done: Vec<u64> = events
+        .iter()
+        .map(|e| e["bytes_done"].as_u64().expect("bytes_done"))
+        .collect();
+    assert!(done.windows(2).all(|w| w[0] <= w[1]), "{done:?}");
+    assert!(
+        events[..events.len() - 1]
+            .iter()
+            .all(|e| e["event"] == "progress"),
+        "{events:?}"
+    );
     assert!(full["chunks_sent"].as_u64().expect("chunks_sent") > 0);
     assert!(full["bytes_sent"].as_u64().expect("bytes_sent") > 0);
     assert!(full["duration_s"].as_f64().is_some());

@@ -69,7 +69,11 @@ pub fn run(ctx: &Ctx, cmd: JobCmd) -> Result<(), CliError> {
 }
 
 /// Polls job `job` (as the API answered it) until it ends: its result, or its error. Draws a
-/// progress bar on a terminal (not with `--json`).
+/// progress bar on a terminal; with `--json`, writes progress events to standard error
+/// instead (standard output keeps the one JSON result), one JSON object per line:
+/// `{"event": "progress", "id", "kind", "target", "bytes_done", "bytes_total"}` when the
+/// progress moved, then `{"event": "succeeded" | "failed" | "cancelled", ...}` with the same
+/// fields (and `error` when it failed).
 pub fn follow(ctx: &Ctx, job: Value, label: &str) -> Result<Value, CliError> {
     let id = u64_field(&job, "id")?;
     let bar = (!ctx.json && std::io::stderr().is_terminal()).then(|| {
@@ -83,10 +87,18 @@ pub fn follow(ctx: &Ctx, job: Value, label: &str) -> Result<Value, CliError> {
             .with_message(label.to_string())
     });
     let mut job = job;
+    let mut told = None;
     loop {
         if let Some(bar) = &bar {
             bar.set_length(job["bytes_total"].as_u64().unwrap_or(0));
             bar.set_position(job["bytes_done"].as_u64().unwrap_or(0));
+        }
+        if ctx.json {
+            let now = (job["state"].clone(), job["bytes_done"].clone());
+            if told.as_ref() != Some(&now) {
+                eprintln!("{}", event(&job));
+                told = Some(now);
+            }
         }
         match job["state"].as_str() {
             Some("running") => {}
@@ -109,4 +121,24 @@ pub fn follow(ctx: &Ctx, job: Value, label: &str) -> Result<Value, CliError> {
         std::thread::sleep(POLL_INTERVAL);
         job = ctx.client.get(&format!("/jobs/{id}"), label)?;
     }
+}
+
+/// A job's progress event (see [`follow`]).
+fn event(job: &Value) -> Value {
+    let event = match job["state"].as_str() {
+        Some("running") | None => "progress",
+        Some(state) => state,
+    };
+    let mut e = json!({
+        "event": event,
+        "id": job["id"],
+        "kind": job["kind"],
+        "target": job["target"],
+        "bytes_done": job["bytes_done"],
+        "bytes_total": job["bytes_total"],
+    });
+    if !job["error"].is_null() {
+        e["error"] = job["error"].clone();
+    }
+    e
 }
