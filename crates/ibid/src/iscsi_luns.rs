@@ -4,13 +4,11 @@
 //! a volume's reads and writes are charged to its QoS limits ([`Qos`]; snapshots are not
 //! limited).
 //!
-//! An EXTENDED COPY needs a moment when its volumes have no uncommitted change (the engine
-//! quiesces them, and gives up if they keep changing): ESXi's ATS heartbeats write to a
-//! datastore every few milliseconds while it clones a disk on it. So each volume has a gate:
-//! iSCSI writes pass it shared, a copy takes it exclusively for its duration, and the writes
-//! that arrive meanwhile wait for the copy (milliseconds) instead of failing it.
+//! An EXTENDED COPY holds its volumes' gates ([`CopyGates`]) exclusively; writes hold their
+//! volume's gate shared, here and in the NBD server.
 
 use crate::clients::Clients;
+use crate::copy_gates::{CopyGates, Gate};
 use crate::lun_map::{LunMap, Mapping};
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use crate::qos::Qos;
@@ -31,25 +29,23 @@ pub struct PoolLuns {
     clients: Arc<Clients>,
     qos: Arc<Qos>,
     map: Arc<LunMap>,
-    /// Per volume id: iSCSI writes hold it shared, EXTENDED COPY exclusively.
-    gates: parking_lot::Mutex<std::collections::HashMap<u64, Arc<Gate>>>,
+    /// Per volume: writes hold it shared, EXTENDED COPY exclusively.
+    gates: Arc<CopyGates>,
 }
-
-/// A volume's gate between its iSCSI writes and the copies that involve it.
-type Gate = parking_lot::RwLock<()>;
 
 /// Attempts of a copy the engine gave up on because its volumes kept changing.
 const COPY_TRIES: usize = 3;
 
 impl PoolLuns {
     /// Exports what `map` maps of `pool`, counting I/O in `metrics` and sessions in
-    /// `clients`, limited by `qos`.
+    /// `clients`, limited by `qos`, its writes and copies passing `gates`.
     pub fn new(
         pool: Pool,
         metrics: Arc<Metrics>,
         clients: Arc<Clients>,
         qos: Arc<Qos>,
         map: Arc<LunMap>,
+        gates: Arc<CopyGates>,
     ) -> Self {
         let dir = std::fs::canonicalize(pool.dir()).unwrap_or_else(|_| pool.dir().to_path_buf());
         let pool_identity = *blake3::hash(dir.as_os_str().as_encoded_bytes()).as_bytes();
@@ -60,13 +56,8 @@ impl PoolLuns {
             clients,
             qos,
             map,
-            gates: Default::default(),
+            gates,
         }
-    }
-
-    /// Volume `id`'s gate.
-    fn gate(&self, id: u64) -> Arc<Gate> {
-        self.gates.lock().entry(id).or_default().clone()
     }
 
     /// What LUN `lun` maps, reconciling the table with the pool first if the LUN is unknown
@@ -133,7 +124,7 @@ impl Luns for PoolLuns {
         // The target opens the LUN for every command: this lookup is one shared lock, like
         // the engine's volume lookup just above.
         let io = self.metrics.volume(&mapping.name(), Protocol::Iscsi);
-        let gate = self.gate(mapping.volume_id);
+        let gate = self.gates.gate(mapping.volume_id);
         Some(Arc::new(VolumeLun {
             volume,
             id,
@@ -152,11 +143,7 @@ impl Luns for PoolLuns {
     ) -> Result<(), LunError> {
         let (src, src_map) = self.volume_by_lun(src_lun).ok_or(LunError::NoSuchLun)?;
         let (dst, dst_map) = self.volume_by_lun(dst_lun).ok_or(LunError::NoSuchLun)?;
-        // Both gates, in id order (no deadlock between copies in opposite directions).
-        let mut ids = vec![src_map.volume_id, dst_map.volume_id];
-        ids.sort_unstable();
-        ids.dedup();
-        let gates: Vec<Arc<Gate>> = ids.iter().map(|&id| self.gate(id)).collect();
+        let gates = self.gates.for_copy(&[src_map.volume_id, dst_map.volume_id]);
         let _held: Vec<_> = gates.iter().map(|g| g.write()).collect();
         let io = self.metrics.volume(&dst_map.name(), Protocol::Iscsi);
         let mut tries = 0;
@@ -319,6 +306,7 @@ mod tests {
             Arc::new(Clients::default()),
             Arc::new(Qos::in_memory()),
             map.clone(),
+            Arc::default(),
         );
         map.export_snapshot(&pool, "a", "s", Some(6))
             .expect("export");

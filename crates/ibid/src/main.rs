@@ -4,6 +4,7 @@
 mod api;
 mod cli;
 mod clients;
+mod copy_gates;
 mod durable;
 mod history;
 mod iscsi_luns;

@@ -1,8 +1,10 @@
 //! The NBD server's view of the pool: every volume is an export named after it. Every request
 //! is counted in the volume's [`VolumeIo`] (`protocol="nbd"`) and charged to its
-//! [`VolumeQos`] limits (snapshots are not limited).
+//! [`VolumeQos`] limits (snapshots are not limited). Writes pass the volume's copy gate
+//! ([`CopyGates`]): they wait for an EXTENDED COPY involving the volume instead of failing it.
 
 use crate::clients::Clients;
+use crate::copy_gates::{CopyGates, Gate};
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use crate::qos::{Qos, VolumeQos};
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
@@ -20,17 +22,25 @@ pub struct PoolExports {
     metrics: Arc<Metrics>,
     clients: Arc<Clients>,
     qos: Arc<Qos>,
+    gates: Arc<CopyGates>,
 }
 
 impl PoolExports {
     /// Exports every volume of `pool`, counting I/O in `metrics` and connections in `clients`,
-    /// limited by `qos`.
-    pub fn new(pool: Pool, metrics: Arc<Metrics>, clients: Arc<Clients>, qos: Arc<Qos>) -> Self {
+    /// limited by `qos`, its writes passing `gates`.
+    pub fn new(
+        pool: Pool,
+        metrics: Arc<Metrics>,
+        clients: Arc<Clients>,
+        qos: Arc<Qos>,
+        gates: Arc<CopyGates>,
+    ) -> Self {
         PoolExports {
             pool,
             metrics,
             clients,
             qos,
+            gates,
         }
     }
 }
@@ -65,12 +75,13 @@ impl Exports for PoolExports {
 
     /// A volume by name, or a snapshot as `VOLUME@SNAPSHOT` (read-only).
     fn open(&self, name: &str) -> Option<Arc<dyn Export>> {
-        let (volume, qos) = match name.split_once('@') {
-            Some((volume, snapshot)) => (self.pool.snapshot(volume, snapshot).ok()?, None),
+        let (volume, qos, gate) = match name.split_once('@') {
+            Some((volume, snapshot)) => (self.pool.snapshot(volume, snapshot).ok()?, None, None),
             None => {
                 let volume = self.pool.volume(name).ok()?;
                 let qos = self.qos.volume(volume.id(), name);
-                (volume, Some(qos))
+                let gate = self.gates.gate(volume.id());
+                (volume, Some(qos), Some(gate))
             }
         };
         Some(Arc::new(VolumeExport {
@@ -78,6 +89,7 @@ impl Exports for PoolExports {
             io: self.metrics.volume(name, Protocol::Nbd),
             volume,
             qos,
+            gate,
         }))
     }
 }
@@ -89,6 +101,8 @@ struct VolumeExport {
     io: Arc<VolumeIo>,
     /// The volume's limits (shared with its other connections); `None` for a snapshot.
     qos: Option<Arc<VolumeQos>>,
+    /// The volume's copy gate, held shared by writes; `None` for a snapshot.
+    gate: Option<Arc<Gate>>,
 }
 
 fn to_export_error(e: Error) -> ExportError {
@@ -138,6 +152,7 @@ impl Export for VolumeExport {
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
+        let _gate = self.gate.as_ref().map(|g| g.read());
         self.io
             .record(Op::Write, data.len() as u64, || {
                 self.volume.write(offset, data, fua)
@@ -146,7 +161,9 @@ impl Export for VolumeExport {
     }
 
     fn write_is_quick(&self, offset: u64, len: u64) -> bool {
-        self.volume.write_is_quick(offset, len)
+        // Not while a copy holds the gate: the write would wait for it on the connection's task.
+        let copying = self.gate.as_ref().is_some_and(|g| g.is_locked_exclusive());
+        !copying && self.volume.write_is_quick(offset, len)
     }
 
     fn throttle(&self, direction: Direction, bytes: u64) -> Duration {
@@ -156,6 +173,7 @@ impl Export for VolumeExport {
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
+        let _gate = self.gate.as_ref().map(|g| g.read());
         self.io
             .record(Op::WriteZeroes, len, || {
                 self.volume.write_zeroes(offset, len, fua)
@@ -164,6 +182,7 @@ impl Export for VolumeExport {
     }
 
     fn trim(&self, offset: u64, len: u64) -> Result<(), ExportError> {
+        let _gate = self.gate.as_ref().map(|g| g.read());
         self.io
             .record(Op::WriteZeroes, len, || {
                 self.volume.write_zeroes(offset, len, false)

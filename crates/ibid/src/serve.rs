@@ -255,6 +255,7 @@ async fn serve(
     let schedules = Arc::new(crate::schedules::Schedules::open(&pool)?);
     let offload_stats = Arc::new(crate::metrics::OffloadStats::default());
     let clients = Arc::new(crate::clients::Clients::default());
+    let gates = Arc::new(crate::copy_gates::CopyGates::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         signalled.await;
@@ -272,6 +273,7 @@ async fn serve(
                     clients.clone(),
                     qos.clone(),
                     lun_map.clone(),
+                    gates.clone(),
                 ));
                 let config = ibid_iscsi::TargetConfig {
                     state_dir: Some(pool.dir().to_path_buf()),
@@ -289,6 +291,7 @@ async fn serve(
         metrics.clone(),
         clients.clone(),
         qos.clone(),
+        gates.clone(),
     ));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),

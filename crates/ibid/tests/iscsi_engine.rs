@@ -504,6 +504,58 @@ fn xcopy_through_libiscsi_adds_no_space() {
     pool.close().expect("close");
 }
 
+/// EXTENDED COPY within and out of a volume that an NBD client keeps writing to (elsewhere on
+/// it): every copy succeeds, its data verified, rather than being aborted because the volume
+/// kept changing — NBD writes wait at the volume's copy gate as iSCSI writes do.
+#[test]
+fn xcopy_succeeds_while_nbd_writes_the_volume() {
+    require("fio");
+    let bin = initiator_program();
+    let srv = Server::start(&[
+        "--volume",
+        "a=64M",
+        "--volume",
+        "b=64M",
+        "--no-default-volume",
+    ]);
+    // Random 4 KiB writes at QD8 over the upper half of `a` (the copies use its first 5 MiB).
+    let mut fio = Command::new("fio")
+        .args([
+            "--name=busy",
+            "--thread",
+            "--ioengine=nbd",
+            &format!("--uri={}", srv.url("a")),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=8",
+            "--offset=32M",
+            "--size=32M",
+            "--time_based",
+            "--runtime=30",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start fio");
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    for round in 0..8 {
+        let out = Command::new(&bin)
+            .args(["xcopy", srv.iscsi.as_deref().expect("iscsi"), IQN])
+            .output()
+            .expect("run xcopy");
+        assert!(
+            out.status.success(),
+            "xcopy round {round} failed beside NBD writes: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(
+        fio.try_wait().expect("fio").is_none(),
+        "fio stopped before the copies ended: the writes did not run beside them"
+    );
+    fio.kill().expect("stop fio");
+    let _ = fio.wait();
+}
+
 /// What an ESXi host does to a datastore LUN (`esxi_datastore.c`, libiscsi): eager-zeroing
 /// 16 GiB with WRITE SAME in 1 MiB commands, 8 in flight, then cloning 64 MiB of distinct data
 /// with EXTENDED COPY in 4 MiB segments, 8 in flight, within the LUN and to another LUN, while
