@@ -283,7 +283,7 @@ impl<F: FnMut()> Drop for Defer<F> {
 }
 
 /// `scripts/faultfs.py` mounted for a test (a FUSE filesystem that fails chosen operations
-/// with EIO): unmounted and stopped when dropped. (`io_errors.rs` has its own copy.)
+/// with EIO): unmounted and stopped when dropped.
 pub struct FaultFs {
     child: Child,
     /// Where it is mounted: put the pool under it.
@@ -330,6 +330,12 @@ impl FaultFs {
     /// Ends the failures.
     pub fn heal(&self) {
         std::fs::write(&self.control, "").expect("control");
+    }
+
+    /// The backing directory of `path` on the mount (to change files behind the server).
+    pub fn backing(&self, path: &Path) -> PathBuf {
+        let rel = path.strip_prefix(&self.mount).expect("a path on the mount");
+        self.mount.with_file_name("backing").join(rel)
     }
 }
 

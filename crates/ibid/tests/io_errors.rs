@@ -6,78 +6,11 @@
 
 mod common;
 
-use common::{api_call, output, require, Server};
+use common::{api_call, output, require, FaultFs, Server};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
-use std::time::Duration;
 
-const EIO: i32 = 5;
 /// MiB of the pattern written and checked.
 const MIB: u64 = 12;
-
-/// `scripts/faultfs.py` mounted for the test: unmounted and stopped when dropped.
-struct FaultFs {
-    child: Child,
-    mount: PathBuf,
-    control: PathBuf,
-    _dirs: tempfile::TempDir,
-}
-
-impl FaultFs {
-    fn mount() -> FaultFs {
-        let dirs = tempfile::tempdir().expect("tempdir");
-        let (backing, mount) = (dirs.path().join("backing"), dirs.path().join("mnt"));
-        std::fs::create_dir(&backing).expect("backing dir");
-        std::fs::create_dir(&mount).expect("mount point");
-        let control = dirs.path().join("control");
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/faultfs.py");
-        let child = Command::new("/usr/bin/python3")
-            .arg(script)
-            .args([&backing, &mount, &control])
-            .spawn()
-            .expect("start faultfs.py");
-        let fs = FaultFs {
-            child,
-            mount,
-            control,
-            _dirs: dirs,
-        };
-        for _ in 0..100 {
-            let mounts = std::fs::read_to_string("/proc/mounts").expect("/proc/mounts");
-            if mounts.contains(fs.mount.to_str().expect("utf-8")) {
-                return fs;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("faultfs did not mount within 10 s");
-    }
-
-    /// Makes every `op` (read, write, fsync) on a path containing `what` fail with EIO.
-    fn fail(&self, op: &str, what: &str) {
-        std::fs::write(&self.control, format!("{op} {what} {EIO}\n")).expect("control");
-    }
-
-    fn heal(&self) {
-        std::fs::write(&self.control, "").expect("control");
-    }
-
-    /// The backing directory of `path` on the mount (to change files behind the server).
-    fn backing(&self, path: &Path) -> PathBuf {
-        let rel = path.strip_prefix(&self.mount).expect("a path on the mount");
-        self.mount.with_file_name("backing").join(rel)
-    }
-}
-
-impl Drop for FaultFs {
-    fn drop(&mut self) {
-        let _ = Command::new("fusermount")
-            .arg("-u")
-            .arg(&self.mount)
-            .status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Runs a Python script in nbdsh against `url`; its stdout, or its stderr as the error.
 fn nbdsh(url: &str, script: &str) -> Result<String, String> {
