@@ -456,6 +456,20 @@ fn qemu_img_through_iscsi_and_the_same_data_through_nbd() {
     );
 }
 
+/// Runs the initiator program's `xcopy` (LUN 0 to LUN 1 and within LUN 0, data verified)
+/// against `srv`; fails the test, naming `what`, if it fails.
+fn run_xcopy(bin: &std::path::Path, srv: &Server, what: &str) {
+    let out = Command::new(bin)
+        .args(["xcopy", srv.iscsi.as_deref().expect("iscsi"), IQN])
+        .output()
+        .expect("run xcopy");
+    assert!(
+        out.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// EXTENDED COPY between two LUNs and within one, through a libiscsi program: data verified
 /// by the program, and the pool holds no more distinct chunks than the source data.
 #[test]
@@ -468,15 +482,7 @@ fn xcopy_through_libiscsi_adds_no_space() {
         "b=64M",
         "--no-default-volume",
     ]);
-    let out = Command::new(&bin)
-        .args(["xcopy", srv.iscsi.as_deref().expect("iscsi"), IQN])
-        .output()
-        .expect("run xcopy");
-    assert!(
-        out.status.success(),
-        "xcopy failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_xcopy(&bin, &srv, "xcopy");
     let dir = srv.stop();
     let pool = Pool::open(
         dir.path().join("pool"),
@@ -538,14 +544,10 @@ fn xcopy_succeeds_while_nbd_writes_the_volume() {
         .expect("start fio");
     std::thread::sleep(std::time::Duration::from_secs(1));
     for round in 0..8 {
-        let out = Command::new(&bin)
-            .args(["xcopy", srv.iscsi.as_deref().expect("iscsi"), IQN])
-            .output()
-            .expect("run xcopy");
-        assert!(
-            out.status.success(),
-            "xcopy round {round} failed beside NBD writes: {}",
-            String::from_utf8_lossy(&out.stderr)
+        run_xcopy(
+            &bin,
+            &srv,
+            &format!("xcopy round {round} beside NBD writes"),
         );
     }
     assert!(
