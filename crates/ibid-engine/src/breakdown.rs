@@ -21,7 +21,9 @@
 //! - **snapshot-only**: shown by no live volume: kept by snapshots alone, or by map entries
 //!   no stack shows — a deleted snapshot's layer that the volume overwrote, until the
 //!   background flattening merges it (seconds), or entries the windows of range-copied frames
-//!   hide; deleting snapshots (and that merging) is what frees it.
+//!   hide; deleting snapshots (and that merging) is what frees it. Under load it also holds
+//!   chunks overwrites left with no reference that a commit has not freed yet (their
+//!   reference changes wait in the log, `ref_log.rs`; a quiet pool folds it within seconds).
 
 use crate::error::Result;
 use crate::format::{self, Frame, BLOCK_BYTES};
@@ -123,8 +125,9 @@ impl Pool {
         // Memory is bounded by splitting the chunks into `passes` classes by id, each pass
         // walking every map again for its own class.
         let passes = inner.stats().unique_chunks.div_ceil(PASS_CHUNKS_MAX).max(1);
+        let logged = crate::ref_log::pending(&txn)?;
         for pass in 0..passes {
-            self.breakdown_pass(&txn, &stacks, (pass, passes), &mut out)?;
+            self.breakdown_pass(&txn, &stacks, &logged, (pass, passes), &mut out)?;
         }
         for v in &mut out.volumes {
             v.shared_blocks = v.mapped_blocks - v.exclusive_blocks;
@@ -138,6 +141,7 @@ impl Pool {
         &self,
         txn: &crate::store::ReadTxn,
         stacks: &[(String, u64, Vec<Frame>, u64)],
+        logged: &FxHashMap<u64, i64>,
         pass: (u64, u64),
         out: &mut SpaceBreakdown,
     ) -> Result<()> {
@@ -191,12 +195,13 @@ impl Pool {
                 return Ok(());
             }
             let bytes = rec.physical_bytes();
+            let refs = (rec.refs as i64 + logged.get(&id).copied().unwrap_or(0)) as u64;
             match seen.get(&id) {
                 None => {
                     out.snapshot_only_physical_bytes += bytes;
                     out.snapshot_only_chunks += 1;
                 }
-                Some(s) if s.owner != MANY && !s.via_shared_layer && rec.refs == s.blocks => {
+                Some(s) if s.owner != MANY && !s.via_shared_layer && refs == s.blocks => {
                     out.unique_physical_bytes += bytes;
                     out.unique_chunks += 1;
                     let v = &mut out.volumes[s.owner as usize];

@@ -7,7 +7,9 @@
 //! 2. **Data first**: [`crate::segment::Segments::sync`] writes and fsyncs every segment record
 //!    appended so far.
 //! 3. **One metadata transaction** ([`crate::store`], durable on return): new chunks, dedup index entries,
-//!    map entries, refcount deltas, chunk deaths, segment usage, volume records, pool counters.
+//!    map entries, reference-count changes to older chunks appended to the log and one slice
+//!    of the log folded into their records ([`crate::ref_log`]), chunk deaths, segment usage,
+//!    volume records, pool counters.
 //! 4. **Publish**: the `committing` slots are emptied; readers now find the data in the store.
 //!
 //! Crash analysis: before step 3 returns, the store still holds the previous batch and no
@@ -24,6 +26,7 @@ use crate::meta;
 use crate::pool::{
     CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
 };
+use crate::ref_log::{self, RefLog};
 use crate::store::{Reader, WriteTxn};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::Ordering;
@@ -83,7 +86,7 @@ impl Inner {
     }
 
     /// Bookkeeping after a commit, outside the commit lock.
-    fn after_commit(&self) {
+    pub(crate) fn after_commit(&self) {
         self.check_soft_threshold();
         let bloom = self.bloom();
         if self.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
@@ -97,7 +100,24 @@ impl Inner {
         let batch = self.cut();
         // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
         let orphans = self.orphans_pending.swap(false, Ordering::AcqRel);
-        if batch.is_empty() && !orphans {
+        let fold_all = cs.ref_log.take_fold_all();
+        let idle = batch.is_empty() && !orphans && !fold_all;
+        // An otherwise empty commit folds the reference log only while no I/O runs. When what
+        // the log may free could matter (over a quarter of the free space, as 4 KiB blocks),
+        // every commit folds all of it, as the cleaner stops yielding at that much garbage.
+        let tight = || {
+            cs.ref_log
+                .entries()
+                .saturating_mul(format::BLOCK_BYTES as u64)
+                > self.free_bytes() / 4
+        };
+        let fold = if idle && self.since_last_io() < crate::gc::IO_QUIET {
+            Vec::new()
+        } else {
+            let all = fold_all || (!idle && tight());
+            cs.ref_log.slices_to_fold(all, idle)
+        };
+        if idle && fold.is_empty() {
             self.publish(&batch, &Applied::default());
             self.committed.store(batch.no, Ordering::Release);
             self.journal.forget_through(batch.no);
@@ -110,11 +130,12 @@ impl Inner {
         // meanwhile (hundreds of milliseconds per commit of fresh data on a slow disk).
         let mut waited = std::time::Duration::ZERO;
         let outcome = std::thread::scope(|s| {
+            let log = (&mut cs.ref_log, fold.as_slice());
             if !self.config.threads {
-                return self.apply(&batch, &mut record, || self.segments.sync());
+                return self.apply(&batch, &mut record, log, || self.segments.sync());
             }
             let syncing = s.spawn(|| self.segments.sync());
-            self.apply(&batch, &mut record, || {
+            self.apply(&batch, &mut record, log, || {
                 let w0 = std::time::Instant::now();
                 let synced = syncing.join().unwrap_or_else(|_| {
                     Err(Error::Failed("the segment sync thread panicked".into()))
@@ -161,6 +182,10 @@ impl Inner {
         );
         for seg in applied.dead_segments {
             self.segments.remove(seg)?;
+        }
+        if idle && cs.ref_log.entries() > 0 {
+            // The next slice at once, while nothing else runs (see `ref_log.rs`).
+            self.wake_background();
         }
         Ok(())
     }
@@ -282,10 +307,11 @@ impl Inner {
         &self,
         batch: &Batch,
         record: &mut meta::PoolRecord,
+        (ref_log, fold): (&mut RefLog, &[usize]),
         durable: impl FnOnce() -> Result<()>,
     ) -> Result<Applied> {
         let mut txn = self.db.write()?;
-        let applied = self.apply_tables(&mut txn, batch, record)?;
+        let applied = self.apply_tables(&mut txn, batch, record, ref_log, fold)?;
         record.commits = batch.no;
         // Past every chunk and segment of the batch: they were made before its cut.
         record.next_chunk_seq = self.chunk_seq.load(Ordering::Relaxed);
@@ -302,6 +328,8 @@ impl Inner {
         txn: &mut WriteTxn,
         batch: &Batch,
         record: &mut meta::PoolRecord,
+        ref_log: &mut RefLog,
+        fold: &[usize],
     ) -> Result<Applied> {
         let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
         let runs = self.dedup_runs();
@@ -411,17 +439,6 @@ impl Inner {
                 txn.remove(meta::VOLUMES, v.name.as_str());
             }
         }
-        for (&id, &d) in &deltas {
-            if d == 0 {
-                continue;
-            }
-            let rec = add_refs(&mut chunks, txn, id, d)?;
-            if rec.refs == 0 {
-                zero_refs.push((id, Some(rec)));
-            } else {
-                chunks.put(txn, id, rec)?;
-            }
-        }
         // Only ids in this set get an orphan delete: in an LSM store a delete of an absent key
         // still writes a tombstone, which this very scan would then wade through every commit.
         let orphan_ids: HashSet<u64> = txn
@@ -429,13 +446,39 @@ impl Inner {
             .into_iter()
             .map(|(k, ())| k)
             .collect();
-        zero_refs.extend(
-            orphan_ids
-                .iter()
-                .copied()
-                .filter(|id| !deltas.contains_key(id))
-                .map(|id| (id, None)),
-        );
+        // The batch's reference changes to committed chunks go to the log, but for the slices
+        // folded now: those are added up with what the log holds for them and applied (see
+        // `ref_log.rs`). A chunk, and so an orphan, is decided only when its slice is folded.
+        let mut by_slice = ref_log::by_slice(&deltas);
+        drop(deltas);
+        for &slice in fold {
+            let mut sums = std::mem::take(&mut by_slice[slice]);
+            ref_log.take(txn, slice, &mut sums)?;
+            for (&id, &d) in &sums {
+                if d == 0 {
+                    continue;
+                }
+                let rec = add_refs(&mut chunks, txn, id, d)?;
+                if rec.refs == 0 {
+                    zero_refs.push((id, Some(rec)));
+                } else {
+                    chunks.put(txn, id, rec)?;
+                    if orphan_ids.contains(&id) {
+                        txn.remove(meta::ORPHANS, &id);
+                    }
+                }
+            }
+            zero_refs.extend(
+                orphan_ids
+                    .iter()
+                    .copied()
+                    .filter(|&id| {
+                        ref_log::slice_of(id) == slice && sums.get(&id).is_none_or(|&d| d == 0)
+                    })
+                    .map(|id| (id, None)),
+            );
+        }
+        ref_log.append(txn, &by_slice);
         for (id, known) in zero_refs {
             let stored = known.is_none();
             let rec = match known {
@@ -513,27 +556,6 @@ pub(crate) fn drop_layer_refs(
         }
     }
     Ok(())
-}
-
-/// Applies reference count changes to committed chunks inside a catalog transaction (one
-/// that is not a commit): a chunk that reaches zero becomes an orphan, which the next commit
-/// frees, or keeps if a newer write references it again. The caller sets `orphans_pending`.
-pub(crate) fn apply_ref_deltas(txn: &mut WriteTxn, deltas: &BTreeMap<u64, i64>) -> Result<bool> {
-    let mut orphaned = false;
-    let mut chunks = chunk_table::Pages::new();
-    for (&id, &d) in deltas {
-        if d == 0 {
-            continue;
-        }
-        let rec = add_refs(&mut chunks, txn, id, d)?;
-        chunks.put(txn, id, rec)?;
-        if rec.refs == 0 {
-            txn.insert(meta::ORPHANS, &id, &());
-            orphaned = true;
-        }
-    }
-    chunks.write(txn);
-    Ok(orphaned)
 }
 
 /// A committed chunk's record with `delta` added to its reference count (not written back).

@@ -25,12 +25,13 @@
 //! to the mapped blocks, but it runs off the copy's path; it keeps stacks shallow and lets the
 //! source flatten its own layers again.
 
-use crate::commit::{apply_ref_deltas, drop_layer_refs};
+use crate::commit::drop_layer_refs;
 use crate::error::{Error, Result};
 use crate::format::{self, Frame, FLOOR_LAYER};
 use crate::layer_filter::LayerFilters;
 use crate::meta;
 use crate::pool::{CommitState, Inner, VolumeMap, VolumeState};
+use crate::ref_log::by_slice;
 use crate::store::{ReadTxn, Reader};
 use crate::volume::resolve_stored;
 use std::collections::BTreeMap;
@@ -126,7 +127,6 @@ impl Inner {
                 })?;
             let mut dst_record = inner.record_of(dst, &maps[dst_map_index], dst_stack.clone());
             dst_record.mapped_blocks = mapped;
-            let mut orphaned = false;
             inner.write_catalog_with(
                 cs,
                 &[(&dst.name, &dst_record)],
@@ -134,18 +134,15 @@ impl Inner {
                 &shown,
                 &[],
                 0,
-                |txn| {
+                |txn, ref_log| {
                     for k in &overwritten {
                         txn.remove(meta::MAP, k);
                     }
                     drop_layer_refs(txn, &inner.layer_filters, unshown, &mut deltas)?;
-                    orphaned = apply_ref_deltas(txn, &deltas)?;
+                    ref_log.append(txn, &by_slice(&deltas));
                     Ok(())
                 },
             )?;
-            if orphaned {
-                inner.orphans_pending.store(true, Ordering::Release);
-            }
             let dst_map = &mut maps[dst_map_index];
             inner.note_mapped_change(dst, mapped as i64 - dst_map.mapped_blocks as i64);
             dst_map.mapped_blocks = mapped;
@@ -181,9 +178,15 @@ impl Inner {
         let mut frozen = stack.clone();
         frozen.push(Frame::plain(new_top));
         let record = self.record_of(src, map, frozen.clone());
-        self.write_catalog_with(cs, &[(&src.name, &record)], &[], &[], &[new_top], 0, |_| {
-            Ok(())
-        })?;
+        self.write_catalog_with(
+            cs,
+            &[(&src.name, &record)],
+            &[],
+            &[],
+            &[new_top],
+            0,
+            |_, _| Ok(()),
+        )?;
         map.stack = frozen;
         Ok(stack)
     }
@@ -277,7 +280,7 @@ impl Inner {
             format::referenced_layers(upper),
             &mut deltas,
         )?;
-        let orphaned = apply_ref_deltas(&mut wtxn, &deltas)?;
+        cs.ref_log.append(&mut wtxn, &by_slice(&deltas));
         wtxn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
         wtxn.insert(meta::POOL, meta::POOL_KEY, pool_rec.encode().as_slice());
         // Swap under the map lock: a reader that walked the old stack sees the generation
@@ -294,9 +297,6 @@ impl Inner {
         map.stack = new_stack;
         map.generation += 1;
         drop(map);
-        if orphaned {
-            self.orphans_pending.store(true, Ordering::Release);
-        }
         Ok(true)
     }
 }

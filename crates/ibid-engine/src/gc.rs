@@ -135,7 +135,7 @@ impl Inner {
     }
 
     /// Bytes neither used nor reserved.
-    fn free_bytes(&self) -> u64 {
+    pub(crate) fn free_bytes(&self) -> u64 {
         self.capacity_bytes
             .load(Ordering::Relaxed)
             .saturating_sub(self.used_now() + self.reserved_bytes())

@@ -45,6 +45,7 @@ mod pacer;
 mod pool;
 mod provision;
 mod recovery;
+mod ref_log;
 mod scrub;
 mod segment;
 pub mod simulator;

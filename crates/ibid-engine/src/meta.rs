@@ -56,6 +56,10 @@ pub const FPS_DEAD: Def<u128, ()> = Def::new(Table::FpsDead);
 /// chunks that died in that commit, ascending, packed as 16-byte big-endian integers; applied
 /// and deleted by the next merge (see [`crate::dedup_index`]).
 pub const FPS_GONE: Def<u64, [u8]> = Def::new(Table::FpsGone);
+/// Reference-count changes to committed chunks not yet folded into their records: slice and
+/// row number → packed (chunk id, delta) entries (see [`crate::ref_log`], the only module that
+/// reads or writes it).
+pub const CHUNK_DELTAS: Def<u64, [u8]> = Def::new(Table::ChunkDeltas);
 /// Segment usage: id → (total, live) bytes.
 pub const SEGMENTS: Def<u64, [u8]> = Def::new(Table::Segments);
 /// Snapshots by `VOLUME@SNAPSHOT`.
@@ -168,7 +172,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 7;
+pub const POOL_FORMAT_VERSION: u64 = 8;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

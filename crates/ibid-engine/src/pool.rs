@@ -123,9 +123,10 @@ pub(crate) struct ShardState {
     pub placing: FxHashSet<[u8; 32]>,
 }
 
-/// Committed counters, owned by the committer.
+/// Committed counters and the reference-count log, owned by the committer.
 pub(crate) struct CommitState {
     pub record: PoolRecord,
+    pub ref_log: crate::ref_log::RefLog,
 }
 
 /// Everything a pool shares between its handles and its background thread.
@@ -386,7 +387,10 @@ impl Pool {
     /// Stops the background thread, commits everything, and closes the pool.
     pub fn close(self) -> Result<()> {
         self.stop_background();
-        self.sync()
+        // Not `sync`: the reference log stays for the next open to fold (folding all of it
+        // would make a shutdown under load wait for a long commit; see `ref_log.rs`).
+        self.inner.commit()?;
+        self.inner.settle_zeroed(None)
     }
 
     fn stop_background(&self) {
@@ -411,7 +415,8 @@ impl Pool {
     /// ranges settled (a [`Volume::flush`] is cheaper: it only journals).
     pub fn sync(&self) -> Result<()> {
         self.inner.commit()?;
-        self.inner.settle_zeroed(None)
+        self.inner.settle_zeroed(None)?;
+        self.inner.fold_ref_log()
     }
 
     /// Makes every write acknowledged so far (on any volume) durable: one journal write and
@@ -834,6 +839,21 @@ impl Inner {
             self.commit()?;
             commits += 1;
         }
+    }
+
+    /// Folds the whole reference-count log into the chunk records in one commit (none if
+    /// it is empty): then every chunk's record holds its count, the chunks left with no
+    /// reference are freed, and the space figures are exact (see `ref_log.rs`).
+    pub(crate) fn fold_ref_log(&self) -> Result<()> {
+        let mut cs = self.commit.lock();
+        if cs.ref_log.entries() == 0 {
+            return Ok(());
+        }
+        cs.ref_log.request_fold_all();
+        self.commit_with(&mut cs)?;
+        drop(cs);
+        self.after_commit();
+        Ok(())
     }
 
     pub(crate) fn check_failed(&self) -> Result<()> {

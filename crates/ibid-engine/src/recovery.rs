@@ -33,6 +33,7 @@ use crate::pool::{
     bloom_capacity, name_prepare_threads, new_volume_state, CommitState, Inner, Pool, ShardBatch,
     ShardState, DATA_WRITERS, SHARDS,
 };
+use crate::ref_log::RefLog;
 use crate::segment::{SegmentOptions, Segments};
 use crate::store::{Reader, Store};
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -53,6 +54,7 @@ struct Catalog {
     /// Segments with a usage record (written by a commit).
     segment_ids: HashSet<u64>,
     dedup_runs: Runs,
+    ref_log: RefLog,
 }
 
 /// Opens the pool in `dir` (locked by `lock`): the steps of the module's doc, in order.
@@ -124,6 +126,7 @@ fn read_catalog(db: &Store) -> Result<Catalog> {
         zeroing,
         segment_ids,
         dedup_runs: Runs::load(&txn)?,
+        ref_log: RefLog::load(&txn)?,
     })
 }
 
@@ -221,6 +224,7 @@ fn assemble(
         volumes,
         snapshots,
         dedup_runs,
+        ref_log,
         ..
     } = catalog;
     let bloom = Bloom::with_capacity(
@@ -305,7 +309,7 @@ fn assemble(
         background: Mutex::new(None),
         rebuild_thread: Mutex::new(None),
         wake: (Mutex::new(false), Condvar::new()),
-        commit: Mutex::new(CommitState { record }),
+        commit: Mutex::new(CommitState { record, ref_log }),
         gc_lock: Mutex::new(()),
         config,
         _lock_file: lock,

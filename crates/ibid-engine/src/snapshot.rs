@@ -17,6 +17,7 @@ use crate::meta;
 use crate::pool::{
     new_volume_state, validate_volume_name, CommitState, Inner, Pool, VolumeMap, VolumeState,
 };
+use crate::ref_log::RefLog;
 use crate::store::{Reader, WriteTxn};
 use crate::volume::Volume;
 use parking_lot::MutexGuard;
@@ -163,7 +164,7 @@ impl Inner {
             layer_increments,
             new_layers,
             ids_used,
-            |_| Ok(()),
+            |_, _| Ok(()),
         )
     }
 
@@ -177,14 +178,14 @@ impl Inner {
         layer_increments: &[u64],
         new_layers: &[u64],
         ids_used: u64,
-        extra: impl FnOnce(&mut WriteTxn) -> Result<()>,
+        extra: impl FnOnce(&mut WriteTxn, &mut RefLog) -> Result<()>,
     ) -> Result<()> {
         let mut pool_rec = cs.record.clone();
         pool_rec.next_volume_id += ids_used;
         pool_rec.next_layer_id += new_layers.len() as u64;
         let mut txn = self.db.write()?;
         {
-            extra(&mut txn)?;
+            extra(&mut txn, &mut cs.ref_log)?;
             for (name, r) in volumes {
                 txn.insert(meta::VOLUMES, *name, r.encode().as_slice());
             }
@@ -521,12 +522,11 @@ impl Inner {
                 txn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
                 // Drop the overridden entries' references in the same transaction, so a crash
                 // never leaves a count too high.
-                crate::commit::apply_ref_deltas(&mut txn, &released)?;
+                cs.ref_log
+                    .append(&mut txn, &crate::ref_log::by_slice(&released));
             }
             txn.commit()?;
-            let _ = cs;
             map.stack = stack;
-            inner.orphans_pending.store(true, Ordering::Release);
             Ok(true)
         })
     }

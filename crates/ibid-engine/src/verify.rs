@@ -35,7 +35,7 @@ fn fail(msg: String) -> Error {
 
 /// Checks the whole pool; call with no writes in flight for exact results.
 pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
-    let _cs = inner.commit.lock();
+    let cs = inner.commit.lock();
     let txn = inner.db.read()?;
     let pool = PoolRecord::decode(
         &txn.get(meta::POOL, meta::POOL_KEY)?
@@ -163,16 +163,27 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             item?.0
         )));
     }
+    // A chunk's count is its record's plus the deltas logged for it (see ref_log.rs).
+    let mut logged = crate::ref_log::pending(&txn)?;
+    if logged.len() as u64 > cs.ref_log.entries() {
+        return Err(fail(format!(
+            "the reference log holds deltas for {} chunks, the log in memory counts {} deltas",
+            logged.len(),
+            cs.ref_log.entries()
+        )));
+    }
     crate::chunk_table::for_each(&txn, |id, rec| {
         let counted = refs.remove(&id).unwrap_or(0);
-        if rec.refs != counted {
+        let delta = logged.remove(&id).unwrap_or(0);
+        if rec.refs as i64 + delta != counted as i64 {
             return Err(fail(format!(
-                "chunk {id:#x}: refcount {} but {counted} map entries",
+                "chunk {id:#x}: refcount {} {delta:+} logged but {counted} map entries",
                 rec.refs
             )));
         }
-        if rec.refs == 0 {
-            if txn.get(meta::ORPHANS, &id)?.is_none() {
+        if counted == 0 {
+            // Kept for a newer write, or left with no reference by deltas not folded yet.
+            if delta == 0 && txn.get(meta::ORPHANS, &id)?.is_none() {
                 return Err(fail(format!(
                     "chunk {id:#x} has no references and is not an orphan"
                 )));
@@ -205,6 +216,11 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     })?;
     if !damaged.is_empty() {
         return Err(fail(damage_report(&damaged, &stacks, &entries)?));
+    }
+    if let Some((id, d)) = logged.into_iter().next() {
+        return Err(fail(format!(
+            "the reference log holds {d:+} for chunk {id:#x}, which has no record"
+        )));
     }
     if let Some((id, n)) = refs.into_iter().next() {
         return Err(fail(format!(

@@ -327,6 +327,8 @@ fn a_version_6_pool_has_its_dead_keys_moved_into_a_gone_row() {
             v.write(i * 4096, &random_block(100 + i), false)
                 .expect("overwrite");
         }
+        // They die when the reference log is folded (a close leaves it for the next open).
+        pool.sync().expect("sync");
         pool.close().expect("close");
     }
     // Back to version 6's layout: the gone rows' keys (all in runs here) one per row.
@@ -397,4 +399,76 @@ fn a_version_6_pool_has_its_dead_keys_moved_into_a_gone_row() {
         v.read(b * 4096, &mut got).expect("read");
         assert_eq!(got, random_block(seed), "block {b}");
     }
+}
+
+const CHUNK_DELTAS: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("chunk.deltas");
+
+/// Rows in the reference log (`chunk.deltas`) of the closed pool at `path`.
+fn logged_rows(path: &Path) -> u64 {
+    use redb::ReadableTableMetadata;
+    let db = redb::Database::open(path.join("meta.redb")).expect("redb");
+    let txn = redb::ReadableDatabase::begin_read(&db).expect("read");
+    txn.open_table(CHUNK_DELTAS)
+        .expect("chunk.deltas")
+        .len()
+        .expect("len")
+}
+
+/// A version 7 pool (no reference log: every count in its record) opens upgraded with an empty
+/// log; overwrites then log their reference changes instead of rewriting the old chunks'
+/// records, the log survives a close and a reopen with every count exact (verify adds it to
+/// the records), and a sync folds it: the overwritten chunks are freed.
+#[test]
+fn a_version_7_pool_gets_a_reference_log() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    {
+        let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+        let v = pool.create_volume("v", 64 << 20).expect("volume");
+        for i in 0..64u64 {
+            v.write(i * 4096, &random_block(i), false).expect("write");
+        }
+        pool.close().expect("close");
+    }
+    {
+        let db = redb::Database::open(path.join("meta.redb")).expect("redb");
+        let txn = db.begin_write().expect("write");
+        assert!(txn.delete_table(CHUNK_DELTAS).expect("delete chunk.deltas"));
+        txn.commit().expect("commit");
+    }
+    set_version(&path, 7);
+    {
+        let pool = Pool::open(&path, quiet_config(1 << 30)).expect("open a version 7 pool");
+        let v = pool.volume("v").expect("v");
+        // Two commits of overwrites: the first folds slice 0, where all 64 chunks are
+        // (their ids are below 4 Ki sequence numbers), the second slice 1.
+        v.write(0, &random_block(1000), false).expect("overwrite");
+        pool.commit_once().expect("commit");
+        for i in 1..32u64 {
+            v.write(i * 4096, &random_block(1000 + i), false)
+                .expect("overwrite");
+        }
+        pool.commit_once().expect("commit");
+        pool.close().expect("close");
+    }
+    assert_eq!(stored_version(&path), POOL_FORMAT_VERSION, "upgraded");
+    assert_eq!(
+        logged_rows(&path),
+        1,
+        "the second commit's changes wait in the log"
+    );
+    let pool = Pool::open(&path, quiet_config(1 << 30)).expect("reopen");
+    // 64 written, 32 overwritten: 31 old chunks wait for their slice's fold.
+    assert_eq!(pool.stats().unique_chunks, 96 - 1);
+    let report = pool.verify().expect("verify folds the log and agrees");
+    assert_eq!(report.chunks, 64);
+    assert_eq!(pool.stats().unique_chunks, 64);
+    let mut got = vec![0u8; 4096];
+    let v = pool.volume("v").expect("v");
+    for (b, seed) in [(0, 1000), (31, 1031), (32, 32), (63, 63)] {
+        v.read(b * 4096, &mut got).expect("read");
+        assert_eq!(got, random_block(seed), "block {b}");
+    }
+    pool.close().expect("close");
+    assert_eq!(logged_rows(&path), 0, "folded");
 }

@@ -487,7 +487,7 @@ function dataParts(p) {
   const out = [
     part('uniq', 'Unique data (one volume alone holds it)', b.unique_physical_bytes),
     part('shrd', 'Shared data (deduplicated, cloned, or also a snapshot\'s)', b.shared_physical_bytes),
-    part('snap', 'Snapshot-only data (no volume shows it: kept by snapshots, or until the cleaner merges a deleted one\'s layer)', b.snapshot_only_physical_bytes),
+    part('snap', 'Snapshot-only data (no volume shows it: kept by snapshots, until the cleaner merges a deleted one\'s layer, or until a commit frees overwritten data)', b.snapshot_only_physical_bytes),
   ];
   if (p.physical_bytes > sum) out.push(['pend', 'Data written since the split was computed (not yet classified)', p.physical_bytes - sum]);
   return out;

@@ -62,10 +62,12 @@ pub enum Table {
     ChunkPages,
     /// The dedup index's gone rows: commit number → keys of the chunks that died in it.
     FpsGone,
+    /// Reference-count changes to committed chunks not yet folded into their records.
+    ChunkDeltas,
 }
 
 /// Number of tables.
-pub const TABLES: usize = 14;
+pub const TABLES: usize = 15;
 
 impl Table {
     /// Every table, in index order.
@@ -84,6 +86,7 @@ impl Table {
         Table::Zeroing,
         Table::ChunkPages,
         Table::FpsGone,
+        Table::ChunkDeltas,
     ];
 
     /// Position in [`Table::ALL`].
@@ -108,6 +111,7 @@ impl Table {
             Table::Zeroing => "zeroing",
             Table::ChunkPages => "chunk.pages",
             Table::FpsGone => "fps.gone",
+            Table::ChunkDeltas => "chunk.deltas",
         }
     }
 }

@@ -57,6 +57,7 @@ const FPS_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.runs");
 const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
 const FPS_GONE: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.gone");
 const ZEROING: TableDefinition<u64, &[u8]> = TableDefinition::new("zeroing");
+const CHUNK_DELTAS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunk.deltas");
 
 /// Runs the generic function `$f` on the redb table of `$table`, with the other arguments.
 macro_rules! dispatch {
@@ -76,6 +77,7 @@ macro_rules! dispatch {
             Table::Zeroing => $f(ZEROING, $($arg),*),
             Table::ChunkPages => $f(CHUNK_PAGES, $($arg),*),
             Table::FpsGone => $f(FPS_GONE, $($arg),*),
+            Table::ChunkDeltas => $f(CHUNK_DELTAS, $($arg),*),
         }
     };
 }

@@ -470,10 +470,13 @@ impl Volume {
             distinct_chunks: counts.len() as u64,
             ..Default::default()
         };
+        // A chunk's count is its record's plus the deltas logged for it (see `ref_log.rs`).
+        let logged = crate::ref_log::pending(&txn)?;
         for (&id, &(n, in_shared_layer)) in &counts {
             let rec = crate::chunk_table::load(&txn, id)?;
+            let refs = rec.refs as i64 + logged.get(&id).copied().unwrap_or(0);
             s.mapped_blocks += n;
-            if rec.refs == n && !in_shared_layer {
+            if refs == n as i64 && !in_shared_layer {
                 s.exclusive_blocks += n;
                 s.exclusive_physical_bytes += rec.physical_bytes();
             } else {

@@ -703,8 +703,8 @@ impl Inner {
         Ok(())
     }
 
-    /// Runs `op`; if it fails for lack of space, commits (space freed by overwrites, zeroing
-    /// and deletes since the last commit is only counted back then) and runs it once more, and
+    /// Runs `op`; if it fails for lack of space, commits and folds the reference log (space
+    /// freed by overwrites, zeroing and deletes is only counted back then) and runs it once more, and
     /// again (up to [`RETRIES_AFTER_COMMIT_MAX`] times) while each commit freed space.
     /// `op` must be safe to repeat after a partial run (a plain write is).
     pub(crate) fn retry_after_commit<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
@@ -718,6 +718,8 @@ impl Inner {
             }
             let before = self.used_now();
             self.commit()?;
+            // Overwritten chunks are freed when their reference changes are folded.
+            self.fold_ref_log()?;
             let freed = self.used_now() < before;
             result = op();
             if !freed {

@@ -1,0 +1,268 @@
+//! Reference-count changes to committed chunks, logged and folded into the chunk records one
+//! slice at a time.
+//!
+//! An overwrite takes a reference from the chunk it replaces. Applied at the commit, each such
+//! change read and rewrote that chunk's page of the chunk table: on a volume overwritten at
+//! random, a random leaf of the table's B-tree copied per block, about two thirds of a commit's
+//! store work (BENCHMARKS.md, "The reference-count log"). Instead a commit appends its changes
+//! to committed chunks here, one row per slice, and **folds** one slice: it takes the slice's
+//! rows, adds them up with its own changes to that slice, applies the sums to the records in
+//! chunk-id order (a chunk left with no reference dies there, see `commit.rs`) and deletes the
+//! rows. A slice is every [`SLICES`]th stretch of [`SPAN_PAGES`] chunk pages, so a fold rewrites
+//! the pages of about a sixteenth of the table, each once, in key order, for about
+//! [`SLICES`] commits' worth of changes.
+//!
+//! A chunk's reference count is its record's `refs` plus the deltas logged for it. Every change
+//! to a chunk is logged in the chunk's own slice, so a fold sees them all: a chunk dies only
+//! when its slice is folded and the sum is zero (until then it is found and shared like any
+//! other, which is correct: its data is still there). Readers that need exact counts add
+//! [`pending`] to the records. Which slice a commit folds: the next in turn; all of them when
+//! [`RefLog::request_fold_all`] asked for it ([`crate::Pool::sync`]), when the log holds more
+//! than [`ENTRIES_MAX`] deltas, or when the space it may free is over a quarter of the free
+//! space (`commit.rs`: a nearly full pool gets its space back at once); an otherwise empty
+//! commit on an idle pool folds the next slice that has any.
+//!
+//! # Rows (`chunk.deltas`)
+//!
+//! ```text
+//! key:    slice << 60 | row number   (u64; row numbers are never reused)
+//! value:  entry*                     (ascending chunk id, each in the key's slice, no zero delta)
+//! entry:  chunk id u64 LE | delta i64 LE
+//! ```
+
+use crate::chunk_table::page_of;
+use crate::error::{Error, Result};
+use crate::meta;
+use crate::store::{ReadTxn, WriteTxn};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
+
+/// Number of slices.
+pub(crate) const SLICES: usize = 16;
+/// Chunk pages per stretch of a slice: 256 pages, 4 Ki sequence numbers.
+pub(crate) const SPAN_PAGES: u64 = 256;
+/// Logged deltas past which a commit folds every slice.
+pub(crate) const ENTRIES_MAX: u64 = 4 << 20;
+/// A row key's slice is its top bits.
+const SLICE_SHIFT: u32 = 60;
+/// Encoded size of one entry.
+const ENTRY_BYTES: usize = 16;
+
+/// The slice of chunk `id`.
+pub(crate) fn slice_of(id: u64) -> usize {
+    (page_of(id) / SPAN_PAGES % SLICES as u64) as usize
+}
+
+/// Reference deltas, ascending by chunk id.
+pub(crate) type Deltas = BTreeMap<u64, i64>;
+
+/// The log's state in memory: what it holds per slice (the rows themselves are only in the
+/// store). Owned by the committer; changed only with the commit lock held.
+#[derive(Debug, Default)]
+pub(crate) struct RefLog {
+    next_row: u64,
+    /// Deltas logged per slice.
+    entries: [u64; SLICES],
+    /// The slice the next commit folds.
+    next_slice: usize,
+    /// Whether the next commit folds every slice.
+    fold_all: bool,
+}
+
+fn row_key(slice: usize, row: u64) -> u64 {
+    debug_assert!(slice < SLICES && row < 1 << SLICE_SHIFT);
+    (slice as u64) << SLICE_SHIFT | row
+}
+
+/// Packs `deltas` as a row's value, leaving out zero deltas.
+fn encode(deltas: &Deltas) -> Vec<u8> {
+    let mut out = Vec::with_capacity(deltas.len() * ENTRY_BYTES);
+    for (&id, &d) in deltas.iter().filter(|&(_, &d)| d != 0) {
+        out.extend_from_slice(&id.to_le_bytes());
+        out.extend_from_slice(&d.to_le_bytes());
+    }
+    out
+}
+
+/// Decodes row `key`, checking its entries; calls `f` with each (chunk id, delta).
+fn decode(key: u64, v: &[u8], mut f: impl FnMut(u64, i64)) -> Result<()> {
+    let slice = (key >> SLICE_SHIFT) as usize;
+    if !v.len().is_multiple_of(ENTRY_BYTES) || v.is_empty() || slice >= SLICES {
+        return Err(Error::Corrupt(format!(
+            "reference log row {key:#x} of {} bytes",
+            v.len()
+        )));
+    }
+    let mut prev = None;
+    for e in v.chunks_exact(ENTRY_BYTES) {
+        let id = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
+        let d = i64::from_le_bytes(e[8..].try_into().expect("8 bytes"));
+        if d == 0 || slice_of(id) != slice || prev.is_some_and(|p| p >= id) {
+            return Err(Error::Corrupt(format!(
+                "reference log row {key:#x}: entry for chunk {id:#x} ({d:+})"
+            )));
+        }
+        prev = Some(id);
+        f(id, d);
+    }
+    Ok(())
+}
+
+impl RefLog {
+    /// The log as committed in `txn`'s snapshot.
+    pub fn load(txn: &ReadTxn) -> Result<RefLog> {
+        let mut log = RefLog::default();
+        for item in txn.iter(meta::CHUNK_DELTAS)? {
+            let (key, v) = item?;
+            let mut n = 0;
+            decode(key, &v, |_, _| n += 1)?;
+            log.entries[(key >> SLICE_SHIFT) as usize] += n;
+            log.next_row = log.next_row.max((key & ((1 << SLICE_SHIFT) - 1)) + 1);
+        }
+        Ok(log)
+    }
+
+    /// Deltas logged, all slices.
+    pub fn entries(&self) -> u64 {
+        self.entries.iter().sum()
+    }
+
+    /// Asks the next commit to fold every slice.
+    pub fn request_fold_all(&mut self) {
+        self.fold_all = true;
+    }
+
+    /// Whether a fold-all was asked for and anything is logged (clears the request).
+    pub fn take_fold_all(&mut self) -> bool {
+        std::mem::take(&mut self.fold_all) && self.entries() > 0
+    }
+
+    /// The slices a commit folds: every one if `all` or the log is long, else the next in
+    /// turn; `idle` (a commit with nothing else to do): the next that holds anything.
+    pub fn slices_to_fold(&mut self, all: bool, idle: bool) -> Vec<usize> {
+        if all || self.entries() > ENTRIES_MAX {
+            return (0..SLICES).collect();
+        }
+        let mut s = self.next_slice;
+        if idle {
+            match (0..SLICES)
+                .map(|i| (s + i) % SLICES)
+                .find(|&i| self.entries[i] > 0)
+            {
+                Some(i) => s = i,
+                None => return Vec::new(),
+            }
+        }
+        self.next_slice = (s + 1) % SLICES;
+        vec![s]
+    }
+
+    /// Appends `deltas` (each map holding one slice's changes; zero deltas are skipped) as one
+    /// row per slice that has any.
+    pub fn append(&mut self, txn: &mut WriteTxn, deltas: &[Deltas; SLICES]) {
+        for (slice, d) in deltas.iter().enumerate() {
+            let row = encode(d);
+            if row.is_empty() {
+                continue;
+            }
+            txn.insert(
+                meta::CHUNK_DELTAS,
+                &row_key(slice, self.next_row),
+                row.as_slice(),
+            );
+            self.next_row += 1;
+            self.entries[slice] += (row.len() / ENTRY_BYTES) as u64;
+        }
+    }
+
+    /// Takes every delta logged for `slice` out of the log (its rows deleted in `txn`) and adds
+    /// them to `into`.
+    pub fn take(&mut self, txn: &mut WriteTxn, slice: usize, into: &mut Deltas) -> Result<()> {
+        let lo = row_key(slice, 0);
+        let hi = row_key(slice, (1 << SLICE_SHIFT) - 1);
+        for (key, v) in txn.extract_range_if(meta::CHUNK_DELTAS, lo..=hi, |_, _| true)? {
+            decode(key, &v, |id, d| *into.entry(id).or_default() += d)?;
+        }
+        self.entries[slice] = 0;
+        Ok(())
+    }
+}
+
+/// Splits `deltas` by slice.
+pub(crate) fn by_slice(deltas: &Deltas) -> [Deltas; SLICES] {
+    let mut out: [Deltas; SLICES] = Default::default();
+    for (&id, &d) in deltas {
+        out[slice_of(id)].insert(id, d);
+    }
+    out
+}
+
+/// Every delta logged in `txn`'s snapshot, summed per chunk (a chunk's count is its record's
+/// `refs` plus this).
+pub(crate) fn pending(txn: &ReadTxn) -> Result<FxHashMap<u64, i64>> {
+    let mut out: FxHashMap<u64, i64> = FxHashMap::default();
+    for item in txn.iter(meta::CHUNK_DELTAS)? {
+        let (key, v) = item?;
+        decode(key, &v, |id, d| *out.entry(id).or_default() += d)?;
+    }
+    out.retain(|_, d| *d != 0);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chunk_table::PAGE_SHIFT;
+
+    fn id_in(slice: usize, n: u64) -> u64 {
+        // Stretch `slice` of the first round, then every SLICES stretches further.
+        ((n * SLICES as u64 + slice as u64) * SPAN_PAGES) << PAGE_SHIFT
+    }
+
+    #[test]
+    fn slices_cover_stretches_of_pages_in_turn() {
+        assert_eq!(slice_of(0), 0);
+        assert_eq!(slice_of((SPAN_PAGES << PAGE_SHIFT) - 1), 0);
+        assert_eq!(slice_of(SPAN_PAGES << PAGE_SHIFT), 1);
+        assert_eq!(slice_of(id_in(5, 3)), 5);
+        assert_eq!(slice_of(id_in(15, 0) + (SPAN_PAGES << PAGE_SHIFT)), 0);
+    }
+
+    #[test]
+    fn rows_round_trip_and_malformed_ones_are_corrupt() {
+        let d: Deltas = [(id_in(3, 0), -1), (id_in(3, 2) + 7, 2)].into();
+        let key = row_key(3, 9);
+        let mut got = Vec::new();
+        decode(key, &encode(&d), |id, v| got.push((id, v))).expect("decodes");
+        assert_eq!(got, d.clone().into_iter().collect::<Vec<_>>());
+        // Wrong slice, unordered ids, a zero delta, a partial entry.
+        let wrong_slice = encode(&[(id_in(4, 0), 1)].into());
+        assert!(decode(key, &wrong_slice, |_, _| {}).is_err());
+        let mut unordered = encode(&[(id_in(3, 1), 1)].into());
+        unordered.extend(encode(&[(id_in(3, 0), 1)].into()));
+        assert!(decode(key, &unordered, |_, _| {}).is_err());
+        let mut zero = id_in(3, 0).to_le_bytes().to_vec();
+        zero.extend(0i64.to_le_bytes());
+        assert!(decode(key, &zero, |_, _| {}).is_err());
+        assert!(decode(key, &encode(&d)[..20], |_, _| {}).is_err());
+    }
+
+    #[test]
+    fn folds_go_round_the_slices_and_idle_ones_skip_empty_slices() {
+        let mut log = RefLog::default();
+        assert_eq!(log.slices_to_fold(false, false), vec![0]);
+        assert_eq!(log.slices_to_fold(false, false), vec![1]);
+        assert!(log.slices_to_fold(false, true).is_empty(), "nothing logged");
+        log.entries[7] = 3;
+        assert_eq!(log.slices_to_fold(false, true), vec![7]);
+        assert_eq!(log.slices_to_fold(false, false), vec![8]);
+        assert_eq!(log.slices_to_fold(true, false).len(), SLICES);
+        assert!(!log.take_fold_all(), "not asked");
+        log.request_fold_all();
+        assert!(log.take_fold_all());
+        assert!(!log.take_fold_all(), "asked once");
+        log.entries[2] = ENTRIES_MAX;
+        log.entries[3] = 1;
+        assert_eq!(log.slices_to_fold(false, false).len(), SLICES, "too long");
+    }
+}
