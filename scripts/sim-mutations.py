@@ -7,14 +7,14 @@ import os, subprocess, sys, time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 R = os.path.join(ROOT, 'crates/ibid-engine/src/')
 M = {
- 'segment-fsync': ('segment.rs', """        let sync_file = |(id, f): &(u64, Arc<SegmentFile>)| {
+ 'segment-fsync': ('segment/mod.rs', """        let sync_file = |(id, f): &(u64, Arc<SegmentFile>)| {
             (f.file.sync_data()).map_err(|e| Error::io(format!("sync segment {id:016x}"), e))
         };""", """        let sync_file = |(_id, _f): &(u64, Arc<SegmentFile>)| -> Result<()> { Ok(()) };"""),
  'journal-fsync': ('journal.rs', """            files.files[i]
                 .file
                 .sync_data()
                 .map_err(|e| Error::io("sync journal", e))?;""", """            let _ = &files.files[i];"""),
- 'segment-dir-sync': ('segment.rs', """            if dir_dirty {
+ 'segment-dir-sync': ('segment/mod.rs', """            if dir_dirty {
                 sync_dir()?;
             }
         }""", """            let _ = (dir_dirty, sync_dir);
@@ -22,9 +22,13 @@ M = {
  'journal-no-checksum': ('journal.rs', """        if crc != u32_at(h, 20) {
             break;
         }""", """        let _ = crc;"""),
- 'segment-tail-unwritten': ('segment.rs', """            self.writers.iter().try_for_each(write)?;""", """            let _ = write;"""),
- 'metadata-before-data': ('commit.rs', """                return self.apply(&batch, &mut record, || self.segments.sync());""", """                let applied = self.apply(&batch, &mut record, || Ok(()));
+ 'segment-tail-unwritten': ('segment/mod.rs', """            self.writers.iter().try_for_each(write)?;""", """            let _ = write;"""),
+ 'metadata-before-data': ('commit.rs', """                return self.apply(&batch, &mut record, log, || self.segments.sync());""", """                let applied = self.apply(&batch, &mut record, log, || Ok(()));
                 return applied.and_then(|a| self.segments.sync().map(|()| a));"""),
+ 'ref-log-fold-drops-batch': ('commit.rs', """            let mut sums = std::mem::take(&mut by_slice[slice]);""", """            let mut sums = ref_log::Deltas::new();"""),
+ 'ref-log-rows-kept': ('ref_log.rs', """        for (key, v) in txn.extract_range_if(meta::CHUNK_DELTAS, lo..=hi, |_, _| true)? {""", """        for (key, v) in txn.range(meta::CHUNK_DELTAS, lo..=hi)? {"""),
+ 'ref-log-flatten-unlogged': ('snapshot.rs', """                cs.ref_log
+                    .append(&mut txn, &crate::ref_log::by_slice(&released));""", """                let _ = &released;"""),
 }
 def run(name):
     f, a, b = M[name]
