@@ -26,7 +26,7 @@ use crate::meta;
 use crate::pool::{
     CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
 };
-use crate::ref_log::{self, RefLog};
+use crate::ref_log::{self, FoldRequest, RefLog};
 use crate::store::{Reader, WriteTxn};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::Ordering;
@@ -100,24 +100,22 @@ impl Inner {
         let batch = self.cut();
         // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
         let orphans = self.orphans_pending.swap(false, Ordering::AcqRel);
-        let fold_all = cs.ref_log.take_fold_all();
-        let idle = batch.is_empty() && !orphans && !fold_all;
-        // An otherwise empty commit folds the reference log only while no I/O runs. When what
-        // the log may free could matter (over a quarter of the free space, as 4 KiB blocks),
-        // every commit folds all of it, as the cleaner stops yielding at that much garbage.
-        let tight = || {
-            cs.ref_log
-                .entries()
-                .saturating_mul(format::BLOCK_BYTES as u64)
-                > self.free_bytes() / 4
+        // The slices of the reference log this commit folds: the next in turn, or what was
+        // asked for. When what the log may free could matter (over a quarter of the free
+        // space, as 4 KiB blocks), every commit folds all of it, as the cleaner stops yielding
+        // at that much garbage.
+        let asked = cs.ref_log.take_request();
+        let fold = match asked {
+            FoldRequest::None => {
+                let logged_bytes = cs.ref_log.entries() * format::BLOCK_BYTES as u64;
+                cs.ref_log
+                    .slices_to_fold(logged_bytes > self.free_bytes() / 4, false)
+            }
+            FoldRequest::Next => cs.ref_log.slices_to_fold(false, true),
+            FoldRequest::All => cs.ref_log.slices_to_fold(true, false),
         };
-        let fold = if idle && self.since_last_io() < crate::gc::IO_QUIET {
-            Vec::new()
-        } else {
-            let all = fold_all || (!idle && tight());
-            cs.ref_log.slices_to_fold(all, idle)
-        };
-        if idle && fold.is_empty() {
+        let fold_only = asked != FoldRequest::None && cs.ref_log.entries() > 0;
+        if batch.is_empty() && !orphans && !fold_only {
             self.publish(&batch, &Applied::default());
             self.committed.store(batch.no, Ordering::Release);
             self.journal.forget_through(batch.no);
@@ -182,10 +180,6 @@ impl Inner {
         );
         for seg in applied.dead_segments {
             self.segments.remove(seg)?;
-        }
-        if idle && cs.ref_log.entries() > 0 {
-            // The next slice at once, while nothing else runs (see `ref_log.rs`).
-            self.wake_background();
         }
         Ok(())
     }

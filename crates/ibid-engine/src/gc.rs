@@ -15,6 +15,7 @@ use crate::error::Result;
 use crate::format::{self, ChunkRecord, SegmentUsage, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES};
 use crate::meta;
 use crate::pool::{Inner, DATA_WRITERS};
+use crate::ref_log::FoldRequest;
 use crate::store::Reader;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,7 +49,8 @@ fn cleaner_waits(since_io: Duration, full: bool, garbage: u64, free: u64) -> boo
         && (garbage as u128 * 100) < free as u128 * GARBAGE_OF_FREE_PCT_MAX as u128
 }
 
-/// The background thread: commit, grow the dedup filter when outgrown, clean a few segments.
+/// The background thread: commit, settle zeroed ranges and fold the reference log while no
+/// I/O runs, flatten layers, grow the dedup filter when outgrown, clean a few segments.
 pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: Duration) {
     loop {
         {
@@ -90,6 +92,21 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             // Zeroed ranges left to settle and no I/O: the next part at once (under load,
             // each commit the writes cause settles a part).
             continue;
+        }
+        if inner.since_last_io() >= IO_QUIET {
+            // No I/O: the next slice of the reference log, and the one after at once (freed
+            // space shows within seconds; under load each commit folds a slice).
+            match inner.fold_ref_log_with(FoldRequest::Next) {
+                Ok(true) => {
+                    inner.wake_background();
+                    continue;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!("reference log fold: {e}");
+                    continue;
+                }
+            }
         }
         if let Err(e) = inner.fs_space.restore_reserve_file() {
             tracing::warn!("pool reserve file: {e}");

@@ -12,6 +12,7 @@ use crate::fs_space::FsSpace;
 use crate::journal::Journal;
 use crate::layer_filter::LayerFilters;
 use crate::meta::{self, PoolRecord};
+use crate::ref_log::{FoldRequest, RefLog};
 use crate::segment::Segments;
 use crate::stats::PoolStats;
 use crate::store::Store;
@@ -126,7 +127,7 @@ pub(crate) struct ShardState {
 /// Committed counters and the reference-count log, owned by the committer.
 pub(crate) struct CommitState {
     pub record: PoolRecord,
-    pub ref_log: crate::ref_log::RefLog,
+    pub ref_log: RefLog,
 }
 
 /// Everything a pool shares between its handles and its background thread.
@@ -384,7 +385,8 @@ impl Pool {
         self.inner.spawn_filter_work(true);
     }
 
-    /// Stops the background thread, commits everything, and closes the pool.
+    /// Stops the background thread, commits everything, and closes the pool (the reference
+    /// log is left for the next open to fold: see `ref_log.rs`).
     pub fn close(self) -> Result<()> {
         self.stop_background();
         // Not `sync`: the reference log stays for the next open to fold (folding all of it
@@ -845,15 +847,22 @@ impl Inner {
     /// it is empty): then every chunk's record holds its count, the chunks left with no
     /// reference are freed, and the space figures are exact (see `ref_log.rs`).
     pub(crate) fn fold_ref_log(&self) -> Result<()> {
+        self.fold_ref_log_with(FoldRequest::All).map(|_| ())
+    }
+
+    /// Commits, folding what `what` asks for (no commit if the log is empty). Returns whether
+    /// the log still holds anything.
+    pub(crate) fn fold_ref_log_with(&self, what: FoldRequest) -> Result<bool> {
         let mut cs = self.commit.lock();
         if cs.ref_log.entries() == 0 {
-            return Ok(());
+            return Ok(false);
         }
-        cs.ref_log.request_fold_all();
+        cs.ref_log.request(what);
         self.commit_with(&mut cs)?;
+        let more = cs.ref_log.entries() > 0;
         drop(cs);
         self.after_commit();
-        Ok(())
+        Ok(more)
     }
 
     pub(crate) fn check_failed(&self) -> Result<()> {

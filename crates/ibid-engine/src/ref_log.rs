@@ -17,10 +17,11 @@
 //! when its slice is folded and the sum is zero (until then it is found and shared like any
 //! other, which is correct: its data is still there). Readers that need exact counts add
 //! [`pending`] to the records. Which slice a commit folds: the next in turn; all of them when
-//! [`RefLog::request_fold_all`] asked for it ([`crate::Pool::sync`]), when the log holds more
-//! than [`ENTRIES_MAX`] deltas, or when the space it may free is over a quarter of the free
-//! space (`commit.rs`: a nearly full pool gets its space back at once); an otherwise empty
-//! commit on an idle pool folds the next slice that has any.
+//! asked ([`FoldRequest::All`]: [`crate::Pool::sync`]), when the log holds more than
+//! [`ENTRIES_MAX`] deltas, or when the space it may free is over a quarter of the free space
+//! (`commit.rs`: a nearly full pool gets its space back at once); on an idle pool the
+//! background thread asks for the next slice that holds any ([`FoldRequest::Next`]), a commit
+//! at a time.
 //!
 //! # Rows (`chunk.deltas`)
 //!
@@ -56,6 +57,18 @@ pub(crate) fn slice_of(id: u64) -> usize {
 /// Reference deltas, ascending by chunk id.
 pub(crate) type Deltas = BTreeMap<u64, i64>;
 
+/// What the next commit was asked to fold beyond its turn.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FoldRequest {
+    /// Nothing: the slice whose turn it is.
+    #[default]
+    None,
+    /// The next slice that holds anything, even if the commit has nothing else to do.
+    Next,
+    /// Every slice.
+    All,
+}
+
 /// The log's state in memory: what it holds per slice (the rows themselves are only in the
 /// store). Owned by the committer; changed only with the commit lock held.
 #[derive(Debug, Default)]
@@ -65,8 +78,8 @@ pub(crate) struct RefLog {
     entries: [u64; SLICES],
     /// The slice the next commit folds.
     next_slice: usize,
-    /// Whether the next commit folds every slice.
-    fold_all: bool,
+    /// What the next commit folds beyond its turn.
+    request: FoldRequest,
 }
 
 fn row_key(slice: usize, row: u64) -> u64 {
@@ -127,14 +140,14 @@ impl RefLog {
         self.entries.iter().sum()
     }
 
-    /// Asks the next commit to fold every slice.
-    pub fn request_fold_all(&mut self) {
-        self.fold_all = true;
+    /// Asks the next commit to fold more than its turn's slice.
+    pub fn request(&mut self, what: FoldRequest) {
+        self.request = what;
     }
 
-    /// Whether a fold-all was asked for and anything is logged (clears the request).
-    pub fn take_fold_all(&mut self) -> bool {
-        std::mem::take(&mut self.fold_all) && self.entries() > 0
+    /// What the next commit was asked to fold (clears the request).
+    pub fn take_request(&mut self) -> FoldRequest {
+        std::mem::take(&mut self.request)
     }
 
     /// The slices a commit folds: every one if `all` or the log is long, else the next in
@@ -257,10 +270,10 @@ mod tests {
         assert_eq!(log.slices_to_fold(false, true), vec![7]);
         assert_eq!(log.slices_to_fold(false, false), vec![8]);
         assert_eq!(log.slices_to_fold(true, false).len(), SLICES);
-        assert!(!log.take_fold_all(), "not asked");
-        log.request_fold_all();
-        assert!(log.take_fold_all());
-        assert!(!log.take_fold_all(), "asked once");
+        assert_eq!(log.take_request(), FoldRequest::None, "not asked");
+        log.request(FoldRequest::All);
+        assert_eq!(log.take_request(), FoldRequest::All);
+        assert_eq!(log.take_request(), FoldRequest::None, "asked once");
         log.entries[2] = ENTRIES_MAX;
         log.entries[3] = 1;
         assert_eq!(log.slices_to_fold(false, false).len(), SLICES, "too long");

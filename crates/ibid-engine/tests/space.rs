@@ -903,3 +903,38 @@ fn writes_that_failed_for_lack_of_space_succeed_in_full_once_space_returns() {
     }
     pool.verify().expect("verify");
 }
+
+/// Overwritten chunks die when the reference log's slice holding them is folded, not at the
+/// commit that overwrote them; on an idle pool the background thread folds the log within a
+/// few wake-ups, with no sync: the freed chunks leave the space figures on their own.
+#[test]
+fn an_idle_pool_folds_its_reference_log_in_the_background() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = PoolConfig {
+        background: true,
+        background_interval_ms: 20,
+        ..quiet_config(1 << 30)
+    };
+    let pool = Pool::create(dir.path().join("p"), config).expect("create");
+    pool.wait_filters_built();
+    let v = pool.create_volume("v", 64 << 20).expect("volume");
+    for i in 0..64u64 {
+        v.write(i * 4096, &random_block(i), false).expect("write");
+    }
+    pool.sync().expect("sync");
+    for i in 0..64u64 {
+        v.write(i * 4096, &random_block(1000 + i), false)
+            .expect("overwrite");
+    }
+    pool.commit_once().expect("commit");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while pool.stats().unique_chunks > 64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} chunks after 20 s",
+            pool.stats().unique_chunks
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(pool.verify().expect("verify").chunks, 64);
+}
