@@ -100,20 +100,7 @@ impl Inner {
         let batch = self.cut();
         // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
         let orphans = self.orphans_pending.swap(false, Ordering::AcqRel);
-        // The slices of the reference log this commit folds: the next in turn, or what was
-        // asked for. When what the log may free could matter (over a quarter of the free
-        // space, as 4 KiB blocks), every commit folds all of it, as the cleaner stops yielding
-        // at that much garbage.
         let asked = cs.ref_log.take_request();
-        let fold = match asked {
-            FoldRequest::None => {
-                let logged_bytes = cs.ref_log.entries() * format::BLOCK_BYTES as u64;
-                cs.ref_log
-                    .slices_to_fold(logged_bytes > self.free_bytes() / 4, false)
-            }
-            FoldRequest::Next => cs.ref_log.slices_to_fold(false, true),
-            FoldRequest::All => cs.ref_log.slices_to_fold(true, false),
-        };
         let fold_only = asked != FoldRequest::None && cs.ref_log.entries() > 0;
         if batch.is_empty() && !orphans && !fold_only {
             self.publish(&batch, &Applied::default());
@@ -121,6 +108,14 @@ impl Inner {
             self.journal.forget_through(batch.no);
             return Ok(());
         }
+        // The slices of the reference log this commit folds: the next in turn, or what was
+        // asked for. When what the log may free could matter (over a quarter of the free
+        // space, as 4 KiB blocks), every commit folds all of it, as the cleaner stops yielding
+        // at that much garbage.
+        let logged_bytes = cs.ref_log.entries() * format::BLOCK_BYTES as u64;
+        let fold = cs
+            .ref_log
+            .slices_to_fold(asked, logged_bytes > self.free_bytes() / 4);
         let t0 = std::time::Instant::now();
         let mut record = cs.record.clone();
         // The batch's records must be durable before the transaction that references them

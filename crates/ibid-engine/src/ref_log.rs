@@ -150,14 +150,15 @@ impl RefLog {
         std::mem::take(&mut self.request)
     }
 
-    /// The slices a commit folds: every one if `all` or the log is long, else the next in
-    /// turn; `idle` (a commit with nothing else to do): the next that holds anything.
-    pub fn slices_to_fold(&mut self, all: bool, idle: bool) -> Vec<usize> {
-        if all || self.entries() > ENTRIES_MAX {
+    /// The slices a commit folds, asked for `asked`: every one if asked, if `tight` or if the
+    /// log is long; the next that holds anything for [`FoldRequest::Next`] (none if the log is
+    /// empty); else the next in turn.
+    pub fn slices_to_fold(&mut self, asked: FoldRequest, tight: bool) -> Vec<usize> {
+        if asked == FoldRequest::All || tight || self.entries() > ENTRIES_MAX {
             return (0..SLICES).collect();
         }
         let mut s = self.next_slice;
-        if idle {
+        if asked == FoldRequest::Next {
             match (0..SLICES)
                 .map(|i| (s + i) % SLICES)
                 .find(|&i| self.entries[i] > 0)
@@ -263,19 +264,27 @@ mod tests {
     #[test]
     fn folds_go_round_the_slices_and_idle_ones_skip_empty_slices() {
         let mut log = RefLog::default();
-        assert_eq!(log.slices_to_fold(false, false), vec![0]);
-        assert_eq!(log.slices_to_fold(false, false), vec![1]);
-        assert!(log.slices_to_fold(false, true).is_empty(), "nothing logged");
+        assert_eq!(log.slices_to_fold(FoldRequest::None, false), vec![0]);
+        assert_eq!(log.slices_to_fold(FoldRequest::None, false), vec![1]);
+        assert!(
+            log.slices_to_fold(FoldRequest::Next, false).is_empty(),
+            "nothing logged"
+        );
         log.entries[7] = 3;
-        assert_eq!(log.slices_to_fold(false, true), vec![7]);
-        assert_eq!(log.slices_to_fold(false, false), vec![8]);
-        assert_eq!(log.slices_to_fold(true, false).len(), SLICES);
+        assert_eq!(log.slices_to_fold(FoldRequest::Next, false), vec![7]);
+        assert_eq!(log.slices_to_fold(FoldRequest::None, false), vec![8]);
+        assert_eq!(log.slices_to_fold(FoldRequest::None, true).len(), SLICES);
+        assert_eq!(log.slices_to_fold(FoldRequest::All, false).len(), SLICES);
         assert_eq!(log.take_request(), FoldRequest::None, "not asked");
         log.request(FoldRequest::All);
         assert_eq!(log.take_request(), FoldRequest::All);
         assert_eq!(log.take_request(), FoldRequest::None, "asked once");
         log.entries[2] = ENTRIES_MAX;
         log.entries[3] = 1;
-        assert_eq!(log.slices_to_fold(false, false).len(), SLICES, "too long");
+        assert_eq!(
+            log.slices_to_fold(FoldRequest::None, false).len(),
+            SLICES,
+            "too long"
+        );
     }
 }

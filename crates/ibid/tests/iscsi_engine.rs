@@ -470,18 +470,23 @@ fn run_xcopy(bin: &std::path::Path, srv: &Server, what: &str) {
     );
 }
 
-/// EXTENDED COPY between two LUNs and within one, through a libiscsi program: data verified
-/// by the program, and the pool holds no more distinct chunks than the source data.
-#[test]
-fn xcopy_through_libiscsi_adds_no_space() {
-    let bin = initiator_program();
-    let srv = Server::start(&[
+/// A server with two 64 MiB volumes, `a` and `b`, the LUNs the XCOPY program copies between.
+fn server_with_a_and_b() -> Server {
+    Server::start(&[
         "--volume",
         "a=64M",
         "--volume",
         "b=64M",
         "--no-default-volume",
-    ]);
+    ])
+}
+
+/// EXTENDED COPY between two LUNs and within one, through a libiscsi program: data verified
+/// by the program, and the pool holds no more distinct chunks than the source data.
+#[test]
+fn xcopy_through_libiscsi_adds_no_space() {
+    let bin = initiator_program();
+    let srv = server_with_a_and_b();
     run_xcopy(&bin, &srv, "xcopy");
     let dir = srv.stop();
     let pool = Pool::open(
@@ -517,13 +522,7 @@ fn xcopy_through_libiscsi_adds_no_space() {
 fn xcopy_succeeds_while_nbd_writes_the_volume() {
     require("fio");
     let bin = initiator_program();
-    let srv = Server::start(&[
-        "--volume",
-        "a=64M",
-        "--volume",
-        "b=64M",
-        "--no-default-volume",
-    ]);
+    let srv = server_with_a_and_b();
     // Random 4 KiB writes at QD8 over the upper half of `a` (the copies use its first 5 MiB).
     let mut fio = Command::new("fio")
         .args([
