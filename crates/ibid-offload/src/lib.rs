@@ -45,6 +45,7 @@
 
 pub mod format;
 mod gc;
+mod instant;
 mod lock;
 mod push;
 mod restore;
@@ -58,6 +59,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 pub use gc::{GcReport, VerifyReport};
+pub use instant::{Claim, InstantRestore};
 pub use push::PushReport;
 pub use restore::RestoreReport;
 

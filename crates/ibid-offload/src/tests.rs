@@ -306,3 +306,154 @@ fn clones_of_one_image_add_almost_nothing() {
         after - before
     );
 }
+
+/// A volume and a remote holding its snapshot `v@s`: 4 MiB of noise at 0, 1 MiB at 8 MiB, a
+/// tail of 7 sectors at 12 MiB; the rest zeros.
+fn pushed_volume(rt: &tokio::runtime::Runtime) -> (tempfile::TempDir, Pool, Remote) {
+    let (d, pool) = pool();
+    let v = pool.create_volume("v", 12 * MIB + 512 * 7).expect("create");
+    v.write(0, &noise(21, (4 * MIB) as usize), false)
+        .expect("write");
+    v.write(8 * MIB, &noise(22, MIB as usize), false)
+        .expect("write");
+    v.write(12 * MIB, &noise(23, 512 * 7), false)
+        .expect("write tail");
+    pool.create_snapshot("v", "s").expect("snapshot");
+    let remote = Remote::new(Arc::new(InMemory::new()));
+    rt.block_on(remote.push(&pool, "v", "s", Arc::default()))
+        .expect("push");
+    (d, pool, remote)
+}
+
+/// The bytes of volume `r` as a host sees them through the instant restore's hooks.
+fn read_through(ir: &InstantRestore, off: u64, len: usize) -> Vec<u8> {
+    ir.before_read(off, len as u64).expect("fetch");
+    let mut buf = vec![0u8; len];
+    ir.volume().read(off, &mut buf).expect("read");
+    buf
+}
+
+/// An instant-restored volume reads as the snapshot at once, fetching only the chunks read; a
+/// write in part of a chunk keeps the rest of it, a write of a whole chunk fetches nothing, and
+/// the fill then completes the volume without writing over either.
+#[test]
+fn instant_restore_fetches_on_demand_and_fills_around_writes() {
+    let rt = rt();
+    let (d, pool, remote) = pushed_volume(&rt);
+    let snap = read_snapshot(&pool, "v", "s");
+    let marks = d.path().join("marks/r.marks");
+    let ir = rt
+        .block_on(remote.instant_restore(&pool, "v", "s", "r", &marks))
+        .expect("instant restore");
+    assert!(!ir.is_complete());
+    assert_eq!(ir.unfetched(0, 64 << 10), vec![0..64 << 10]);
+    assert_eq!(ir.unfetched(4 * MIB, 4 * MIB), vec![], "zeros are not fetched");
+    // A 4 KiB read in the second chunk fetches that chunk alone.
+    let got = read_through(&ir, (64 << 10) + 4096, 4096);
+    assert_eq!(got, snap[(64 << 10) + 4096..(64 << 10) + 8192]);
+    let one = ir.received_bytes();
+    assert!(one > 60 << 10 && one < 70 << 10, "received {one}");
+    // Part of chunk 2: fetched first, then written.
+    let claim = ir.before_write(2 * (64 << 10) + 512, 512).expect("partial");
+    ir.volume()
+        .write(2 * (64 << 10) + 512, &[7u8; 512], false)
+        .expect("write");
+    ir.after_write(claim, true);
+    assert!(ir.received_bytes() > one);
+    // Chunk 3 whole: nothing fetched.
+    let before = ir.received_bytes();
+    let claim = ir.before_write(3 * (64 << 10), 64 << 10).expect("whole");
+    ir.volume()
+        .write(3 * (64 << 10), &[9u8; 64 << 10], false)
+        .expect("write");
+    ir.after_write(claim, true);
+    assert_eq!(ir.received_bytes(), before);
+    let progress = Arc::new(Progress::default());
+    rt.block_on(ir.fill(progress.clone(), None)).expect("fill");
+    assert!(ir.is_complete());
+    assert_eq!(
+        progress.bytes_done.load(Relaxed),
+        progress.bytes_total.load(Relaxed)
+    );
+    let mut want = snap.clone();
+    want[2 * (64 << 10) + 512..2 * (64 << 10) + 1024].fill(7);
+    want[3 * (64 << 10)..4 * (64 << 10)].fill(9);
+    assert!(read_all(&pool, "r") == want, "restored volume differs");
+    assert_eq!(ir.unfetched(0, 13 * MIB), vec![]);
+}
+
+/// After a stop, a resumed instant restore keeps what a host wrote and flushed (its marks
+/// were logged) and fetches again what was written but not flushed (the snapshot's bytes: the
+/// old content of a write never flushed); a torn mark at the log's end is cut.
+#[test]
+fn a_resumed_instant_restore_keeps_flushed_writes() {
+    let rt = rt();
+    let (d, pool, remote) = pushed_volume(&rt);
+    let snap = read_snapshot(&pool, "v", "s");
+    let marks = d.path().join("r.marks");
+    let ir = rt
+        .block_on(remote.instant_restore(&pool, "v", "s", "r", &marks))
+        .expect("instant restore");
+    let id = ir.volume().id();
+    let whole = |ir: &InstantRestore, chunk: u64, byte: u8| {
+        let claim = ir.before_write(chunk << 16, 64 << 10).expect("claim");
+        ir.volume()
+            .write(chunk << 16, &vec![byte; 64 << 10], false)
+            .expect("write");
+        ir.after_write(claim, true);
+    };
+    whole(&ir, 5, 1);
+    ir.flush().expect("flush");
+    whole(&ir, 6, 2);
+    // A failed write gives its claim back: the chunk is fetched later.
+    let claim = ir.before_write(7 << 16, 64 << 10).expect("claim");
+    ir.after_write(claim, false);
+    drop(ir);
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&marks)
+            .expect("open marks");
+        f.write_all(&[0xAB; 11]).expect("tear");
+    }
+    let ir = rt
+        .block_on(remote.resume_instant_restore(&pool, id, "v", "s", &marks))
+        .expect("resume");
+    assert_eq!(ir.unfetched(5 << 16, 64 << 10), vec![], "flushed write kept");
+    assert_eq!(ir.unfetched(6 << 16, 64 << 10), vec![6 << 16..7 << 16]);
+    rt.block_on(ir.fill(Arc::default(), None)).expect("fill");
+    let mut want = snap.clone();
+    want[5 << 16..6 << 16].fill(1);
+    assert!(read_all(&pool, "r") == want, "resumed volume differs");
+    assert_eq!(
+        std::fs::metadata(&marks).expect("marks").len() % 16,
+        8,
+        "torn tail cut (24-byte header + 16-byte records)"
+    );
+    // Marks of another volume's log are refused.
+    assert!(matches!(
+        rt.block_on(remote.resume_instant_restore(&pool, id + 1, "v", "s", &marks)),
+        Err(Error::NotFound(_) | Error::Engine(_) | Error::Corrupt(_))
+    ));
+}
+
+/// A fetch that was under way when a host claimed its chunk (it looked before the claim)
+/// installs nothing over the host's write.
+#[test]
+fn a_fetch_racing_a_claim_leaves_the_host_write() {
+    let rt = rt();
+    let (d, pool, remote) = pushed_volume(&rt);
+    let ir = rt
+        .block_on(remote.instant_restore(&pool, "v", "s", "r", &d.path().join("r.marks")))
+        .expect("instant restore");
+    let stale = ir.absent_in(3 << 16, 64 << 10);
+    assert_eq!(stale.len(), 1);
+    let claim = ir.before_write(3 << 16, 64 << 10).expect("claim");
+    ir.volume()
+        .write(3 << 16, &[9u8; 64 << 10], false)
+        .expect("write");
+    ir.after_write(claim, true);
+    ir.fetch_and_install(&stale).expect("late fetch");
+    assert!(read_through(&ir, 3 << 16, 64 << 10) == vec![9u8; 64 << 10]);
+}
