@@ -18,7 +18,7 @@
 //! chunk whose mark was lost is fetched again, which gives back the snapshot's content: the
 //! old content of a write the host had not flushed.
 //!
-//! ## Mark log (`<volume id>.marks`)
+//! ## Mark log (`<volume id>.marks` in a directory the caller names)
 //! ```text
 //! 0   8  magic "IBIDIRM1"
 //! 8   8  volume id (u64 LE)
@@ -62,6 +62,11 @@ pub struct InstantRestore {
     present: Vec<AtomicU64>,
     /// Entries not present.
     missing: AtomicU64,
+    /// Host writes between their claim and [`InstantRestore::after_write`].
+    claims_in_flight: AtomicU64,
+    /// Every entry is present *and its mark durable*: a restore resumed after a crash would
+    /// find nothing to fetch, so the hooks may stop (set by [`InstantRestore::flush`]).
+    complete: AtomicBool,
     /// Bytes of snapshot data (the entries' plain lengths).
     data_bytes: u64,
     /// Plain bytes of the present entries.
@@ -94,7 +99,7 @@ pub struct Claim {
 
 impl Remote {
     /// Starts an instant restore of `volume@snapshot` into a new thin volume `new_name` of
-    /// `pool`, keeping its mark log at `marks` (which must not exist). The volume can be read
+    /// `pool`, keeping its mark log in directory `marks_dir` ([`marks_file`]). The volume can be read
     /// and written at once through the returned handle's hooks; [`InstantRestore::fill`]
     /// fetches the rest. Must run inside a Tokio runtime (the hooks use it from other threads).
     pub async fn instant_restore(
@@ -103,7 +108,7 @@ impl Remote {
         volume: &str,
         snapshot: &str,
         new_name: &str,
-        marks: &Path,
+        marks_dir: &Path,
     ) -> Result<Arc<InstantRestore>> {
         ibid_engine::validate_volume_name(new_name).map_err(|e| Error::Invalid(e.to_string()))?;
         let manifest = self.manifest(volume, snapshot).await?;
@@ -116,7 +121,8 @@ impl Remote {
                 .await
                 .map_err(|e| Error::Invalid(format!("create task failed: {e}")))??
         };
-        let file = create_marks(marks, target.id(), manifest.entries.len() as u64);
+        let marks = marks_file(marks_dir, target.id());
+        let file = create_marks(&marks, target.id(), manifest.entries.len() as u64);
         let file = match file {
             Ok(f) => f,
             Err(e) => {
@@ -129,16 +135,13 @@ impl Remote {
             target,
             format!("{volume}@{snapshot}"),
             manifest,
-            MarkLog {
-                file,
-                path: marks.to_path_buf(),
-            },
+            MarkLog { file, path: marks },
             &[],
         )))
     }
 
     /// Takes up an instant restore that a stop cut off: volume `volume_id` of `pool`, restoring
-    /// `volume@snapshot`, whose mark log is `marks`. The chunks marked there are present; the
+    /// `volume@snapshot`, whose mark log is in `marks_dir`. The chunks marked there are present; the
     /// rest is fetched again.
     pub async fn resume_instant_restore(
         &self,
@@ -146,11 +149,12 @@ impl Remote {
         volume_id: u64,
         volume: &str,
         snapshot: &str,
-        marks: &Path,
+        marks_dir: &Path,
     ) -> Result<Arc<InstantRestore>> {
         let manifest = self.manifest(volume, snapshot).await?;
         check_manifest(&manifest, volume, snapshot)?;
         let target = pool.volume_by_id(volume_id)?;
+        let marks = marks_file(marks_dir, volume_id);
         if target.size() != manifest.header.size_bytes {
             return Err(Error::Invalid(format!(
                 "volume {} is {} bytes, {volume}@{snapshot} {}",
@@ -159,19 +163,21 @@ impl Remote {
                 manifest.header.size_bytes
             )));
         }
-        let (file, marked) = open_marks(marks, volume_id, manifest.entries.len() as u64)?;
+        let (file, marked) = open_marks(&marks, volume_id, manifest.entries.len() as u64)?;
         Ok(Arc::new(InstantRestore::new(
             self.clone(),
             target,
             format!("{volume}@{snapshot}"),
             manifest,
-            MarkLog {
-                file,
-                path: marks.to_path_buf(),
-            },
+            MarkLog { file, path: marks },
             &marked,
         )))
     }
+}
+
+/// The mark log of volume `volume_id`'s restore in `dir`.
+pub fn marks_file(dir: &Path, volume_id: u64) -> PathBuf {
+    dir.join(format!("{volume_id}.marks"))
 }
 
 /// The manifest's entries must be in chunk order, once each, inside the volume.
@@ -191,7 +197,10 @@ fn check_manifest(
     for e in &manifest.entries {
         let start = e.chunk.saturating_mul(CHUNK_BYTES);
         if start >= size || start + e.at.plain_len as u64 > size || e.at.plain_len == 0 {
-            return Err(Error::Corrupt(format!("chunk {} beyond the volume", e.chunk)));
+            return Err(Error::Corrupt(format!(
+                "chunk {} beyond the volume",
+                e.chunk
+            )));
         }
         if last.is_some_and(|l| l >= e.chunk) {
             return Err(Error::Corrupt(format!("chunk {} out of order", e.chunk)));
@@ -221,6 +230,8 @@ impl InstantRestore {
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             missing: AtomicU64::new(entries.len() as u64),
+            claims_in_flight: AtomicU64::new(0),
+            complete: AtomicBool::new(false),
             data_bytes,
             present_bytes: AtomicU64::new(0),
             received_bytes: AtomicU64::new(0),
@@ -251,9 +262,10 @@ impl InstantRestore {
         &self.snapshot
     }
 
-    /// Whether the volume holds the whole snapshot (the hooks then do nothing).
+    /// Whether the volume holds the whole snapshot durably, as the mark log says (the hooks
+    /// then do nothing).
     pub fn is_complete(&self) -> bool {
-        self.missing.load(Relaxed) == 0
+        self.complete.load(Relaxed)
     }
 
     /// Bytes of snapshot data, and how many of them the volume holds.
@@ -264,11 +276,6 @@ impl InstantRestore {
     /// Bytes received from the object store so far.
     pub fn received_bytes(&self) -> u64 {
         self.received_bytes.load(Relaxed)
-    }
-
-    /// Where the mark log is.
-    pub fn marks_path(&self) -> PathBuf {
-        self.log.lock().path.clone()
     }
 
     /// Ends [`InstantRestore::fill`] at its next pack (fetches on demand go on).
@@ -378,6 +385,9 @@ impl InstantRestore {
                 partial.push(i);
             }
         }
+        if !claim.entries.is_empty() {
+            self.claims_in_flight.fetch_add(1, Relaxed);
+        }
         if let Err(e) = self.fetch_and_install(&partial) {
             self.after_write(claim, false);
             return Err(e);
@@ -396,26 +406,33 @@ impl InstantRestore {
                 .lock()
                 .extend(claim.entries.iter().map(|&i| self.entries[i].chunk));
         } else {
-            for i in claim.entries {
+            for &i in &claim.entries {
                 let _g = self.stripe(i).lock();
                 self.clear_present(i);
             }
         }
+        self.claims_in_flight.fetch_sub(1, Relaxed);
     }
 
     /// A host's flush: the volume's, then the marks queued before it (see the module's
     /// comment for the order). Blocks.
     pub fn flush(&self) -> Result<()> {
         let log = self.log.lock();
+        // Read before the marks are taken: if nothing was missing or claimed then, every
+        // entry's mark is among those taken or already in the log.
+        let all_present =
+            self.missing.load(Relaxed) == 0 && self.claims_in_flight.load(Relaxed) == 0;
         let taken = std::mem::take(&mut *self.pending.lock());
         let result = self
             .volume
             .flush()
             .map_err(Error::from)
             .and_then(|()| append_marks(&log, &taken));
-        if result.is_err() {
+        match &result {
+            Ok(()) if all_present => self.complete.store(true, Relaxed),
+            Ok(()) => {}
             // Kept for the next flush.
-            self.pending.lock().extend(taken);
+            Err(_) => self.pending.lock().extend(taken),
         }
         result
     }
@@ -448,7 +465,8 @@ impl InstantRestore {
             .iter()
             .map(|&i| {
                 let at = self.entries[i].at;
-                at.offset as u64..at.offset as u64 + (RECORD_HEADER_BYTES + at.stored_len as usize) as u64
+                at.offset as u64
+                    ..at.offset as u64 + (RECORD_HEADER_BYTES + at.stored_len as usize) as u64
             })
             .collect();
         let parts = self
@@ -506,7 +524,7 @@ impl InstantRestore {
             progress
                 .bytes_done
                 .store(self.present_bytes.load(Relaxed), Relaxed);
-            if self.is_complete() {
+            if self.missing.load(Relaxed) == 0 {
                 break;
             }
             if self.stopped.load(Relaxed) || progress.is_cancelled() {
@@ -544,10 +562,20 @@ impl InstantRestore {
                 }
             }
         }
-        let this = self.clone();
-        tokio::task::spawn_blocking(move || this.flush())
-            .await
-            .map_err(|e| Error::Invalid(format!("flush task failed: {e}")))??;
+        // Every entry is present (claims still being written end soon): flushed until the
+        // marks of all are durable.
+        while !self.is_complete() {
+            if self.stopped.load(Relaxed) || progress.is_cancelled() {
+                return Err(Error::Cancelled);
+            }
+            let this = self.clone();
+            tokio::task::spawn_blocking(move || this.flush())
+                .await
+                .map_err(|e| Error::Invalid(format!("flush task failed: {e}")))??;
+            if !self.is_complete() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         progress.bytes_done.store(self.data_bytes, Relaxed);
         Ok(())
     }
@@ -563,8 +591,9 @@ fn append_marks(log: &MarkLog, chunks: &[u64]) -> Result<()> {
         bytes.extend_from_slice(&c.to_le_bytes());
         bytes.extend_from_slice(&(!c).to_le_bytes());
     }
-    let io =
-        |e: std::io::Error| Error::Invalid(format!("write the mark log {}: {e}", log.path.display()));
+    let io = |e: std::io::Error| {
+        Error::Invalid(format!("write the mark log {}: {e}", log.path.display()))
+    };
     (&log.file).write_all(&bytes).map_err(io)?;
     log.file.sync_data().map_err(io)
 }

@@ -59,7 +59,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 pub use gc::{GcReport, VerifyReport};
-pub use instant::{Claim, InstantRestore};
+pub use instant::{marks_file, Claim, InstantRestore};
 pub use push::PushReport;
 pub use restore::RestoreReport;
 

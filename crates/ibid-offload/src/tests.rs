@@ -341,13 +341,17 @@ fn instant_restore_fetches_on_demand_and_fills_around_writes() {
     let rt = rt();
     let (d, pool, remote) = pushed_volume(&rt);
     let snap = read_snapshot(&pool, "v", "s");
-    let marks = d.path().join("marks/r.marks");
+    let marks = d.path().join("marks");
     let ir = rt
         .block_on(remote.instant_restore(&pool, "v", "s", "r", &marks))
         .expect("instant restore");
     assert!(!ir.is_complete());
     assert_eq!(ir.unfetched(0, 64 << 10), vec![0..64 << 10]);
-    assert_eq!(ir.unfetched(4 * MIB, 4 * MIB), vec![], "zeros are not fetched");
+    assert_eq!(
+        ir.unfetched(4 * MIB, 4 * MIB),
+        vec![],
+        "zeros are not fetched"
+    );
     // A 4 KiB read in the second chunk fetches that chunk alone.
     let got = read_through(&ir, (64 << 10) + 4096, 4096);
     assert_eq!(got, snap[(64 << 10) + 4096..(64 << 10) + 8192]);
@@ -390,11 +394,12 @@ fn a_resumed_instant_restore_keeps_flushed_writes() {
     let rt = rt();
     let (d, pool, remote) = pushed_volume(&rt);
     let snap = read_snapshot(&pool, "v", "s");
-    let marks = d.path().join("r.marks");
+    let dir = d.path().join("marks");
     let ir = rt
-        .block_on(remote.instant_restore(&pool, "v", "s", "r", &marks))
+        .block_on(remote.instant_restore(&pool, "v", "s", "r", &dir))
         .expect("instant restore");
     let id = ir.volume().id();
+    let marks = crate::instant::marks_file(&dir, id);
     let whole = |ir: &InstantRestore, chunk: u64, byte: u8| {
         let claim = ir.before_write(chunk << 16, 64 << 10).expect("claim");
         ir.volume()
@@ -418,9 +423,13 @@ fn a_resumed_instant_restore_keeps_flushed_writes() {
         f.write_all(&[0xAB; 11]).expect("tear");
     }
     let ir = rt
-        .block_on(remote.resume_instant_restore(&pool, id, "v", "s", &marks))
+        .block_on(remote.resume_instant_restore(&pool, id, "v", "s", &dir))
         .expect("resume");
-    assert_eq!(ir.unfetched(5 << 16, 64 << 10), vec![], "flushed write kept");
+    assert_eq!(
+        ir.unfetched(5 << 16, 64 << 10),
+        vec![],
+        "flushed write kept"
+    );
     assert_eq!(ir.unfetched(6 << 16, 64 << 10), vec![6 << 16..7 << 16]);
     rt.block_on(ir.fill(Arc::default(), None)).expect("fill");
     let mut want = snap.clone();
@@ -433,7 +442,7 @@ fn a_resumed_instant_restore_keeps_flushed_writes() {
     );
     // Marks of another volume's log are refused.
     assert!(matches!(
-        rt.block_on(remote.resume_instant_restore(&pool, id + 1, "v", "s", &marks)),
+        rt.block_on(remote.resume_instant_restore(&pool, id + 1, "v", "s", &dir)),
         Err(Error::NotFound(_) | Error::Engine(_) | Error::Corrupt(_))
     ));
 }
@@ -445,7 +454,7 @@ fn a_fetch_racing_a_claim_leaves_the_host_write() {
     let rt = rt();
     let (d, pool, remote) = pushed_volume(&rt);
     let ir = rt
-        .block_on(remote.instant_restore(&pool, "v", "s", "r", &d.path().join("r.marks")))
+        .block_on(remote.instant_restore(&pool, "v", "s", "r", d.path()))
         .expect("instant restore");
     let stale = ir.absent_in(3 << 16, 64 << 10);
     assert_eq!(stale.len(), 1);
@@ -456,4 +465,23 @@ fn a_fetch_racing_a_claim_leaves_the_host_write() {
     ir.after_write(claim, true);
     ir.fetch_and_install(&stale).expect("late fetch");
     assert!(read_through(&ir, 3 << 16, 64 << 10) == vec![9u8; 64 << 10]);
+}
+
+/// Every chunk fetched is not yet complete: the hooks keep working until a flush has made the
+/// marks of all chunks durable (a restore resumed before that would fetch again, and must not
+/// write over what hosts wrote since).
+#[test]
+fn an_instant_restore_is_complete_once_its_marks_are_durable() {
+    let rt = rt();
+    let (d, pool, remote) = pushed_volume(&rt);
+    let ir = rt
+        .block_on(remote.instant_restore(&pool, "v", "s", "r", d.path()))
+        .expect("instant restore");
+    let size = ir.volume().size();
+    read_through(&ir, 0, size as usize);
+    assert_eq!(ir.unfetched(0, size), vec![]);
+    assert!(!ir.is_complete(), "marks not durable yet");
+    ir.flush().expect("flush");
+    assert!(ir.is_complete());
+    assert!(read_all(&pool, "r") == read_snapshot(&pool, "v", "s"));
 }

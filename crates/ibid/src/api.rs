@@ -13,6 +13,7 @@
 //! Engine calls block (they may fsync), so every handler runs them on the blocking pool.
 
 use crate::clients::{ClientView, Clients};
+use crate::instant_restores::{InstantRestores, RestoreHooks};
 use crate::lun_map::LunMap;
 use crate::qos::{Limits, Qos};
 use crate::units::{format_exact, parse_size};
@@ -291,6 +292,7 @@ struct Api {
     clients: Arc<Clients>,
     qos: Arc<Qos>,
     luns: Arc<LunMap>,
+    instants: Arc<InstantRestores>,
 }
 
 impl axum::extract::FromRef<Api> for Pool {
@@ -327,6 +329,9 @@ struct VolumeView {
     /// Open connections using the volume or its snapshots (NBD, iSCSI): what deleting it would
     /// cut off.
     clients: Vec<ClientView>,
+    /// Its instant restore from a remote while one runs (snapshot, remote, bytes of data and
+    /// bytes the volume holds so far); null otherwise.
+    restoring: Option<Value>,
 }
 
 impl VolumeView {
@@ -338,6 +343,7 @@ impl VolumeView {
     fn with_snapshots(v: VolumeInfo, api: &Api, snapshots: usize) -> Self {
         VolumeView {
             snapshots,
+            restoring: api.instants.view(v.id),
             clients: api.clients.of_volume_and_snapshots(&v.name),
             qos: api.qos.limits(v.id),
             lun: api.luns.lun_of_volume(v.id),
@@ -584,6 +590,7 @@ pub fn router(
     clients: Arc<Clients>,
     qos: Arc<Qos>,
     luns: Arc<LunMap>,
+    instants: Arc<InstantRestores>,
     access: Access,
     request_timeout: Duration,
 ) -> Router {
@@ -637,6 +644,7 @@ pub fn router(
             clients,
             qos,
             luns,
+            instants,
         })
         .layer(middleware::from_fn(volume_not_snapshot))
         .layer(middleware::from_fn_with_state(request_timeout, read_body))
@@ -932,6 +940,7 @@ async fn describe_volume(
             clients,
             qos,
             luns,
+            instants,
         } = api;
         let volume = pool.volume(&name)?;
         let space = volume.space()?;
@@ -959,6 +968,7 @@ async fn describe_volume(
             "qos": qos.limits(volume.id()),
             "qos_throttled_requests": qos.get(volume.id()).map_or(0, |q| q.throttled_requests()),
             "qos_throttled_seconds": qos.get(volume.id()).map_or(0.0, |q| q.throttled_seconds()),
+            "restoring": instants.view(volume.id()),
         })))
     })
     .await
@@ -1021,6 +1031,8 @@ async fn delete_volume(
             force,
         )?;
         api.pool.delete_volume(&name)?;
+        // A restore into it stops (its fill's next write would fail) and is forgotten.
+        api.instants.forget(&name)?;
         refresh_luns(&api);
         api.clients.forget_volume(&name);
         if let Err(e) = api.qos.forget(id) {
@@ -1033,14 +1045,15 @@ async fn delete_volume(
 }
 
 async fn resize_volume(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
     req: Body<Resize>,
 ) -> ApiResult<StatusCode> {
     let req = body(req)?;
     let size = req.size.bytes()?;
     blocking(move || {
-        pool.resize_volume(&name, size)?;
+        api.instants.refuse(&api.pool, &name, "a resize")?;
+        api.pool.resize_volume(&name, size)?;
         Ok(StatusCode::NO_CONTENT)
     })
     .await
@@ -1055,6 +1068,7 @@ async fn clone_volume(
     blocking(move || {
         let pool = &api.pool;
         pool.volume(&name)?;
+        api.instants.refuse(pool, &name, "a clone")?;
         let source = match &req.snapshot {
             Some(s) => format!("{name}@{s}"),
             None => name.clone(),
@@ -1145,7 +1159,7 @@ fn open_source(pool: &Pool, source: &str) -> ApiResult<Volume> {
 }
 
 async fn copy_range(
-    State(pool): State<Pool>,
+    State(api): State<Api>,
     Path(name): Path<String>,
     req: Body<CopyRequest>,
 ) -> ApiResult<Json<Value>> {
@@ -1154,7 +1168,8 @@ async fn copy_range(
     let dst_offset = req.offset.as_ref().map_or(Ok(0), Size::bytes)?;
     let length = req.length.as_ref().map(Size::bytes).transpose()?;
     blocking(move || {
-        let src = open_source(&pool, &req.source)?;
+        let pool = &api.pool;
+        let src = open_source(pool, &req.source)?;
         let dst = pool.volume(&name)?;
         let length = match length {
             Some(l) => l,
@@ -1168,8 +1183,18 @@ async fn copy_range(
                 })?,
         };
         let started = std::time::Instant::now();
-        let report = dst.copy_from(&src, src_offset, dst_offset, length)?;
-        dst.flush()?;
+        // A volume being restored: the source's chunks are fetched first, the destination's
+        // whole chunks claimed (the restore must not write over the copy).
+        let src_restore = match req.source.contains('@') {
+            true => RestoreHooks::default(),
+            false => RestoreHooks::of(&api.instants, src.id()),
+        };
+        let dst_restore = RestoreHooks::of(&api.instants, dst.id());
+        src_restore.fetch(src_offset, length)?;
+        let report = dst_restore.write(dst_offset, length, false, || {
+            dst.copy_from(&src, src_offset, dst_offset, length)
+        })?;
+        dst_restore.flush(&dst)?;
         Ok(Json(json!({
             "source": req.source,
             "destination": name,
@@ -1208,6 +1233,7 @@ async fn create_snapshot(
         if let Some(lun) = req.lun {
             api.luns.check_available(lun)?;
         }
+        api.instants.refuse(&api.pool, &name, "a snapshot")?;
         let info = api.pool.create_snapshot(&name, &req.name)?;
         if req.export || req.lun.is_some() {
             if let Err(e) = api

@@ -9,6 +9,7 @@
 
 use crate::clients::Clients;
 use crate::copy_gates::{CopyGates, Gate};
+use crate::instant_restores::{InstantRestores, RestoreHooks};
 use crate::lun_map::{LunMap, Mapping};
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use crate::qos::Qos;
@@ -31,6 +32,8 @@ pub struct PoolLuns {
     map: Arc<LunMap>,
     /// Per volume: writes hold it shared, EXTENDED COPY exclusively.
     gates: Arc<CopyGates>,
+    /// Volumes being restored from a remote.
+    instants: Arc<InstantRestores>,
 }
 
 /// Attempts of a copy the engine gave up on because its volumes kept changing.
@@ -46,6 +49,7 @@ impl PoolLuns {
         qos: Arc<Qos>,
         map: Arc<LunMap>,
         gates: Arc<CopyGates>,
+        instants: Arc<InstantRestores>,
     ) -> Self {
         let dir = std::fs::canonicalize(pool.dir()).unwrap_or_else(|_| pool.dir().to_path_buf());
         let pool_identity = *blake3::hash(dir.as_os_str().as_encoded_bytes()).as_bytes();
@@ -57,6 +61,7 @@ impl PoolLuns {
             qos,
             map,
             gates,
+            instants,
         }
     }
 
@@ -117,6 +122,11 @@ impl Luns for PoolLuns {
 
     fn open(&self, lun: u64) -> Option<Arc<dyn Lun>> {
         let (volume, mapping) = self.volume_by_lun(lun)?;
+        let restore = match mapping.snapshot {
+            Some(_) => RestoreHooks::default(),
+            None if self.instants.is_opening(&mapping.volume) => return None,
+            None => RestoreHooks::of(&self.instants, volume.id()),
+        };
         let mut h = blake3::Hasher::new();
         h.update(&self.pool_identity);
         h.update(&volume.id().to_le_bytes());
@@ -130,6 +140,7 @@ impl Luns for PoolLuns {
             id,
             io,
             gate,
+            restore,
         }))
     }
 
@@ -146,10 +157,32 @@ impl Luns for PoolLuns {
         let gates = self.gates.for_copy(&[src_map.volume_id, dst_map.volume_id]);
         let _held: Vec<_> = gates.iter().map(|g| g.write()).collect();
         let io = self.metrics.volume(&dst_map.name(), Protocol::Iscsi);
+        // A volume being restored: the source's chunks are fetched first, the destination's
+        // whole chunks claimed (the restore must not write over the copy).
+        let (src_restore, dst_restore) = match (&src_map.snapshot, &dst_map.snapshot) {
+            (None, None) => (
+                RestoreHooks::of(&self.instants, src.id()),
+                RestoreHooks::of(&self.instants, dst.id()),
+            ),
+            (None, Some(_)) => (
+                RestoreHooks::of(&self.instants, src.id()),
+                RestoreHooks::default(),
+            ),
+            _ => (
+                RestoreHooks::default(),
+                RestoreHooks::of(&self.instants, dst.id()),
+            ),
+        };
         let mut tries = 0;
         loop {
             tries += 1;
-            match io.record(Op::Copy, len, || dst.copy_from(&src, src_off, dst_off, len)) {
+            let copied = io.record(Op::Copy, len, || {
+                src_restore.fetch(src_off, len)?;
+                dst_restore.write(dst_off, len, false, || {
+                    dst.copy_from(&src, src_off, dst_off, len)
+                })
+            });
+            match copied {
                 Ok(_) => return Ok(()),
                 Err(Error::Metadata(m)) if tries < COPY_TRIES && m.contains("kept changing") => {
                     tracing::debug!("copy retried: {m}");
@@ -202,6 +235,8 @@ struct VolumeLun {
     io: Arc<VolumeIo>,
     /// The volume's gate (writes hold it shared; see the module's comment).
     gate: Arc<Gate>,
+    /// The volume's instant restore, if it is being restored.
+    restore: RestoreHooks,
 }
 
 impl Lun for VolumeLun {
@@ -220,7 +255,7 @@ impl Lun for VolumeLun {
     fn read(&self, off: u64, buf: &mut [u8]) -> Result<(), LunError> {
         let len = buf.len() as u64;
         self.io
-            .record(Op::Read, len, || self.volume.read(off, buf))
+            .record(Op::Read, len, || self.restore.read(&self.volume, off, buf))
             .map_err(to_lun_error)
     }
 
@@ -228,7 +263,9 @@ impl Lun for VolumeLun {
         let _gate = self.gate.read();
         self.io
             .record(Op::Write, data.len() as u64, || {
-                self.volume.write(off, data, fua)
+                let len = data.len() as u64;
+                self.restore
+                    .write(off, len, fua, || self.volume.write(off, data, fua))
             })
             .map_err(to_lun_error)
     }
@@ -237,14 +274,16 @@ impl Lun for VolumeLun {
         let _gate = self.gate.read();
         self.io
             .record(Op::WriteZeroes, len, || {
-                self.volume.write_zeroes(off, len, false)
+                self.restore.write(off, len, false, || {
+                    self.volume.write_zeroes(off, len, false)
+                })
             })
             .map_err(to_lun_error)
     }
 
     fn flush(&self) -> Result<(), LunError> {
         self.io
-            .record(Op::Flush, 0, || self.volume.flush())
+            .record(Op::Flush, 0, || self.restore.flush(&self.volume))
             .map_err(to_lun_error)
     }
 
@@ -257,7 +296,9 @@ impl Lun for VolumeLun {
         let _gate = self.gate.read();
         self.io
             .record(Op::CompareAndWrite, new.len() as u64, || {
-                self.volume.compare_and_write(off, expected, new, false)
+                self.restore.compare_and_write(off, new.len() as u64, || {
+                    self.volume.compare_and_write(off, expected, new, false)
+                })
             })
             .map_err(to_lun_error)
     }
@@ -267,7 +308,9 @@ impl Lun for VolumeLun {
             .volume
             .block_status_max(off, len, LBA_STATUS_EXTENTS_MAX)
             .map_err(to_lun_error)?;
-        Ok(extents
+        Ok(self
+            .restore
+            .block_status(extents)
             .into_iter()
             .map(|e| Extent {
                 off: e.offset,
@@ -307,6 +350,7 @@ mod tests {
             Arc::new(Qos::in_memory()),
             map.clone(),
             Arc::default(),
+            Arc::new(InstantRestores::in_memory()),
         );
         map.export_snapshot(&pool, "a", "s", Some(6))
             .expect("export");

@@ -7,6 +7,7 @@ mod clients;
 mod copy_gates;
 mod durable;
 mod history;
+mod instant_restores;
 mod iscsi_luns;
 mod jobs;
 mod lun_map;

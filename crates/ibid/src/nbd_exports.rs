@@ -2,9 +2,12 @@
 //! is counted in the volume's [`VolumeIo`] (`protocol="nbd"`) and charged to its
 //! [`VolumeQos`] limits (snapshots are not limited). Writes pass the volume's copy gate
 //! ([`CopyGates`]): they wait for an EXTENDED COPY involving the volume instead of failing it.
+//! A volume being restored from a remote runs each request through its restore's hooks
+//! ([`RestoreHooks`]), and is not exported until its restore runs.
 
 use crate::clients::Clients;
 use crate::copy_gates::{CopyGates, Gate};
+use crate::instant_restores::{InstantRestores, RestoreHooks};
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use crate::qos::{Qos, VolumeQos};
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
@@ -23,17 +26,19 @@ pub struct PoolExports {
     clients: Arc<Clients>,
     qos: Arc<Qos>,
     gates: Arc<CopyGates>,
+    instants: Arc<InstantRestores>,
 }
 
 impl PoolExports {
     /// Exports every volume of `pool`, counting I/O in `metrics` and connections in `clients`,
-    /// limited by `qos`, its writes passing `gates`.
+    /// limited by `qos`, its writes passing `gates`, restored volumes through `instants`.
     pub fn new(
         pool: Pool,
         metrics: Arc<Metrics>,
         clients: Arc<Clients>,
         qos: Arc<Qos>,
         gates: Arc<CopyGates>,
+        instants: Arc<InstantRestores>,
     ) -> Self {
         PoolExports {
             pool,
@@ -41,6 +46,7 @@ impl PoolExports {
             clients,
             qos,
             gates,
+            instants,
         }
     }
 }
@@ -75,13 +81,22 @@ impl Exports for PoolExports {
 
     /// A volume by name, or a snapshot as `VOLUME@SNAPSHOT` (read-only).
     fn open(&self, name: &str) -> Option<Arc<dyn Export>> {
-        let (volume, qos, gate) = match name.split_once('@') {
-            Some((volume, snapshot)) => (self.pool.snapshot(volume, snapshot).ok()?, None, None),
+        let (volume, qos, gate, restore) = match name.split_once('@') {
+            Some((volume, snapshot)) => (
+                self.pool.snapshot(volume, snapshot).ok()?,
+                None,
+                None,
+                RestoreHooks::default(),
+            ),
             None => {
+                if self.instants.is_opening(name) {
+                    return None;
+                }
                 let volume = self.pool.volume(name).ok()?;
                 let qos = self.qos.volume(volume.id(), name);
                 let gate = self.gates.gate(volume.id());
-                (volume, Some(qos), Some(gate))
+                let restore = RestoreHooks::of(&self.instants, volume.id());
+                (volume, Some(qos), Some(gate), restore)
             }
         };
         Some(Arc::new(VolumeExport {
@@ -90,6 +105,7 @@ impl Exports for PoolExports {
             volume,
             qos,
             gate,
+            restore,
         }))
     }
 }
@@ -103,6 +119,8 @@ struct VolumeExport {
     qos: Option<Arc<VolumeQos>>,
     /// The volume's copy gate, held shared by writes; `None` for a snapshot.
     gate: Option<Arc<Gate>>,
+    /// The volume's instant restore, if it is being restored.
+    restore: RestoreHooks,
 }
 
 fn to_export_error(e: Error) -> ExportError {
@@ -133,11 +151,16 @@ impl Export for VolumeExport {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
         let len = buf.len() as u64;
         self.io
-            .record(Op::Read, len, || self.volume.read(offset, buf))
+            .record(Op::Read, len, || {
+                self.restore.read(&self.volume, offset, buf)
+            })
             .map_err(to_export_error)
     }
 
     fn read_if_cached(&self, offset: u64, buf: &mut [u8]) -> Option<Result<(), ExportError>> {
+        if self.restore.is_live() {
+            return None;
+        }
         let start = std::time::Instant::now();
         let result = match self.volume.read_if_cached(offset, buf) {
             Ok(false) => return None,
@@ -155,7 +178,9 @@ impl Export for VolumeExport {
         let _gate = self.gate.as_ref().map(|g| g.read());
         self.io
             .record(Op::Write, data.len() as u64, || {
-                self.volume.write(offset, data, fua)
+                let len = data.len() as u64;
+                self.restore
+                    .write(offset, len, fua, || self.volume.write(offset, data, fua))
             })
             .map_err(to_export_error)
     }
@@ -163,7 +188,7 @@ impl Export for VolumeExport {
     fn write_is_quick(&self, offset: u64, len: u64) -> bool {
         // Not while a copy holds the gate: the write would wait for it on the connection's task.
         let copying = self.gate.as_ref().is_some_and(|g| g.is_locked_exclusive());
-        !copying && self.volume.write_is_quick(offset, len)
+        !copying && !self.restore.is_live() && self.volume.write_is_quick(offset, len)
     }
 
     fn throttle(&self, direction: Direction, bytes: u64) -> Duration {
@@ -176,7 +201,9 @@ impl Export for VolumeExport {
         let _gate = self.gate.as_ref().map(|g| g.read());
         self.io
             .record(Op::WriteZeroes, len, || {
-                self.volume.write_zeroes(offset, len, fua)
+                self.restore.write(offset, len, fua, || {
+                    self.volume.write_zeroes(offset, len, fua)
+                })
             })
             .map_err(to_export_error)
     }
@@ -185,14 +212,16 @@ impl Export for VolumeExport {
         let _gate = self.gate.as_ref().map(|g| g.read());
         self.io
             .record(Op::WriteZeroes, len, || {
-                self.volume.write_zeroes(offset, len, false)
+                self.restore.write(offset, len, false, || {
+                    self.volume.write_zeroes(offset, len, false)
+                })
             })
             .map_err(to_export_error)
     }
 
     fn flush(&self) -> Result<(), ExportError> {
         self.io
-            .record(Op::Flush, 0, || self.volume.flush())
+            .record(Op::Flush, 0, || self.restore.flush(&self.volume))
             .map_err(to_export_error)
     }
 
@@ -201,7 +230,9 @@ impl Export for VolumeExport {
             .volume
             .block_status_max(offset, len, BLOCK_STATUS_EXTENTS_MAX)
             .map_err(to_export_error)?;
-        Ok(extents
+        Ok(self
+            .restore
+            .block_status(extents)
             .into_iter()
             .map(|e| {
                 let zero = e.kind == ExtentKind::Zero;

@@ -214,6 +214,15 @@ struct RestoreRequest {
     /// Answer at once (202, the job) instead of when the restore ends.
     #[serde(default)]
     background: bool,
+    /// Instant restore: the volume is usable as soon as the answer comes (201, with the job
+    /// that fetches the rest in the background); chunks not fetched yet are fetched on first
+    /// access.
+    #[serde(default)]
+    instant: bool,
+    /// With `instant`: at most this many bytes a second received by the background fill
+    /// (fetches on first access are not limited).
+    #[serde(default)]
+    fill_bytes_per_s: Option<u64>,
 }
 
 type Body<T> = Result<Json<T>, axum::extract::rejection::JsonRejection>;
@@ -446,6 +455,7 @@ async fn restore(
     Extension(remotes): Shared,
     Extension(stats): Extension<Arc<crate::metrics::OffloadStats>>,
     Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
+    Extension(instants): Extension<Arc<crate::instant_restores::InstantRestores>>,
     Path(name): Path<String>,
     req: Body<RestoreRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
@@ -457,6 +467,47 @@ async fn restore(
         return Err(ApiError::conflict(
             "already_exists",
             format!("a volume {:?} exists", r.volume),
+        ));
+    }
+    if r.fill_bytes_per_s.is_some() && !r.instant {
+        return Err(ApiError::bad_request(
+            "fill_bytes_per_s applies to an instant restore only",
+        ));
+    }
+    if r.instant {
+        let ir = instants
+            .start(
+                &pool,
+                &remote,
+                &name,
+                &r.snapshot,
+                &r.volume,
+                r.fill_bytes_per_s,
+            )
+            .await?;
+        let kept = crate::instant_restores::Kept {
+            volume: r.volume.clone(),
+            volume_id: Some(ir.volume().id()),
+            remote: name.clone(),
+            snapshot: r.snapshot.clone(),
+            fill_bytes_per_s: r.fill_bytes_per_s,
+        };
+        tracing::info!(
+            "instant restore of {} from {name} as {}: usable now, filling in the background",
+            r.snapshot,
+            r.volume
+        );
+        let job = instants.run_fill(ir.clone(), &kept, &jobs, &stats).await?;
+        return Ok((
+            StatusCode::CREATED,
+            Json(json!({
+                "volume": r.volume,
+                "snapshot": r.snapshot,
+                "instant": true,
+                "size_bytes": ir.volume().size(),
+                "data_bytes": ir.bytes().0,
+                "job": job,
+            })),
         ));
     }
     // Listed while it runs: a volume left half-restored by a crash is deleted at the next start.

@@ -203,6 +203,8 @@ pub struct Runner {
     pub luns: Arc<LunMap>,
     /// Push figures for the metrics.
     pub stats: Arc<crate::metrics::OffloadStats>,
+    /// Volumes being restored (not snapshotted until they hold all their data).
+    pub instants: Arc<crate::instant_restores::InstantRestores>,
 }
 
 impl Runner {
@@ -261,6 +263,9 @@ impl Runner {
         let this = self.clone();
         let (vol, snap, keep) = (volume.to_string(), name.clone(), s.keep);
         tokio::task::spawn_blocking(move || {
+            this.instants
+                .refuse(&this.pool, &vol, "a scheduled snapshot")
+                .map_err(|e| e.message().to_string())?;
             this.pool
                 .create_snapshot(&vol, &snap)
                 .map_err(|e| format!("snapshot {vol}@{snap}: {e}"))?;

@@ -71,6 +71,9 @@ pub fn io_threads_default() -> usize {
 /// Name and size of the volume a fresh pool gets so that the first run is usable at once.
 pub const DEFAULT_VOLUME: (&str, u64) = ("disk0", 16 << 30);
 
+/// How long the start waits for instant restores to resume before it serves without them.
+const RESUME_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Runs the server until a shutdown signal, then closes the pool cleanly. Everything that can
 /// be checked before the pool is touched is: the listen addresses are bound first, so a port in
 /// use fails the start before the pool is opened or created, and a start that fails after
@@ -248,12 +251,18 @@ async fn serve(
     let http_addr = http_listener.as_ref().map(|l| l.local_addr()).transpose()?;
     let signalled = shutdown_signal();
     let lun_map = Arc::new(crate::lun_map::LunMap::open(&pool)?);
-    print_banner(&pool, &lun_map, opts, nbd_addr, iscsi_addr, http_addr);
     let metrics = Arc::new(Metrics::default());
     let qos = Arc::new(crate::qos::Qos::open(&pool)?);
     let remotes = Arc::new(crate::remotes::Remotes::open(&pool)?);
     let schedules = Arc::new(crate::schedules::Schedules::open(&pool)?);
     let offload_stats = Arc::new(crate::metrics::OffloadStats::default());
+    let jobs = Arc::new(crate::jobs::Jobs::default());
+    let instants = Arc::new(crate::instant_restores::InstantRestores::open(&pool)?);
+    // Volumes restored instantly are served once their restores run again (a remote that
+    // does not answer keeps them unreachable, retried in the background).
+    instants.resume(&pool, &remotes, &jobs, &offload_stats);
+    instants.wait_resumed(RESUME_WAIT).await;
+    print_banner(&pool, &lun_map, opts, nbd_addr, iscsi_addr, http_addr);
     let clients = Arc::new(crate::clients::Clients::default());
     let gates = Arc::new(crate::copy_gates::CopyGates::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -274,6 +283,7 @@ async fn serve(
                     qos.clone(),
                     lun_map.clone(),
                     gates.clone(),
+                    instants.clone(),
                 ));
                 let config = ibid_iscsi::TargetConfig {
                     state_dir: Some(pool.dir().to_path_buf()),
@@ -292,6 +302,7 @@ async fn serve(
         clients.clone(),
         qos.clone(),
         gates.clone(),
+        instants.clone(),
     ));
     let nbd_config = ibid_nbd::ServerConfig {
         tls: opts.nbd_tls.clone(),
@@ -317,6 +328,7 @@ async fn serve(
             clients: clients.clone(),
             luns: lun_map.clone(),
             stats: offload_stats.clone(),
+            instants: instants.clone(),
         }
         .run(stop_rx.clone()),
     );
@@ -344,6 +356,7 @@ async fn serve(
                         clients.clone(),
                         qos.clone(),
                         lun_map.clone(),
+                        instants.clone(),
                         access,
                         opts.http_timeout,
                     ))
@@ -352,7 +365,8 @@ async fn serve(
                     .layer(axum::Extension(remotes.clone()))
                     .layer(axum::Extension(schedules.clone()))
                     .layer(axum::Extension(offload_stats.clone()))
-                    .layer(axum::Extension(Arc::new(crate::jobs::Jobs::default())))
+                    .layer(axum::Extension(jobs.clone()))
+                    .layer(axum::Extension(instants.clone()))
                     .layer(axum::Extension(scrubber.clone()))
                     .layer(axum::Extension(space.clone()))
                     .layer(axum::Extension(history.clone()))
@@ -370,6 +384,9 @@ async fn serve(
     // If any server fails, stop the others too: a half-serving array is worse than none.
     tokio::try_join!(nbd, iscsi, http)?;
     tracing::info!("shutting down");
+    // What restores fetched and hosts wrote stays, with the marks that say so.
+    let flushing = instants.clone();
+    let _ = tokio::task::spawn_blocking(move || flushing.flush_all()).await;
     Ok(())
 }
 

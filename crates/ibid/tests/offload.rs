@@ -279,6 +279,8 @@ fn snapshots_go_to_ceph_rgw_and_come_back() {
     eprintln!("[{:.1} s] jobs", t.elapsed().as_secs_f64());
     schedules_snapshot_push_and_keep_the_newest(&rgw);
     eprintln!("[{:.1} s] schedules", t.elapsed().as_secs_f64());
+    instant_restores_serve_at_once_and_survive_kill_9(&rgw);
+    eprintln!("[{:.1} s] instant restore", t.elapsed().as_secs_f64());
 }
 
 /// `remote add` takes the keys from the environment; no answer of the API shows the secret;
@@ -741,4 +743,121 @@ fn schedules_snapshot_push_and_keep_the_newest(rgw: &Rgw) {
         [local[1].as_str()],
         "the newest is kept in the remote"
     );
+}
+
+/// Writes `len` bytes of seeded random data (the same for the same seed) at `offset` of
+/// `url` and flushes, with nbdsh.
+fn write_seeded(url: &str, offset: u64, len: u64, seed: u64) {
+    run(
+        "nbdsh",
+        &[
+            "-u",
+            url,
+            "-c",
+            &format!(
+                "import random; h.pwrite(random.Random({seed}).randbytes({len}), {offset}); h.flush()"
+            ),
+        ],
+    );
+}
+
+/// The restore view of volume `name` (null once complete).
+fn restoring(srv: &Server, rgw: &Rgw, name: &str) -> Value {
+    json(srv, rgw, &["volume", "describe", name])["restoring"].clone()
+}
+
+/// An instant restore answers once the volume is usable: a host writes into it (whole chunks
+/// and a few sectors of one not fetched yet) and flushes while the background fetch crawls;
+/// snapshots of it wait (409 `restoring`). kill -9 of the server: after the restart the
+/// restore resumes by itself, keeps the host's flushed writes, and the volume equals the
+/// source with the same writes (qemu-img compare, which reads what is still missing and
+/// relies on block status showing it as data); once complete, the pool verifies, snapshots
+/// work, and nothing of the restore is left in the pool directory.
+fn instant_restores_serve_at_once_and_survive_kill_9(rgw: &Rgw) {
+    let size = 96 * MIB;
+    let a = Server::start(&["--no-default-volume"]);
+    add_remote(&a, rgw, "rgw", "instant");
+    fill(&a, rgw, "vm", size);
+    ok(&a, rgw, &["snapshot", "create", "vm@s"]);
+    json(&a, rgw, &["snapshot", "push", "vm@s", "--remote", "rgw"]);
+    let b = Server::start(&["--no-default-volume"]);
+    add_remote(&b, rgw, "rgw", "instant");
+    let started = Instant::now();
+    let r = json(
+        &b,
+        rgw,
+        &[
+            "volume",
+            "restore",
+            "r",
+            "--remote",
+            "rgw",
+            "--snapshot",
+            "vm@s",
+            "--instant",
+            "--fill-rate",
+            "1M",
+        ],
+    );
+    eprintln!(
+        "instant restore answered in {:.2} s: {r}",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(r["instant"], true, "{r}");
+    assert_eq!(r["job"]["kind"], "restore", "{r}");
+    let view = restoring(&b, rgw, "r");
+    assert_eq!(view["snapshot"], "vm@s", "{view}");
+    assert!(
+        view["bytes_present"].as_u64().expect("present")
+            < view["bytes_total"].as_u64().expect("total"),
+        "{view}"
+    );
+    // The same writes on the source volume (after its snapshot) and on the restored one.
+    for url in [a.url("vm"), b.url("r")] {
+        write_seeded(&url, 10 * MIB, 2 * MIB, 1);
+        write_seeded(&url, 50 * MIB + 3 * 512, 5 * 512, 2);
+    }
+    let out = ibid(&b, rgw, &["snapshot", "create", "r@x"]);
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "a snapshot of a volume being restored"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("restoring"));
+    let dir = b.kill();
+    let b = Server::start_in(dir, &["--no-default-volume"]);
+    // Resumed: still restoring (at 1 MiB/s) or done, and equal to the source either way.
+    eprintln!("after the restart: {}", restoring(&b, rgw, "r"));
+    assert_same(&a.url("vm"), &b.url("r"));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let job = loop {
+        let jobs = json(&b, rgw, &["job", "list"]);
+        let last = jobs
+            .as_array()
+            .expect("jobs")
+            .last()
+            .expect("a job")
+            .clone();
+        if last["state"] != "running" {
+            break last;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restore did not complete: {jobs}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert_eq!(job["result"]["instant"], true, "{job}");
+    assert!(restoring(&b, rgw, "r").is_null());
+    assert_same(&a.url("vm"), &b.url("r"));
+    ok(&b, rgw, &["snapshot", "create", "r@x"]);
+    let v = json(&b, rgw, &["pool", "verify"]);
+    assert_eq!(v["ok"], true, "{v}");
+    let kept = std::fs::read_to_string(b.pool_dir().join("instant-restores.json")).expect("file");
+    assert!(!kept.contains("\"r\""), "{kept}");
+    let marks: Vec<_> = std::fs::read_dir(b.pool_dir().join("instant-restores"))
+        .expect("marks dir")
+        .collect();
+    assert!(marks.is_empty(), "{marks:?}");
 }

@@ -57,7 +57,7 @@ impl Exit {
         match code {
             "not_found" => Exit::NotFound,
             "already_exists" | "cannot_reserve" | "wrong_format" | "read_only" | "in_use"
-            | "lun_in_use" | "already_exported" => Exit::Conflict,
+            | "lun_in_use" | "already_exported" | "restoring" => Exit::Conflict,
             "no_space" => Exit::NoSpace,
             "unauthorized" => Exit::Unauthorized,
             "bad_request" | "invalid_argument" | "out_of_range" => Exit::Usage,
@@ -142,6 +142,7 @@ mod tests {
             ("wrong_format", 409, Exit::Conflict),
             ("read_only", 409, Exit::Conflict),
             ("in_use", 409, Exit::Conflict),
+            ("restoring", 409, Exit::Conflict),
             ("no_space", 507, Exit::NoSpace),
             ("unauthorized", 401, Exit::Unauthorized),
             ("invalid_argument", 400, Exit::Usage),

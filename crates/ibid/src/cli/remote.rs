@@ -320,6 +320,40 @@ pub fn delete(ctx: &Ctx, volume: &str, snapshot: &str, remote: &str) -> Result<(
     Ok(())
 }
 
+/// `ibid volume restore NEW --remote NAME --snapshot VOL@SNAP --instant`: answers once the
+/// volume is usable; the background fetch is a job (`ibid job list`).
+pub fn restore_instant(
+    ctx: &Ctx,
+    name: &str,
+    remote: &str,
+    snapshot: &str,
+    fill_rate: Option<u64>,
+) -> Result<(), CliError> {
+    let r = ctx.client.post(
+        &format!("/remotes/{}/restore", segment(remote)),
+        json!({
+            "snapshot": snapshot,
+            "volume": name,
+            "instant": true,
+            "fill_bytes_per_s": fill_rate,
+        }),
+        &format!("restoring {snapshot} from {remote} as {name}"),
+    )?;
+    if ctx.json {
+        print_json(&r);
+        return Ok(());
+    }
+    println!(
+        "volume {name} is usable now; {snapshot} arrives from {remote} in the background (job {}, `ibid job list`)",
+        u64_field(&r["job"], "id")?
+    );
+    print_fields(&[
+        ("size", size(u64_field(&r, "size_bytes")?)),
+        ("data", size(u64_field(&r, "data_bytes")?)),
+    ]);
+    Ok(())
+}
+
 /// `ibid volume restore NEW --remote NAME --snapshot VOL@SNAP`.
 pub fn restore(ctx: &Ctx, name: &str, remote: &str, snapshot: &str) -> Result<(), CliError> {
     let label = format!("restoring {snapshot} from {remote} as {name}");

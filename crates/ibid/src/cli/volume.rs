@@ -45,6 +45,9 @@ pub enum VolumeCmd {
     /// Restore a snapshot from a remote as a new thin volume, e.g. `ibid volume restore vm1b
     /// --remote offsite --snapshot vm1@nightly` (on this pool or any other reaching the
     /// bucket). Every chunk is checked against its BLAKE3; a failed restore leaves no volume.
+    /// With --instant the volume is usable at once: what a host reads before it has arrived
+    /// is fetched first, and the rest comes in the background (`ibid job list`), resumed
+    /// after a restart.
     Restore {
         /// Name of the new volume.
         name: String,
@@ -54,6 +57,13 @@ pub enum VolumeCmd {
         /// The snapshot in the remote, VOLUME@SNAPSHOT (`ibid snapshot list --remote NAME`).
         #[arg(long)]
         snapshot: String,
+        /// Make the volume usable at once and fetch its data in the background.
+        #[arg(long)]
+        instant: bool,
+        /// With --instant: at most this much received per second by the background fetch,
+        /// e.g. 50M (reads of data not fetched yet are not limited).
+        #[arg(long, value_parser = parse_size, requires = "instant")]
+        fill_rate: Option<u64>,
     },
     /// Show a volume's space (the `vmkfstools -D` view): size, blocks, mapped, tbz, unique,
     /// shared, physical, reserved, snapshots.
@@ -173,11 +183,16 @@ pub fn run(ctx: &Ctx, cmd: VolumeCmd) -> Result<(), CliError> {
             name,
             remote,
             snapshot,
+            instant,
+            fill_rate,
         } => {
             if let (_, None) = super::split_snapshot(&snapshot)? {
                 return Err(CliError::usage(format!(
                     "--snapshot {snapshot:?}: expected VOLUME@SNAPSHOT"
                 )));
+            }
+            if instant {
+                return super::remote::restore_instant(ctx, &name, &remote, &snapshot, fill_rate);
             }
             super::remote::restore(ctx, &name, &remote, &snapshot)
         }
