@@ -109,7 +109,7 @@ crash dir = $dir/log/crash
 [mon]
 mon cluster log file = $dir/log/cluster.log
 [client.rgw]
-rgw frontends = beast endpoint=127.0.0.1:$rgw_port
+rgw frontends = beast endpoint=127.0.0.1:$rgw_port tcp_nodelay=1
 rgw data = $dir/rgw
 rgw dns name = 127.0.0.1
 rgw enable usage log = false

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 mod formats;
+mod offload;
 mod sharing;
 mod simulate;
 mod store_shapes;
@@ -51,6 +52,9 @@ enum Cmd {
     Xcopy(xcopy::XcopyArgs),
     /// The deterministic simulator: random engine operations, power cuts, checks.
     Simulate(simulate::SimulateArgs),
+    /// Push, restore and instant-restore first reads against an S3 store (Ceph RGW), beside
+    /// the store's own PUTs and GETs of the same bytes.
+    Offload(offload::OffloadArgs),
     /// Internal: writes to a pool until killed (the crash-recovery measurement).
     #[command(hide = true)]
     CrashChild {
@@ -171,6 +175,7 @@ fn main() -> Result<()> {
         Cmd::StoreShapes(a) => store_shapes::store_shapes(&a),
         Cmd::Xcopy(a) => xcopy::xcopy(&a),
         Cmd::Simulate(a) => simulate::simulate(&a),
+        Cmd::Offload(a) => offload::offload(&a),
         Cmd::CrashChild { dir, seed } => crash_child(&dir, seed),
     }
 }

@@ -40,6 +40,11 @@
 //! fetched with ranged GETs, pack by pack, each chunk checked against its BLAKE3 before it is
 //! written. Writes go through the engine's normal write path, so restored data is deduplicated
 //! against the pool as it arrives. A restore that fails deletes the volume it created.
+//!
+//! ## Instant restore
+//! [`InstantRestore`]: the new volume is usable at once; chunks are fetched when first read or
+//! written in part, and the rest in the background, never over a host's writes; a mark log
+//! synced after the volume at every flush keeps what is present across a crash (`instant.rs`).
 #![deny(clippy::unwrap_used)]
 #![deny(missing_docs)]
 

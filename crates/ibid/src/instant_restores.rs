@@ -104,6 +104,7 @@ impl InstantRestores {
             active: AtomicUsize::new(0),
         };
         let mut resumed = Vec::new();
+        let listed = kept.len();
         for k in kept {
             match k.volume_id {
                 Some(id) if pool.volume_by_id(id).is_ok() => resumed.push(k),
@@ -129,7 +130,9 @@ impl InstantRestores {
             s.opening = resumed.iter().map(|k| k.volume.clone()).collect();
             s.kept = resumed;
         }
-        this.write().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        if this.state.lock().kept.len() != listed {
+            this.write().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        }
         Ok(this)
     }
 
@@ -427,7 +430,10 @@ impl InstantRestores {
                 }))
             }
         };
-        let (_, job) = jobs.run("restore", label, true, progress, work).await?;
+        // Not run again by the jobs: the restore resumes by itself at the next start.
+        let (_, job) = jobs
+            .run("restore", label, true, progress, None, work)
+            .await?;
         Ok(job.0)
     }
 
@@ -468,11 +474,13 @@ impl InstantRestores {
         self.write()
     }
 
-    /// Flushes every running restore (its volume and its marks), as at a clean stop.
-    pub fn flush_all(&self) {
+    /// At a clean stop: every running restore's fill stops (at its next pack) and its volume
+    /// and marks are flushed; the next start resumes it.
+    pub fn stop_all(&self) {
         let running: Vec<Arc<InstantRestore>> =
             self.state.lock().running.values().cloned().collect();
         for ir in running {
+            ir.stop();
             if let Err(e) = ir.flush() {
                 tracing::warn!("flush the instant restore of {}: {e}", ir.volume().name());
             }

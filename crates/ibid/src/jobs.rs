@@ -3,8 +3,12 @@
 //! one waits for it by default, or answers `202` with the job at once when its body asks for
 //! `"background": true` (what the CLI does, to draw a progress bar).
 //!
-//! Jobs live in memory: a server restart forgets them (a push or restore cut off by it is
-//! completed by running it again; see `ibid_offload`).
+//! Jobs are kept in `jobs.json` in the pool directory (written when one starts and when it
+//! ends, crash-safely): the last [`FINISHED_KEPT_MAX`] finished ones are listed after a
+//! restart, and one that was running when the server stopped is listed as `interrupted`. A job
+//! started with what it takes to run it again (its `resume` request: pushes and full restores)
+//! is run again at the next start as a new job ([`Jobs::take_interrupted`]); a push or restore
+//! run again completes what the stop cut off (see `ibid_offload`).
 
 use crate::api::ApiError;
 use axum::extract::Path;
@@ -13,14 +17,59 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use ibid_offload::Progress;
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// Finished jobs kept for listing (the oldest are forgotten first).
 const FINISHED_KEPT_MAX: usize = 100;
+/// The file in the pool directory.
+pub const FILE_NAME: &str = "jobs.json";
+const FILE_VERSION: u64 = 1;
+/// The error code of a job a stop cut off.
+const INTERRUPTED: &str = "interrupted";
+
+/// `jobs.json`.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Table {
+    version: u64,
+    jobs: Vec<Record>,
+}
+
+/// A job as the file keeps it: what the API shows, and how to run it again.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Record {
+    id: u64,
+    kind: String,
+    target: String,
+    started_unix_s: u64,
+    finished_unix_s: Option<u64>,
+    bytes_total: u64,
+    bytes_done: u64,
+    bytes_transferred: u64,
+    /// `running`, `succeeded` (with `result`), or an error (`status`, `code`, `message`).
+    state: String,
+    #[serde(default)]
+    result: Option<Value>,
+    #[serde(default)]
+    error: Option<StoredError>,
+    #[serde(default)]
+    resume: Option<Value>,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StoredError {
+    status: u16,
+    code: String,
+    message: String,
+}
 
 /// Where a job is.
 #[derive(Clone)]
@@ -29,7 +78,7 @@ enum State {
     Succeeded(Value),
     Failed {
         status: u16,
-        code: &'static str,
+        code: String,
         message: String,
     },
 }
@@ -37,7 +86,7 @@ enum State {
 /// One job.
 pub struct Job {
     id: u64,
-    kind: &'static str,
+    kind: String,
     /// What it works on, e.g. `vm1@nightly -> offsite`.
     target: String,
     started_unix_s: u64,
@@ -45,9 +94,46 @@ pub struct Job {
     state: Mutex<(State, Option<u64>)>,
     /// Wakes the waiters when the job ends.
     done: tokio::sync::Notify,
+    /// The request that runs it again if a stop cuts it off.
+    resume: Option<Value>,
 }
 
 impl Job {
+    fn record(&self) -> Record {
+        let (state, finished) = self.state.lock().clone();
+        let (state, result, error) = match state {
+            State::Running => ("running".to_string(), None, None),
+            State::Succeeded(v) => ("succeeded".to_string(), Some(v), None),
+            State::Failed {
+                status,
+                code,
+                message,
+            } => (
+                "failed".to_string(),
+                None,
+                Some(StoredError {
+                    status,
+                    code,
+                    message,
+                }),
+            ),
+        };
+        Record {
+            id: self.id,
+            kind: self.kind.clone(),
+            target: self.target.clone(),
+            started_unix_s: self.started_unix_s,
+            finished_unix_s: finished,
+            bytes_total: self.progress.bytes_total.load(Relaxed),
+            bytes_done: self.progress.bytes_done.load(Relaxed),
+            bytes_transferred: self.progress.bytes_transferred.load(Relaxed),
+            state,
+            result,
+            error,
+            resume: self.resume.clone(),
+        }
+    }
+
     fn view(&self) -> Value {
         let (state, finished) = self.state.lock().clone();
         let mut v = json!({
@@ -72,10 +158,10 @@ impl Job {
                 code,
                 message,
             } => {
-                v["state"] = if code == "cancelled" {
-                    "cancelled"
-                } else {
-                    "failed"
+                v["state"] = match code.as_str() {
+                    "cancelled" => "cancelled",
+                    INTERRUPTED => INTERRUPTED,
+                    _ => "failed",
                 }
                 .into();
                 v["error"] = json!({ "status": status, "code": code, "message": message });
@@ -90,9 +176,124 @@ impl Job {
 pub struct Jobs {
     jobs: Mutex<BTreeMap<u64, Arc<Job>>>,
     next_id: Mutex<u64>,
+    /// `jobs.json`; `None` keeps nothing.
+    path: Option<PathBuf>,
+    /// Jobs a stop cut off that can run again: (id, resume request), until taken.
+    interrupted: Mutex<Vec<(u64, Value)>>,
 }
 
 impl Jobs {
+    /// The jobs kept in `pool`'s directory; those that were running are now `interrupted`.
+    pub fn open(pool: &ibid_engine::Pool) -> anyhow::Result<Jobs> {
+        let path = pool.dir().join(FILE_NAME);
+        let records = match std::fs::read(&path) {
+            Ok(bytes) => {
+                let t: Table = serde_json::from_slice(&bytes).map_err(|e| {
+                    anyhow::anyhow!("the jobs in {} are unreadable: {e}", path.display())
+                })?;
+                if t.version != FILE_VERSION {
+                    anyhow::bail!(
+                        "the jobs in {} are in format version {}; this ibid reads version {FILE_VERSION}",
+                        path.display(),
+                        t.version
+                    );
+                }
+                t.jobs
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => anyhow::bail!("read {}: {e}", path.display()),
+        };
+        let jobs = Jobs {
+            path: Some(path),
+            ..Jobs::default()
+        };
+        let now = now_unix_s();
+        let mut interrupted = Vec::new();
+        for r in records {
+            let progress = Progress::default();
+            progress.bytes_total.store(r.bytes_total, Relaxed);
+            progress.bytes_done.store(r.bytes_done, Relaxed);
+            progress
+                .bytes_transferred
+                .store(r.bytes_transferred, Relaxed);
+            let (state, finished) = match (r.state.as_str(), r.result, r.error) {
+                ("running", _, _) => {
+                    if let Some(resume) = &r.resume {
+                        interrupted.push((r.id, resume.clone()));
+                    }
+                    (
+                        State::Failed {
+                            status: 503,
+                            code: INTERRUPTED.into(),
+                            message: "the server stopped while the job ran".into(),
+                        },
+                        Some(now),
+                    )
+                }
+                ("succeeded", result, _) => (
+                    State::Succeeded(result.unwrap_or(Value::Null)),
+                    r.finished_unix_s,
+                ),
+                (_, _, e) => {
+                    let e = e.unwrap_or(StoredError {
+                        status: 500,
+                        code: "failed".into(),
+                        message: String::new(),
+                    });
+                    (
+                        State::Failed {
+                            status: e.status,
+                            code: e.code,
+                            message: e.message,
+                        },
+                        r.finished_unix_s,
+                    )
+                }
+            };
+            {
+                let mut next = jobs.next_id.lock();
+                *next = (*next).max(r.id);
+            }
+            jobs.jobs.lock().insert(
+                r.id,
+                Arc::new(Job {
+                    id: r.id,
+                    kind: r.kind,
+                    target: r.target,
+                    started_unix_s: r.started_unix_s,
+                    progress: Arc::new(progress),
+                    state: Mutex::new((state, finished)),
+                    done: tokio::sync::Notify::new(),
+                    resume: None,
+                }),
+            );
+        }
+        *jobs.interrupted.lock() = interrupted;
+        jobs.write();
+        Ok(jobs)
+    }
+
+    /// The jobs a stop cut off that can run again, with the request that does (each once).
+    pub fn take_interrupted(&self) -> Vec<(u64, Value)> {
+        std::mem::take(&mut *self.interrupted.lock())
+    }
+
+    /// Writes the table; a failure is logged (the jobs in memory stay right).
+    fn write(&self) {
+        let Some(path) = &self.path else {
+            return;
+        };
+        let records: Vec<Record> = self.jobs.lock().values().map(|j| j.record()).collect();
+        let text = serde_json::to_vec_pretty(&Table {
+            version: FILE_VERSION,
+            jobs: records,
+        })
+        .expect("jobs serialize");
+        if let Err(e) = crate::durable::write_file(path, &text) {
+            tracing::warn!("write {}: {e}", path.display());
+        }
+    }
+
     /// Runs `work` as a job of `kind` on `target`; with `background`, answers at once (202 and
     /// the job), else when it ends (its result, or its error).
     pub async fn run<F>(
@@ -101,6 +302,7 @@ impl Jobs {
         target: String,
         background: bool,
         progress: Arc<Progress>,
+        resume: Option<Value>,
         work: F,
     ) -> Result<(StatusCode, Json<Value>), ApiError>
     where
@@ -113,26 +315,30 @@ impl Jobs {
         };
         let job = Arc::new(Job {
             id,
-            kind,
+            kind: kind.to_string(),
             target,
             started_unix_s: now_unix_s(),
             progress,
             state: Mutex::new((State::Running, None)),
             done: tokio::sync::Notify::new(),
+            resume,
         });
         self.insert(job.clone());
+        self.write();
         let runner = job.clone();
+        let jobs = self.clone();
         let handle = tokio::spawn(async move {
             let outcome = work.await;
             let state = match &outcome {
                 Ok(v) => State::Succeeded(v.clone()),
                 Err(e) => State::Failed {
                     status: e.status().as_u16(),
-                    code: e.code(),
+                    code: e.code().to_string(),
                     message: e.message().to_string(),
                 },
             };
             *runner.state.lock() = (state, Some(now_unix_s()));
+            jobs.write();
             runner.done.notify_waiters();
             outcome
         });

@@ -441,6 +441,10 @@ pub struct OffloadStats {
     pub push_failures: AtomicU64,
     /// Restores that completed.
     pub restores: AtomicU64,
+    /// GCs of remotes that schedules ran.
+    pub gc_runs: AtomicU64,
+    /// Bytes those GCs freed in the remotes.
+    pub gc_bytes_freed: AtomicU64,
     /// Per volume, when its last push completed (Unix seconds).
     pub last_push_unix_s: parking_lot::Mutex<BTreeMap<String, u64>>,
 }
@@ -448,7 +452,7 @@ pub struct OffloadStats {
 /// The offload figures, and each schedule's lag (volume, seconds overdue).
 pub fn render_offload(st: &OffloadStats, schedule_lags: &[(String, u64)]) -> String {
     let mut page = Page::default();
-    let counters: [(&str, &str, &AtomicU64); 7] = [
+    let counters: [(&str, &str, &AtomicU64); 9] = [
         (
             "ibid_remote_pushed_bytes_total",
             "Bytes pushes sent to remotes (packs, index segments, manifests).",
@@ -479,6 +483,16 @@ pub fn render_offload(st: &OffloadStats, schedule_lags: &[(String, u64)]) -> Str
             "ibid_remote_restores_total",
             "Restores completed.",
             &st.restores,
+        ),
+        (
+            "ibid_remote_scheduled_gcs_total",
+            "GCs of remotes run by schedules (after their retention deleted snapshots).",
+            &st.gc_runs,
+        ),
+        (
+            "ibid_remote_scheduled_gc_freed_bytes_total",
+            "Bytes of packs those GCs deleted.",
+            &st.gc_bytes_freed,
         ),
     ];
     for (name, help, v) in counters {

@@ -395,6 +395,19 @@ async fn delete_remote_snapshot(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// What the jobs of pushes and restores need from the server.
+#[derive(Clone)]
+pub struct Offload {
+    /// The pool.
+    pub pool: Pool,
+    /// The remotes.
+    pub remotes: Arc<Remotes>,
+    /// The offload figures.
+    pub stats: Arc<crate::metrics::OffloadStats>,
+    /// The jobs.
+    pub jobs: Arc<crate::jobs::Jobs>,
+}
+
 async fn push(
     State(pool): State<Pool>,
     Extension(remotes): Shared,
@@ -404,50 +417,188 @@ async fn push(
     req: Body<PushRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let r = body(req)?;
-    let remote = remotes.remote(&r.remote)?;
-    // Refuse at once what would fail at once, rather than as a failed job.
-    if !pool
-        .list_snapshots(Some(&volume))
-        .iter()
-        .any(|s| s.name == snapshot)
-    {
-        return Err(ibid_engine::Error::NotFound(format!("{volume}@{snapshot}")).into());
-    }
-    let progress = Arc::new(Progress::default());
-    let target = format!("{volume}@{snapshot} -> {}", r.remote);
-    let work = {
-        let progress = progress.clone();
-        async move {
-            let report = remote.push(&pool, &volume, &snapshot, progress).await;
-            let report = match report {
-                Ok(r) => r,
-                Err(e) => {
-                    stats.push_failures.fetch_add(1, Relaxed);
-                    return Err(offload_error(e));
-                }
-            };
-            stats.pushes.fetch_add(1, Relaxed);
-            stats.pushed_bytes.fetch_add(report.bytes_sent, Relaxed);
-            stats.chunks_sent.fetch_add(report.chunks_sent, Relaxed);
-            stats
-                .chunks_skipped
-                .fetch_add(report.chunks_skipped, Relaxed);
-            stats
-                .last_push_unix_s
-                .lock()
-                .insert(volume.clone(), crate::schedules::now_unix_s());
-            tracing::info!(
-                "pushed {volume}@{snapshot} to {}: {} bytes sent, {} chunks sent, {} skipped, {:.1} s",
-                r.remote,
-                report.bytes_sent,
-                report.chunks_sent,
-                report.chunks_skipped,
-                report.duration_s
-            );
-            Ok(json!(report))
-        }
+    let o = Offload {
+        pool,
+        remotes,
+        stats,
+        jobs,
     };
-    jobs.run("push", target, r.background, progress, work).await
+    o.push(&volume, &snapshot, &r.remote, r.background, false)
+        .await
+}
+
+impl Offload {
+    /// Runs a push of `volume@snapshot` to `remote_name` as a job. `again`: it runs a push a
+    /// stop cut off, so a snapshot the remote already has is a success (the push had
+    /// completed before the stop).
+    pub async fn push(
+        &self,
+        volume: &str,
+        snapshot: &str,
+        remote_name: &str,
+        background: bool,
+        again: bool,
+    ) -> Result<(StatusCode, Json<Value>), ApiError> {
+        let remote = self.remotes.remote(remote_name)?;
+        // Refuse at once what would fail at once, rather than as a failed job.
+        if !self
+            .pool
+            .list_snapshots(Some(volume))
+            .iter()
+            .any(|s| s.name == snapshot)
+        {
+            return Err(ibid_engine::Error::NotFound(format!("{volume}@{snapshot}")).into());
+        }
+        let progress = Arc::new(Progress::default());
+        let target = format!("{volume}@{snapshot} -> {remote_name}");
+        let resume =
+            json!({"push": {"volume": volume, "snapshot": snapshot, "remote": remote_name}});
+        let work = {
+            let (progress, pool, stats) = (progress.clone(), self.pool.clone(), self.stats.clone());
+            let (volume, snapshot, remote_name) = (
+                volume.to_string(),
+                snapshot.to_string(),
+                remote_name.to_string(),
+            );
+            async move {
+                let report = remote.push(&pool, &volume, &snapshot, progress).await;
+                let report = match report {
+                    Ok(r) => r,
+                    Err(ibid_offload::Error::AlreadyExists(_)) if again => {
+                        return Ok(json!({
+                            "snapshot": format!("{volume}@{snapshot}"),
+                            "already_in_remote": true,
+                        }));
+                    }
+                    Err(e) => {
+                        stats.push_failures.fetch_add(1, Relaxed);
+                        return Err(offload_error(e));
+                    }
+                };
+                stats.pushes.fetch_add(1, Relaxed);
+                stats.pushed_bytes.fetch_add(report.bytes_sent, Relaxed);
+                stats.chunks_sent.fetch_add(report.chunks_sent, Relaxed);
+                stats
+                    .chunks_skipped
+                    .fetch_add(report.chunks_skipped, Relaxed);
+                stats
+                    .last_push_unix_s
+                    .lock()
+                    .insert(volume.clone(), crate::schedules::now_unix_s());
+                tracing::info!(
+                    "pushed {volume}@{snapshot} to {remote_name}: {} bytes sent, {} chunks sent, {} skipped, {:.1} s",
+                    report.bytes_sent,
+                    report.chunks_sent,
+                    report.chunks_skipped,
+                    report.duration_s
+                );
+                Ok(json!(report))
+            }
+        };
+        self.jobs
+            .run("push", target, background, progress, Some(resume), work)
+            .await
+    }
+
+    /// Runs the pushes and full restores a stop cut off again, as new jobs (in the
+    /// background). Call once at start, after the partly restored volumes are deleted.
+    pub async fn resume_interrupted(&self) {
+        for (id, req) in self.jobs.take_interrupted() {
+            let started = if let Some(p) = req.get("push") {
+                let (Some(v), Some(s), Some(r)) = (
+                    p["volume"].as_str(),
+                    p["snapshot"].as_str(),
+                    p["remote"].as_str(),
+                ) else {
+                    continue;
+                };
+                self.push(v, s, r, true, true).await
+            } else if let Some(p) = req.get("restore") {
+                let (Some(v), Some(s), Some(r)) = (
+                    p["volume"].as_str(),
+                    p["snapshot"].as_str(),
+                    p["remote"].as_str(),
+                ) else {
+                    continue;
+                };
+                self.restore(r, s, v, true).await
+            } else {
+                continue;
+            };
+            match started {
+                Ok((_, job)) => tracing::info!(
+                    "job {id} was cut off by the stop: running it again as job {}",
+                    job.0["id"]
+                ),
+                Err(e) => tracing::warn!(
+                    "job {id} was cut off by the stop and cannot run again: {}",
+                    e.message()
+                ),
+            }
+        }
+    }
+
+    /// Runs a full restore of `snapshot` (`VOLUME@SNAPSHOT`) from `remote_name` into the new
+    /// volume `new_name` as a job.
+    pub async fn restore(
+        &self,
+        remote_name: &str,
+        snapshot: &str,
+        new_name: &str,
+        background: bool,
+    ) -> Result<(StatusCode, Json<Value>), ApiError> {
+        let remote = self.remotes.remote(remote_name)?;
+        let (pool, remotes, stats) = (self.pool.clone(), self.remotes.clone(), self.stats.clone());
+        if pool.volume(new_name).is_ok() {
+            return Err(ApiError::conflict(
+                "already_exists",
+                format!("a volume {new_name:?} exists"),
+            ));
+        }
+        // Listed while it runs: a volume left half-restored by a crash is deleted at the next
+        // start.
+        let target = new_name.to_string();
+        remotes.update(|s| {
+            s.restoring.push(target);
+            Ok(())
+        })?;
+        let progress = Arc::new(Progress::default());
+        let label = format!("{remote_name}:{snapshot} -> {new_name}");
+        let resume =
+            json!({"restore": {"volume": new_name, "snapshot": snapshot, "remote": remote_name}});
+        let work = {
+            let progress = progress.clone();
+            let (snapshot, new_name, remote_name) = (
+                snapshot.to_string(),
+                new_name.to_string(),
+                remote_name.to_string(),
+            );
+            async move {
+                let (volume, snap) = split(&snapshot)?;
+                let result = remote
+                    .restore(&pool, volume, snap, &new_name, progress)
+                    .await;
+                remotes.update(|s| {
+                    s.restoring.retain(|v| *v != new_name);
+                    Ok(())
+                })?;
+                let report = result.map_err(offload_error)?;
+                stats.restores.fetch_add(1, Relaxed);
+                stats
+                    .restored_bytes
+                    .fetch_add(report.bytes_received, Relaxed);
+                tracing::info!(
+                    "restored {snapshot} from {remote_name} as {new_name}: {} bytes received, {:.1} s",
+                    report.bytes_received,
+                    report.duration_s
+                );
+                Ok(json!(report))
+            }
+        };
+        self.jobs
+            .run("restore", label, background, progress, Some(resume), work)
+            .await
+    }
 }
 
 async fn restore(
@@ -510,43 +661,14 @@ async fn restore(
             })),
         ));
     }
-    // Listed while it runs: a volume left half-restored by a crash is deleted at the next start.
-    let target = r.volume.clone();
-    remotes.update(|s| {
-        s.restoring.push(target);
-        Ok(())
-    })?;
-    let progress = Arc::new(Progress::default());
-    let label = format!("{name}:{} -> {}", r.snapshot, r.volume);
-    let background = r.background;
-    let work = {
-        let progress = progress.clone();
-        async move {
-            let (volume, snap) = split(&r.snapshot)?;
-            let result = remote
-                .restore(&pool, volume, snap, &r.volume, progress)
-                .await;
-            remotes.update(|s| {
-                s.restoring.retain(|v| *v != r.volume);
-                Ok(())
-            })?;
-            let report = result.map_err(offload_error)?;
-            stats.restores.fetch_add(1, Relaxed);
-            stats
-                .restored_bytes
-                .fetch_add(report.bytes_received, Relaxed);
-            tracing::info!(
-                "restored {} from {name} as {}: {} bytes received, {:.1} s",
-                r.snapshot,
-                r.volume,
-                report.bytes_received,
-                report.duration_s
-            );
-            Ok(json!(report))
-        }
+    let o = Offload {
+        pool,
+        remotes,
+        stats,
+        jobs,
     };
-    let (status, answer) = jobs
-        .run("restore", label, background, progress, work)
+    let (status, answer) = o
+        .restore(&name, &r.snapshot, &r.volume, r.background)
         .await?;
     let status = if status == StatusCode::OK {
         StatusCode::CREATED

@@ -36,6 +36,9 @@ const TICK: Duration = Duration::from_secs(1);
 const EVERY_S_MIN: u64 = 1;
 /// Most snapshots a schedule keeps, locally or in a remote.
 const KEEP_MAX: u64 = 1000;
+/// A schedule whose remote retention deleted snapshots GCs that remote, at most this often
+/// (a GC reads every manifest of the remote).
+const GC_EVERY_S: u64 = 3600;
 
 /// One volume's schedule.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -74,6 +77,8 @@ pub struct Schedules {
     path: PathBuf,
     table: Mutex<BTreeMap<String, Schedule>>,
     status: Mutex<BTreeMap<String, Status>>,
+    /// Per remote, when a schedule last started a GC of it (Unix seconds).
+    last_gc: Mutex<BTreeMap<String, u64>>,
 }
 
 impl Schedules {
@@ -101,6 +106,7 @@ impl Schedules {
             path,
             table: Mutex::new(table),
             status: Mutex::default(),
+            last_gc: Mutex::default(),
         })
     }
 
@@ -317,8 +323,47 @@ impl Runner {
                     .await
                     .map_err(|e| format!("delete {volume}@{old} from {remote_name}: {e}"))?;
             }
+            if excess > 0 {
+                self.collect(remote_name, &remote).await?;
+            }
         }
         Ok(true)
+    }
+
+    /// Frees what deleted remote snapshots held: a GC of the remote, at most once per
+    /// [`GC_EVERY_S`] per remote. A push holding the remote (busy) leaves it to a later run.
+    async fn collect(
+        &self,
+        remote_name: &str,
+        remote: &ibid_offload::Remote,
+    ) -> Result<(), String> {
+        let now = now_unix_s();
+        {
+            let mut last = self.schedules.last_gc.lock();
+            if last.get(remote_name).is_some_and(|&t| now < t + GC_EVERY_S) {
+                return Ok(());
+            }
+            last.insert(remote_name.to_string(), now);
+        }
+        match remote.gc().await {
+            Ok(r) => {
+                tracing::info!(
+                    "scheduled GC of {remote_name}: {} packs deleted, {} bytes freed",
+                    r.packs_deleted,
+                    r.bytes_freed
+                );
+                self.stats.gc_runs.fetch_add(1, Relaxed);
+                self.stats.gc_bytes_freed.fetch_add(r.bytes_freed, Relaxed);
+                Ok(())
+            }
+            Err(ibid_offload::Error::Busy(m)) => {
+                // Tried again at the next run that deletes a snapshot, or by hand.
+                self.schedules.last_gc.lock().remove(remote_name);
+                tracing::info!("scheduled GC of {remote_name} put off: {m}");
+                Ok(())
+            }
+            Err(e) => Err(format!("GC of {remote_name}: {e}")),
+        }
     }
 
     /// Deletes the oldest `auto-` snapshots of `volume` beyond `keep` (not those in use).

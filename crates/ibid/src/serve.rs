@@ -256,12 +256,20 @@ async fn serve(
     let remotes = Arc::new(crate::remotes::Remotes::open(&pool)?);
     let schedules = Arc::new(crate::schedules::Schedules::open(&pool)?);
     let offload_stats = Arc::new(crate::metrics::OffloadStats::default());
-    let jobs = Arc::new(crate::jobs::Jobs::default());
+    let jobs = Arc::new(crate::jobs::Jobs::open(&pool)?);
     let instants = Arc::new(crate::instant_restores::InstantRestores::open(&pool)?);
     // Volumes restored instantly are served once their restores run again (a remote that
     // does not answer keeps them unreachable, retried in the background).
     instants.resume(&pool, &remotes, &jobs, &offload_stats);
     instants.wait_resumed(RESUME_WAIT).await;
+    crate::remotes::Offload {
+        pool: pool.clone(),
+        remotes: remotes.clone(),
+        stats: offload_stats.clone(),
+        jobs: jobs.clone(),
+    }
+    .resume_interrupted()
+    .await;
     print_banner(&pool, &lun_map, opts, nbd_addr, iscsi_addr, http_addr);
     let clients = Arc::new(crate::clients::Clients::default());
     let gates = Arc::new(crate::copy_gates::CopyGates::default());
@@ -386,7 +394,7 @@ async fn serve(
     tracing::info!("shutting down");
     // What restores fetched and hosts wrote stays, with the marks that say so.
     let flushing = instants.clone();
-    let _ = tokio::task::spawn_blocking(move || flushing.flush_all()).await;
+    let _ = tokio::task::spawn_blocking(move || flushing.stop_all()).await;
     Ok(())
 }
 

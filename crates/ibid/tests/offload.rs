@@ -448,10 +448,11 @@ fn push_incremental_and_restore_on_another_server(rgw: &Rgw) {
     );
 }
 
-/// kill -9 of the server while a push uploads leaves packs but no snapshot in the bucket; the
-/// push run again after a restart completes without sending those packs again, and the remote
-/// verifies clean. kill -9 during a restore: the half-restored volume is deleted at the
-/// restart; restored again, it equals the source (qemu-img compare).
+/// kill -9 of the server while a push uploads leaves packs but no snapshot in the bucket; after
+/// the restart the push runs again by itself (its job is listed as interrupted) and completes
+/// without sending those packs again, and the remote verifies clean. kill -9 during a restore:
+/// the half-restored volume is deleted at the restart and the restore runs again by itself;
+/// the volume equals the source (qemu-img compare).
 fn a_push_killed_midway_completes_when_run_again(rgw: &Rgw) {
     let size = 384 * MIB;
     let srv = Server::start(&["--no-default-volume"]);
@@ -485,7 +486,14 @@ fn a_push_killed_midway_completes_when_run_again(rgw: &Rgw) {
     );
     let packs_left = rgw.keys("kill/packs/").len() as u64;
     let srv = Server::start_in(dir, &["--no-default-volume"]);
-    let report = json(&srv, rgw, &["snapshot", "push", "big@s", "--remote", "rgw"]);
+    // The job the kill cut off is listed as interrupted, and runs again by itself.
+    let (cut, again) = jobs_after_restart(&srv, rgw);
+    assert_eq!(
+        (cut["kind"].as_str(), again["kind"].as_str()),
+        (Some("push"), Some("push"))
+    );
+    assert_eq!(again["state"], "succeeded", "{again}");
+    let report = again["result"].clone();
     eprintln!("resumed push ({packs_left} packs were left): {report}");
     // The packs already there are not sent again (a pack holds at most 8 MiB + one chunk).
     let packs_now = rgw.keys("kill/packs/").len() as u64;
@@ -531,11 +539,20 @@ fn a_push_killed_midway_completes_when_run_again(rgw: &Rgw) {
     let finished = restore.wait().map(|s| s.success()).unwrap_or(false);
     assert!(!finished, "the restore finished before the kill");
     let b = Server::start_in(dir, &["--no-default-volume"]);
-    assert!(
-        !ok(&b, rgw, &["volume", "list"]).contains("big"),
-        "a half-restored volume survived the restart"
+    // The half-restored volume was deleted at the start, and the restore runs again (it
+    // would fail as already existing had the volume survived).
+    let (cut, again) = jobs_after_restart(&b, rgw);
+    assert_eq!(
+        (cut["kind"].as_str(), again["kind"].as_str()),
+        (Some("restore"), Some("restore"))
     );
-    json(&b, rgw, &restore_args);
+    assert_eq!(again["state"], "succeeded", "{again}");
+    let out = ibid(&b, rgw, &restore_args);
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "restored again over the resumed restore"
+    );
     assert_same(&srv.url("big@s"), &b.url("big"));
     let v = json(&b, rgw, &["remote", "verify", "rgw"]);
     assert_eq!(v["ok"], true, "{v}");
@@ -743,6 +760,44 @@ fn schedules_snapshot_push_and_keep_the_newest(rgw: &Rgw) {
         [local[1].as_str()],
         "the newest is kept in the remote"
     );
+    // The first remote deletion was followed by a GC of the remote (the next ones wait an
+    // hour), and it left the bucket clean.
+    let metrics = run(
+        "curl",
+        &[
+            "-s",
+            "-S",
+            &format!("http://{}/metrics", srv.http.as_deref().expect("API")),
+        ],
+    );
+    assert!(
+        metrics.contains("ibid_remote_scheduled_gcs_total 1\n"),
+        "no scheduled GC in the metrics"
+    );
+    let v = json(&srv, rgw, &["remote", "verify", "rgw"]);
+    assert_eq!(v["ok"], true, "{v}");
+}
+
+/// After a restart that cut a job off: (the interrupted job, the job running it again) once
+/// the second has ended.
+fn jobs_after_restart(srv: &Server, rgw: &Rgw) -> (Value, Value) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let jobs = json(srv, rgw, &["job", "list"]);
+        let list = jobs.as_array().expect("jobs");
+        let cut = list.iter().find(|j| j["state"] == "interrupted");
+        let again = list.iter().find(|j| {
+            j["target"] == cut.map_or(Value::Null, |c| c["target"].clone())
+                && j["state"] != "interrupted"
+        });
+        if let (Some(cut), Some(again)) = (cut, again) {
+            if again["state"] != "running" {
+                return (cut.clone(), again.clone());
+            }
+        }
+        assert!(Instant::now() < deadline, "no job ran again: {jobs}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Writes `len` bytes of seeded random data (the same for the same seed) at `offset` of

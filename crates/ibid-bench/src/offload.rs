@@ -1,0 +1,290 @@
+//! `ibid-bench offload`: push, restore and an instant restore's first reads against an
+//! S3-compatible store (Ceph RGW from `scripts/ceph-rgw.sh`), each beside what `object_store`
+//! itself does with the same bytes on the same store in the same run (issue 35's goals: push
+//! and restore ≥ 0.8× the store's own PUTs and GETs; the first read of a block not fetched yet
+//! ≤ 2× one GET).
+//!
+//! The store comes from the environment `scripts/ceph-rgw.sh start` prints
+//! (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `IBID_TEST_BUCKET`); each
+//! run writes under a prefix of its own. Per round, alternating ibid and the peer:
+//! - **push** of a snapshot of `--size-mib` of incompressible data, against PUTs of as many
+//!   8 MiB objects of random bytes as the push sent bytes, 4 at a time (as the push does);
+//! - **restore** of it into a new volume, against GETs of the push's packs, 4 at a time;
+//! - **first reads**: an instant restore whose background fetch is not started, then 4 KiB
+//!   reads at `--reads` random chunks (each fetches its 64 KiB chunk first), alternating with
+//!   one ranged GET of a chunk record each (before the restore, on a pool of its own).
+
+use super::{fresh_pool, median, Rng, MIB};
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use clap::Args;
+use futures::{StreamExt, TryStreamExt};
+use ibid_offload::{Progress, Remote, RemoteConfig};
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, PutPayload};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What the push and restore keep in flight (the peer does the same).
+const IN_FLIGHT: usize = 4;
+/// Bytes of the peer's objects (a pack's size).
+const OBJECT_BYTES: usize = 8 << 20;
+/// Bytes of volume a chunk covers in the remote.
+const CHUNK: u64 = 64 << 10;
+
+#[derive(Args, Clone)]
+pub(crate) struct OffloadArgs {
+    /// Tiny sizes (finishes in seconds; for smoke runs).
+    #[arg(long)]
+    quick: bool,
+    /// Directory under which temporary pools are created (default: the system temp dir).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// MiB of data pushed and restored.
+    #[arg(long)]
+    size_mib: Option<u64>,
+    /// Rounds (each runs ibid and the peer, alternating).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// First reads timed per round.
+    #[arg(long, default_value_t = 40)]
+    reads: usize,
+}
+
+fn env(name: &str) -> Result<String> {
+    std::env::var(name).with_context(|| {
+        format!("{name} is not set: run `eval \"$(scripts/ceph-rgw.sh start DIR)\"` first")
+    })
+}
+
+pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
+    let size = a.size_mib.unwrap_or(if a.quick { 32 } else { 1024 }) * MIB;
+    let base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let run = format!(
+        "bench-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs()
+    );
+    let config = |prefix: &str| -> Result<RemoteConfig> {
+        Ok(RemoteConfig {
+            endpoint: env("AWS_ENDPOINT_URL")?,
+            bucket: env("IBID_TEST_BUCKET")?,
+            region: std::env::var("AWS_REGION").ok(),
+            prefix: Some(format!("{run}/{prefix}")),
+            access_key_id: env("AWS_ACCESS_KEY_ID")?,
+            secret_access_key: env("AWS_SECRET_ACCESS_KEY")?,
+        })
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    println!(
+        "offload: {} MiB of incompressible data, {} rounds, store {} (prefix {run}), load {}",
+        size / MIB,
+        a.rounds,
+        env("AWS_ENDPOINT_URL")?,
+        super::uptime()
+    );
+    println!("round\tpush MB/s\tPUT MB/s\tratio\trestore MB/s\tGET MB/s\tratio\tfirst read ms\tGET ms\tratio");
+    let (mut push_r, mut restore_r, mut read_r) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..a.rounds {
+        let (_dir, pool) = fresh_pool(&base)?;
+        let v = pool.create_volume("v", size)?;
+        let mut rng = Rng(round as u64 + 1);
+        let mut buf = vec![0u8; 4 * MIB as usize];
+        for off in (0..size).step_by(buf.len()) {
+            rng.fill(&mut buf);
+            v.write(off, &buf, false)?;
+        }
+        pool.create_snapshot("v", "s")?;
+        let c = config(&format!("r{round}"))?;
+        let remote = Remote::s3(&c)?;
+        let store = raw_store(&config(&format!("r{round}-peer"))?)?;
+        let pack_store = raw_store(&c)?;
+
+        // Push, then the peer's PUTs of as many bytes.
+        let t = Instant::now();
+        let report = rt.block_on(remote.push(&pool, "v", "s", Arc::default()))?;
+        let push_s = t.elapsed().as_secs_f64();
+        let sent = report.bytes_sent;
+        let put_s = rt.block_on(put_objects(&store, sent, &mut rng))?;
+        // On another pool (as on another server: nothing to deduplicate against): first reads
+        // of an instant restore, alternating with one ranged GET of a record each, after the
+        // store and the pool have settled; then a restore and the peer's GETs of the packs.
+        let (_dir2, other) = fresh_pool(&base)?;
+        std::thread::sleep(std::time::Duration::from_secs(5));
+        let (read_ms, get_ms) = first_reads(&rt, &other, &remote, &pack_store, a.reads, &base)?;
+        let t = Instant::now();
+        rt.block_on(remote.restore(&other, "v", "s", "back", Arc::new(Progress::default())))?;
+        let restore_s = t.elapsed().as_secs_f64();
+        let (got, get_s) = rt.block_on(get_packs(&pack_store))?;
+        other.close()?;
+        let mb = |bytes: u64, s: f64| bytes as f64 / s / 1e6;
+        let (push, put) = (mb(sent, push_s), mb(sent, put_s));
+        let (restore, get) = (mb(got, restore_s), mb(got, get_s));
+        println!(
+            "{round}\t{push:.0}\t{put:.0}\t{:.2}\t{restore:.0}\t{get:.0}\t{:.2}\t{read_ms:.1}\t{get_ms:.1}\t{:.2}",
+            push / put,
+            restore / get,
+            read_ms / get_ms
+        );
+        push_r.push(push / put);
+        restore_r.push(restore / get);
+        read_r.push(read_ms / get_ms);
+        pool.close()?;
+        // The round's objects go (a test gateway's disk is small).
+        for store in [&store, &pack_store] {
+            rt.block_on(empty(store))?;
+        }
+    }
+    println!(
+        "medians: push {:.2}x the store's PUTs (goal >= 0.8), restore {:.2}x its GETs (goal >= 0.8), \
+         first read {:.2}x one GET (goal <= 2); load {}",
+        median(push_r),
+        median(restore_r),
+        median(read_r),
+        super::uptime()
+    );
+    Ok(())
+}
+
+/// Deletes every object of `store` (under its prefix).
+async fn empty(store: &Arc<dyn ObjectStore>) -> Result<()> {
+    let all: Vec<StorePath> = store
+        .list(None)
+        .map_ok(|m| m.location)
+        .try_collect()
+        .await?;
+    futures::stream::iter(all)
+        .map(|p| {
+            let store = store.clone();
+            async move { store.delete(&p).await }
+        })
+        .buffer_unordered(16)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
+
+/// The store a remote uses, for the peer's own requests.
+fn raw_store(c: &RemoteConfig) -> Result<Arc<dyn ObjectStore>> {
+    let s3 = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(&c.endpoint)
+        .with_allow_http(c.endpoint.starts_with("http://"))
+        .with_bucket_name(&c.bucket)
+        .with_region(c.region.as_deref().unwrap_or("us-east-1"))
+        .with_access_key_id(&c.access_key_id)
+        .with_secret_access_key(&c.secret_access_key)
+        .build()?;
+    let prefix = c.prefix.clone().unwrap_or_default();
+    Ok(Arc::new(object_store::prefix::PrefixStore::new(s3, prefix)))
+}
+
+/// PUTs `bytes` in 8 MiB objects of random bytes, [`IN_FLIGHT`] at a time; seconds taken.
+async fn put_objects(store: &Arc<dyn ObjectStore>, bytes: u64, rng: &mut Rng) -> Result<f64> {
+    let objects: Vec<Bytes> = (0..bytes.div_ceil(OBJECT_BYTES as u64))
+        .map(|i| {
+            let len = (bytes - i * OBJECT_BYTES as u64).min(OBJECT_BYTES as u64) as usize;
+            let mut b = vec![0u8; len];
+            rng.fill(&mut b);
+            Bytes::from(b)
+        })
+        .collect();
+    let t = Instant::now();
+    futures::stream::iter(objects.into_iter().enumerate())
+        .map(|(i, b)| {
+            let store = store.clone();
+            async move {
+                store
+                    .put(&StorePath::from(format!("peer/{i}")), PutPayload::from(b))
+                    .await
+            }
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// GETs every pack of the remote, [`IN_FLIGHT`] at a time; (bytes, seconds).
+async fn get_packs(store: &Arc<dyn ObjectStore>) -> Result<(u64, f64)> {
+    let packs: Vec<StorePath> = store
+        .list(Some(&StorePath::from("packs")))
+        .map_ok(|m| m.location)
+        .try_collect()
+        .await?;
+    let t = Instant::now();
+    let sizes: Vec<u64> =
+        futures::stream::iter(packs)
+            .map(|p| {
+                let store = store.clone();
+                async move {
+                    Ok::<_, object_store::Error>(store.get(&p).await?.bytes().await?.len() as u64)
+                }
+            })
+            .buffer_unordered(IN_FLIGHT)
+            .try_collect()
+            .await?;
+    Ok((sizes.iter().sum(), t.elapsed().as_secs_f64()))
+}
+
+/// Median ms of a 4 KiB first read (fetching its chunk) at `n` random chunks of an instant
+/// restore, and of one ranged GET of a chunk's record (64 KiB and its header) from a pack.
+fn first_reads(
+    rt: &tokio::runtime::Runtime,
+    pool: &ibid_engine::Pool,
+    remote: &Remote,
+    packs: &Arc<dyn ObjectStore>,
+    n: usize,
+    base: &std::path::Path,
+) -> Result<(f64, f64)> {
+    let marks = tempfile::tempdir_in(base)?;
+    let ir = rt.block_on(remote.instant_restore(pool, "v", "s", "instant", marks.path()))?;
+    let chunks = ir.volume().size() / CHUNK;
+    let pack_list: Vec<(StorePath, u64)> = rt.block_on(
+        packs
+            .list(Some(&StorePath::from("packs")))
+            .map_ok(|m| (m.location, m.size))
+            .try_collect(),
+    )?;
+    let mut rng = Rng(7);
+    let (mut reads, mut gets) = (Vec::new(), Vec::new());
+    let mut buf = vec![0u8; 4096];
+    for i in 0..n {
+        // ibid: a chunk not read before.
+        let chunk = (i as u64 * 7919 + rng.next() % 7) % chunks;
+        let off = chunk * CHUNK + (rng.next() % 16) * 4096;
+        let t = Instant::now();
+        ir.before_read(off, 4096)?;
+        ir.volume().read(off, &mut buf)?;
+        reads.push(t.elapsed().as_secs_f64() * 1e3);
+        // The peer: one ranged GET of a record's size somewhere in a pack.
+        let (path, size) = &pack_list[i % pack_list.len()];
+        let len = CHUNK + 45;
+        let start = (rng.next() % size.saturating_sub(len).max(1)).min(size - len.min(*size));
+        let t = Instant::now();
+        rt.block_on(packs.get_range(path, start..start + len.min(*size)))?;
+        gets.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    ir.stop();
+    let spread = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        format!(
+            "min {:.1} p90 {:.1} max {:.1}",
+            v[0],
+            v[v.len() * 9 / 10],
+            v[v.len() - 1]
+        )
+    };
+    eprintln!(
+        "first reads ms: {}; GETs ms: {}",
+        spread(&reads),
+        spread(&gets)
+    );
+    Ok((median(reads), median(gets)))
+}
