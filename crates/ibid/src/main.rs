@@ -207,7 +207,14 @@ fn main() -> ExitCode {
     ibid_engine::allocator::tune();
     let (cli, matches) = parse();
     match cli.command {
-        Command::Client(command) => cli::run(&cli.client, command),
+        Command::Client(command) => {
+            // A client's output piped into `head` or `grep -q` ends quietly when the reader
+            // goes, as other command-line tools do (Rust ignores SIGPIPE by default, which
+            // makes println! panic instead).
+            // SAFETY: restores the default disposition of one signal, before any thread runs.
+            unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+            cli::run(&cli.client, command)
+        }
         Command::Serve(args) => {
             let misplaced = cli::CLIENT_OPTION_IDS.iter().find(|id| {
                 matches!(
