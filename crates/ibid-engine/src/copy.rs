@@ -35,7 +35,7 @@ use crate::ref_log::by_slice;
 use crate::store::{ReadTxn, Reader};
 use crate::volume::resolve_stored;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Most frames a range copy lets a stack reach; past it, copies share block references
@@ -194,8 +194,14 @@ impl Inner {
     /// Makes `v`'s windowed frames permanent (see the module doc). Returns whether it did.
     /// Holds the commit lock throughout (commits and catalog operations wait); writes and
     /// reads of the volume go on, and see the same data through either stack. Once `stop` is
-    /// set it gives up between walk windows, having written nothing.
-    pub(crate) fn materialize_frames(&self, v: &VolumeState, stop: &AtomicBool) -> Result<bool> {
+    /// set it gives up between walk windows, having written nothing. `walked`, if given, is
+    /// set to the bytes of the volume walked before each window.
+    pub(crate) fn materialize_frames(
+        &self,
+        v: &VolumeState,
+        stop: &AtomicBool,
+        walked: Option<&AtomicU64>,
+    ) -> Result<bool> {
         if v.read_only || v.map.lock().stack.iter().all(Frame::is_plain) {
             return Ok(false);
         }
@@ -235,6 +241,9 @@ impl Inner {
                 return Ok(false);
             }
             let w1 = end.min(w0 + WALK_WINDOW_BLOCKS);
+            if let Some(w) = walked {
+                w.store(w0 * format::BLOCK_BYTES as u64, Ordering::Relaxed);
+            }
             let shown = resolve_stored(&txn, &self.layer_filters, upper, w0, w1, false)?;
             let below = if lower.is_empty() {
                 BTreeMap::new()

@@ -22,7 +22,7 @@ use crate::store::{Reader, WriteTxn};
 use crate::volume::Volume;
 use parking_lot::MutexGuard;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -397,6 +397,24 @@ impl Pool {
     /// is read or written and no space is added. Cost: proportional to the mapped blocks (a
     /// range copy, made permanent at once).
     pub fn full_clone(&self, source: &str, new_name: &str) -> Result<Volume> {
+        self.full_clone_with(
+            source,
+            new_name,
+            &AtomicBool::new(false),
+            &AtomicU64::new(0),
+        )
+    }
+
+    /// [`Pool::full_clone`], counting in `walked` the bytes of the volume walked so far, and
+    /// ending the walk early once `stop` is set: the clone then exists but still reads
+    /// through its source's layers until the background makes it permanent (or it is deleted).
+    pub fn full_clone_with(
+        &self,
+        source: &str,
+        new_name: &str,
+        stop: &AtomicBool,
+        walked: &AtomicU64,
+    ) -> Result<Volume> {
         let src = match source.split_once('@') {
             Some((v, s)) => self.snapshot(v, s)?,
             None => self.volume(source)?,
@@ -404,7 +422,10 @@ impl Pool {
         let dst = self.create_volume(new_name, src.size())?;
         dst.copy_from(&src, 0, 0, src.size())?;
         self.inner
-            .materialize_frames(dst.state(), &AtomicBool::new(false))?;
+            .materialize_frames(dst.state(), stop, Some(walked))?;
+        if !stop.load(Ordering::Acquire) {
+            walked.store(src.size(), Ordering::Relaxed);
+        }
         Ok(dst)
     }
 }
@@ -432,7 +453,7 @@ impl Inner {
                 || v.frames_copied_at
                     .lock()
                     .is_none_or(|t| t.elapsed() >= crate::copy::MATERIALIZE_DELAY);
-            if due && self.materialize_frames(v, stop)? {
+            if due && self.materialize_frames(v, stop, None)? {
                 merged += 1;
             }
         }

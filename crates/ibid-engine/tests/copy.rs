@@ -341,3 +341,36 @@ fn a_copy_of_a_layered_source_reads_the_same_before_and_after_it_is_made_permane
     assert_same(&read_all(&src), &model, "src");
     pool.verify().expect("verify");
 }
+
+/// A full clone counts the bytes it walked; stopped before its walk, it is still a clone that
+/// reads like its source (through the source's layers) and verifies, and the walk done later
+/// by the background leaves the same bytes.
+#[test]
+fn a_full_clone_reports_its_walk_and_can_stop_early() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
+    let src = pool.create_volume("src", 8 * MIB).expect("src");
+    let want = data(5, 8 * MIB / BLOCK);
+    src.write(0, &want, false).expect("write");
+    let walked = AtomicU64::new(0);
+    let whole = pool
+        .full_clone_with("src", "whole", &AtomicBool::new(false), &walked)
+        .expect("full clone");
+    assert_eq!(walked.load(Ordering::Relaxed), 8 * MIB);
+    assert_same(&read_all(&whole), &want, "whole");
+    let walked = AtomicU64::new(0);
+    let stopped = pool
+        .full_clone_with("src", "stopped", &AtomicBool::new(true), &walked)
+        .expect("stopped clone");
+    assert!(walked.load(Ordering::Relaxed) < 8 * MIB);
+    assert_same(&read_all(&stopped), &want, "stopped");
+    pool.verify().expect("verify");
+    pool.gc_now().expect("gc");
+    assert_same(
+        &read_all(&stopped),
+        &want,
+        "stopped, after the background walk",
+    );
+    pool.close().expect("close");
+}

@@ -169,6 +169,11 @@ impl Progress {
         self.cancelled.load(Relaxed)
     }
 
+    /// The flag [`Progress::cancel`] sets, for work that polls one (a full clone's walk).
+    pub fn cancel_flag(&self) -> &AtomicBool {
+        &self.cancelled
+    }
+
     fn check(&self) -> Result<()> {
         if self.is_cancelled() {
             return Err(Error::Cancelled);

@@ -283,6 +283,10 @@ struct CloneRequest {
     /// Format of the clone (default thin).
     #[serde(default)]
     format: Option<String>,
+    /// A full clone only (it runs as a job): answer at once (202, the job) instead of when it
+    /// ends.
+    #[serde(default)]
+    background: bool,
 }
 
 /// The router's state: the pool and who is connected to its volumes.
@@ -1061,36 +1065,98 @@ async fn resize_volume(
 
 async fn clone_volume(
     State(api): State<Api>,
+    Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
     Path(name): Path<String>,
     req: Body<CloneRequest>,
-) -> ApiResult<(StatusCode, Json<VolumeView>)> {
+) -> ApiResult<(StatusCode, Json<Value>)> {
     let req = body(req)?;
-    blocking(move || {
-        let pool = &api.pool;
-        pool.volume(&name)?;
-        api.instants.refuse(pool, &name, "a clone")?;
-        let source = match &req.snapshot {
-            Some(s) => format!("{name}@{s}"),
-            None => name.clone(),
-        };
-        let format = req.format.as_deref().map(parse_format).transpose()?;
-        if req.full {
-            pool.full_clone(&source, &req.name)?;
-        } else {
-            pool.clone_volume(&source, &req.name)?;
+    if req.background && !req.full {
+        return Err(ApiError::bad_request(
+            "background applies to a full clone only (a fast clone is immediate)",
+        ));
+    }
+    let format = req.format.as_deref().map(parse_format).transpose()?;
+    let source = match &req.snapshot {
+        Some(s) => format!("{name}@{s}"),
+        None => name.clone(),
+    };
+    {
+        let api = api.clone();
+        let name = name.clone();
+        blocking(move || {
+            api.pool.volume(&name)?;
+            api.instants.refuse(&api.pool, &name, "a clone")
+        })
+        .await?;
+    }
+    if !req.full {
+        return blocking(move || {
+            api.pool.clone_volume(&source, &req.name)?;
+            finish_clone(&api, &req.name, format)
+        })
+        .await;
+    }
+    // A full clone walks the source's map (time proportional to its mapped blocks): a job,
+    // with the bytes walked as its progress, cancellable between walk windows.
+    let progress = Arc::new(ibid_offload::Progress::default());
+    let size = match source.split_once('@') {
+        Some((v, s)) => api.pool.snapshot(v, s)?.size(),
+        None => api.pool.volume(&source)?.size(),
+    };
+    progress
+        .bytes_total
+        .store(size, std::sync::atomic::Ordering::Relaxed);
+    let target = format!("{source} -> {} (full clone)", req.name);
+    let work = {
+        let progress = progress.clone();
+        async move {
+            blocking(move || {
+                let pool = &api.pool;
+                pool.full_clone_with(
+                    &source,
+                    &req.name,
+                    progress.cancel_flag(),
+                    &progress.bytes_done,
+                )?;
+                if progress.is_cancelled() {
+                    pool.delete_volume(&req.name)?;
+                    refresh_luns(&api);
+                    return Err(ApiError::conflict("cancelled", "cancelled"));
+                }
+                finish_clone(&api, &req.name, format).map(|(_, Json(v))| v)
+            })
+            .await
         }
-        if let Some(f) = format.filter(|f| f.is_thick()) {
-            if let Err(e) = pool.set_volume_format(&req.name, f) {
-                // The clone cannot get the format asked for: it must not stay behind.
-                pool.delete_volume(&req.name)?;
-                return Err(e.into());
-            }
+    };
+    let (status, answer) = jobs
+        .run("clone", target, req.background, progress, None, work)
+        .await?;
+    let status = if status == StatusCode::OK {
+        StatusCode::CREATED
+    } else {
+        status
+    };
+    Ok((status, answer))
+}
+
+/// A clone made: its format (if thick) and its LUN; answers the new volume.
+fn finish_clone(
+    api: &Api,
+    name: &str,
+    format: Option<VolumeFormat>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let pool = &api.pool;
+    if let Some(f) = format.filter(|f| f.is_thick()) {
+        if let Err(e) = pool.set_volume_format(name, f) {
+            // The clone cannot get the format asked for: it must not stay behind.
+            pool.delete_volume(name)?;
+            return Err(e.into());
         }
-        let id = pool.volume(&req.name)?.id();
-        api.luns.assign(pool, id, None)?;
-        created(&api, &req.name)
-    })
-    .await
+    }
+    let id = pool.volume(name)?.id();
+    api.luns.assign(pool, id, None)?;
+    let (status, Json(view)) = created(api, name)?;
+    Ok((status, Json(json!(view))))
 }
 
 /// Converts a volume to `to` if its current format is one of `from`, answering with the

@@ -55,6 +55,41 @@ fn volumes_snapshots_and_clones_through_the_api() {
         Some(r#"{"name":"c2","full":true}"#),
     );
     assert_eq!(status, 201);
+    // A full clone in the background is a job (kind clone) whose result is the new volume.
+    let (status, job) = call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm1/clone",
+        Some(r#"{"name":"c3","full":true,"background":true}"#),
+    );
+    assert_eq!(
+        (status, job["kind"].as_str()),
+        (202, Some("clone")),
+        "{job}"
+    );
+    let job = loop {
+        let (_, j) = call(&srv, "GET", &format!("/api/v1/jobs/{}", job["id"]), None);
+        if j["state"] != "running" {
+            break j;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert_eq!(job["result"]["name"], "c3", "{job}");
+    assert_eq!(job["bytes_done"], job["bytes_total"], "{job}");
+    let (status, e) = call(
+        &srv,
+        "POST",
+        "/api/v1/volumes/vm1/clone",
+        Some(r#"{"name":"c4","background":true}"#),
+    );
+    assert_eq!(
+        (status, e["code"].as_str()),
+        (400, Some("bad_request")),
+        "{e}"
+    );
+    let (status, _) = call(&srv, "DELETE", "/api/v1/volumes/c3", None);
+    assert_eq!(status, 204);
     run(
         "qemu-io",
         &["-f", "raw", "-c", "read -P 0x42 0 1M", &srv.url("c1")],

@@ -511,7 +511,8 @@ fn clone(
     format: Option<String>,
 ) -> Result<(), CliError> {
     let (volume, snapshot) = split_snapshot(source)?;
-    let mut body = json!({ "name": name, "full": full });
+    // A full clone is a job: started in the background and followed (a progress bar).
+    let mut body = json!({ "name": name, "full": full, "background": full });
     if let Some(s) = snapshot {
         body["snapshot"] = s.into();
     }
@@ -519,11 +520,15 @@ fn clone(
         body["format"] = f.into();
     }
     let kind = if full { "full clone" } else { "clone" };
-    let v = ctx.client.post(
-        &format!("/volumes/{}/clone", segment(volume)),
-        body,
-        &format!("making a {kind} of {source} as {name}"),
-    )?;
+    let label = format!("making a {kind} of {source} as {name}");
+    let answer = ctx
+        .client
+        .post(&format!("/volumes/{}/clone", segment(volume)), body, &label)?;
+    let v = if full {
+        super::job::follow(ctx, answer, &label)?
+    } else {
+        answer
+    };
     show_volume(ctx, &v)
 }
 
