@@ -37,7 +37,10 @@ use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicU64,
+    Ordering::{AcqRel, Acquire, Relaxed, Release},
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -291,7 +294,7 @@ impl InstantRestore {
     fn set_present(&self, i: usize) {
         let was = self.present[i / 64].fetch_or(1 << (i % 64), Relaxed);
         assert_eq!(was & (1 << (i % 64)), 0, "entry {i} was present already");
-        self.missing.fetch_sub(1, Relaxed);
+        self.missing.fetch_sub(1, Release);
         self.present_bytes
             .fetch_add(self.entries[i].at.plain_len as u64, Relaxed);
     }
@@ -373,6 +376,9 @@ impl InstantRestore {
             return Ok(claim);
         }
         let mut partial = Vec::new();
+        // Counted before any entry is claimed: a flush that sees nothing missing and no claim
+        // in flight has every mark queued (see `flush`).
+        self.claims_in_flight.fetch_add(1, AcqRel);
         for i in self.absent_in(off, len) {
             let s = self.span(i);
             if off <= s.start && off + len >= s.end {
@@ -385,8 +391,8 @@ impl InstantRestore {
                 partial.push(i);
             }
         }
-        if !claim.entries.is_empty() {
-            self.claims_in_flight.fetch_add(1, Relaxed);
+        if claim.entries.is_empty() {
+            self.claims_in_flight.fetch_sub(1, Release);
         }
         if let Err(e) = self.fetch_and_install(&partial) {
             self.after_write(claim, false);
@@ -411,7 +417,7 @@ impl InstantRestore {
                 self.clear_present(i);
             }
         }
-        self.claims_in_flight.fetch_sub(1, Relaxed);
+        self.claims_in_flight.fetch_sub(1, Release);
     }
 
     /// A host's flush: the volume's, then the marks queued before it (see the module's
@@ -421,7 +427,7 @@ impl InstantRestore {
         // Read before the marks are taken: if nothing was missing or claimed then, every
         // entry's mark is among those taken or already in the log.
         let all_present =
-            self.missing.load(Relaxed) == 0 && self.claims_in_flight.load(Relaxed) == 0;
+            self.missing.load(Acquire) == 0 && self.claims_in_flight.load(Acquire) == 0;
         let taken = std::mem::take(&mut *self.pending.lock());
         let result = self
             .volume
@@ -498,8 +504,10 @@ impl InstantRestore {
         }
         self.volume
             .write(self.entries[i].chunk * CHUNK_BYTES, plain, false)?;
-        self.set_present(i);
+        // The mark is queued before the entry counts as present: a flush that sees nothing
+        // missing takes it (see `flush`).
         self.pending.lock().push(self.entries[i].chunk);
+        self.set_present(i);
         Ok(())
     }
 
