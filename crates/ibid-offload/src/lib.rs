@@ -37,7 +37,8 @@
 //!
 //! ## Restore
 //! The manifest is read (its checksum checked), a new thin volume created, and the records are
-//! fetched with ranged GETs, pack by pack, each chunk checked against its BLAKE3 before it is
+//! fetched with ranged GETs, pack by pack (downloads run apart from the pool's writes), each
+//! chunk checked against its BLAKE3 before it is
 //! written. Writes go through the engine's normal write path, so restored data is deduplicated
 //! against the pool as it arrives. A restore that fails deletes the volume it created.
 //!

@@ -101,7 +101,9 @@ impl Remote {
     }
 
     /// Fetches every pack's wanted records and writes them; (bytes received, bytes written,
-    /// chunks written).
+    /// chunks written). Downloads run as tasks of their own, [`DOWNLOADS_INFLIGHT_MAX`] at
+    /// once, while [`WRITERS`] threads write what has arrived: a slot never waits for the
+    /// pool's writes before it fetches the next pack.
     async fn fill(
         &self,
         target: &Volume,
@@ -116,8 +118,26 @@ impl Remote {
             .filter(|(_, w)| !w.is_empty())
             .collect();
         let totals = futures::stream::iter(jobs)
-            .map(|(name, wanted)| self.restore_pack(target.clone(), name, wanted, progress.clone()))
-            .buffer_unordered(DOWNLOADS_INFLIGHT_MAX)
+            .map(|(name, wanted)| {
+                let (this, progress) = (self.clone(), progress.clone());
+                tokio::spawn(async move { this.fetch_pack(name, wanted, progress).await })
+            })
+            .buffered(DOWNLOADS_INFLIGHT_MAX)
+            .map(|fetched| {
+                let (target, progress) = (target.clone(), progress.clone());
+                async move {
+                    let (parts, wanted) = fetched
+                        .map_err(|e| Error::Invalid(format!("download task failed: {e}")))??;
+                    let received: u64 = parts.iter().map(|p| p.len() as u64).sum();
+                    tokio::task::spawn_blocking(move || {
+                        write_records(&target, &parts, &wanted, &progress)
+                    })
+                    .await
+                    .map_err(|e| Error::Invalid(format!("restore task failed: {e}")))?
+                    .map(|(written, chunks)| (received, written, chunks))
+                }
+            })
+            .buffer_unordered(WRITERS)
             .try_fold((0, 0, 0), |a, b| async move {
                 Ok((a.0 + b.0, a.1 + b.1, a.2 + b.2))
             })
@@ -129,13 +149,13 @@ impl Remote {
         Ok(totals)
     }
 
-    async fn restore_pack(
+    /// The wanted records of pack `name`, one part each.
+    async fn fetch_pack(
         &self,
-        target: Volume,
         name: Hash,
         wanted: Wanted,
         progress: Arc<Progress>,
-    ) -> Result<(u64, u64, u64)> {
+    ) -> Result<(Vec<bytes::Bytes>, Wanted)> {
         progress.check()?;
         let path = pack_path(&name);
         let ranges: Vec<Range<u64>> = wanted
@@ -156,23 +176,32 @@ impl Remote {
             })?;
         let received: u64 = parts.iter().map(|p| p.len() as u64).sum();
         progress.bytes_transferred.fetch_add(received, Relaxed);
-        tokio::task::spawn_blocking(move || {
-            let (mut written, mut chunks) = (0u64, 0u64);
-            for (part, (_, (hash, _, at))) in parts.iter().zip(wanted.iter()) {
-                progress.check()?;
-                let plain = format::decode_record(part, hash)?;
-                for &c in at {
-                    target.write(c * CHUNK_BYTES, &plain, false)?;
-                    written += plain.len() as u64;
-                    chunks += 1;
-                }
-                progress
-                    .bytes_done
-                    .fetch_add(plain.len() as u64 * at.len() as u64, Relaxed);
-            }
-            Ok((received, written, chunks))
-        })
-        .await
-        .map_err(|e| Error::Invalid(format!("restore task failed: {e}")))?
+        Ok((parts, wanted))
     }
+}
+
+/// Pool writers of a restore (each writes one pack's records at a time).
+const WRITERS: usize = 2;
+
+/// Checks and writes one pack's records; (bytes written, chunks written).
+fn write_records(
+    target: &Volume,
+    parts: &[bytes::Bytes],
+    wanted: &Wanted,
+    progress: &Progress,
+) -> Result<(u64, u64)> {
+    let (mut written, mut chunks) = (0u64, 0u64);
+    for (part, (_, (hash, _, at))) in parts.iter().zip(wanted.iter()) {
+        progress.check()?;
+        let plain = format::decode_record(part, hash)?;
+        for &c in at {
+            target.write(c * CHUNK_BYTES, &plain, false)?;
+            written += plain.len() as u64;
+            chunks += 1;
+        }
+        progress
+            .bytes_done
+            .fetch_add(plain.len() as u64 * at.len() as u64, Relaxed);
+    }
+    Ok((written, chunks))
 }
