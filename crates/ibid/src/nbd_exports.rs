@@ -64,6 +64,8 @@ impl Exports for PoolExports {
         self.pool
             .list_volumes_now()
             .into_iter()
+            // A volume whose restore has not resumed yet cannot be opened: not listed either.
+            .filter(|v| !self.instants.is_opening(&v.name))
             .map(|v| ExportInfo {
                 description: format!("ibid volume, {} bytes", v.size_bytes),
                 name: v.name,
