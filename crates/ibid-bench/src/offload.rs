@@ -50,6 +50,9 @@ pub(crate) struct OffloadArgs {
     /// First reads timed per round.
     #[arg(long, default_value_t = 40)]
     reads: usize,
+    /// Requests the peer keeps in flight (ibid's push and restore keep 4).
+    #[arg(long, default_value_t = IN_FLIGHT)]
+    depth: usize,
 }
 
 fn env(name: &str) -> Result<String> {
@@ -111,7 +114,7 @@ pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
         let report = rt.block_on(remote.push(&pool, "v", "s", Arc::default()))?;
         let push_s = t.elapsed().as_secs_f64();
         let sent = report.bytes_sent;
-        let put_s = rt.block_on(put_objects(&store, sent, &mut rng))?;
+        let put_s = rt.block_on(put_objects(&store, sent, &mut rng, a.depth))?;
         // On another pool (as on another server: nothing to deduplicate against): first reads
         // of an instant restore, alternating with one ranged GET of a record each, after the
         // store and the pool have settled; then a restore and the peer's GETs of the packs.
@@ -121,7 +124,7 @@ pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
         let t = Instant::now();
         rt.block_on(remote.restore(&other, "v", "s", "back", Arc::new(Progress::default())))?;
         let restore_s = t.elapsed().as_secs_f64();
-        let (got, get_s) = rt.block_on(get_packs(&pack_store))?;
+        let (got, get_s) = rt.block_on(get_packs(&pack_store, a.depth))?;
         other.close()?;
         let mb = |bytes: u64, s: f64| bytes as f64 / s / 1e6;
         let (push, put) = (mb(sent, push_s), mb(sent, put_s));
@@ -184,8 +187,13 @@ fn raw_store(c: &RemoteConfig) -> Result<Arc<dyn ObjectStore>> {
     Ok(Arc::new(object_store::prefix::PrefixStore::new(s3, prefix)))
 }
 
-/// PUTs `bytes` in 8 MiB objects of random bytes, [`IN_FLIGHT`] at a time; seconds taken.
-async fn put_objects(store: &Arc<dyn ObjectStore>, bytes: u64, rng: &mut Rng) -> Result<f64> {
+/// PUTs `bytes` in 8 MiB objects of random bytes, `depth` at a time; seconds taken.
+async fn put_objects(
+    store: &Arc<dyn ObjectStore>,
+    bytes: u64,
+    rng: &mut Rng,
+    depth: usize,
+) -> Result<f64> {
     let objects: Vec<Bytes> = (0..bytes.div_ceil(OBJECT_BYTES as u64))
         .map(|i| {
             let len = (bytes - i * OBJECT_BYTES as u64).min(OBJECT_BYTES as u64) as usize;
@@ -204,14 +212,14 @@ async fn put_objects(store: &Arc<dyn ObjectStore>, bytes: u64, rng: &mut Rng) ->
                     .await
             }
         })
-        .buffer_unordered(IN_FLIGHT)
+        .buffer_unordered(depth)
         .try_collect::<Vec<_>>()
         .await?;
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// GETs every pack of the remote, [`IN_FLIGHT`] at a time; (bytes, seconds).
-async fn get_packs(store: &Arc<dyn ObjectStore>) -> Result<(u64, f64)> {
+/// GETs every pack of the remote, `depth` at a time; (bytes, seconds).
+async fn get_packs(store: &Arc<dyn ObjectStore>, depth: usize) -> Result<(u64, f64)> {
     let packs: Vec<StorePath> = store
         .list(Some(&StorePath::from("packs")))
         .map_ok(|m| m.location)
@@ -226,7 +234,7 @@ async fn get_packs(store: &Arc<dyn ObjectStore>) -> Result<(u64, f64)> {
                     Ok::<_, object_store::Error>(store.get(&p).await?.bytes().await?.len() as u64)
                 }
             })
-            .buffer_unordered(IN_FLIGHT)
+            .buffer_unordered(depth)
             .try_collect()
             .await?;
     Ok((sizes.iter().sum(), t.elapsed().as_secs_f64()))
