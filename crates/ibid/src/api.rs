@@ -1131,12 +1131,7 @@ async fn clone_volume(
     let (status, answer) = jobs
         .run("clone", target, req.background, progress, None, work)
         .await?;
-    let status = if status == StatusCode::OK {
-        StatusCode::CREATED
-    } else {
-        status
-    };
-    Ok((status, answer))
+    Ok((crate::jobs::created(status), answer))
 }
 
 /// A clone made: its format (if thick) and its LUN; answers the new volume.

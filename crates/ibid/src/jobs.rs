@@ -375,6 +375,16 @@ impl Jobs {
     }
 }
 
+/// The status of a job's answer for a request that makes something (a volume): 201 when the
+/// request waited for it, else the job's own (202, running in the background).
+pub fn created(status: StatusCode) -> StatusCode {
+    if status == StatusCode::OK {
+        StatusCode::CREATED
+    } else {
+        status
+    }
+}
+
 fn now_unix_s() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

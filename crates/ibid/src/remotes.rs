@@ -504,26 +504,20 @@ impl Offload {
     /// background). Call once at start, after the partly restored volumes are deleted.
     pub async fn resume_interrupted(&self) {
         for (id, req) in self.jobs.take_interrupted() {
-            let started = if let Some(p) = req.get("push") {
-                let (Some(v), Some(s), Some(r)) = (
-                    p["volume"].as_str(),
-                    p["snapshot"].as_str(),
-                    p["remote"].as_str(),
-                ) else {
-                    continue;
-                };
-                self.push(v, s, r, true, true).await
-            } else if let Some(p) = req.get("restore") {
-                let (Some(v), Some(s), Some(r)) = (
-                    p["volume"].as_str(),
-                    p["snapshot"].as_str(),
-                    p["remote"].as_str(),
-                ) else {
-                    continue;
-                };
-                self.restore(r, s, v, true).await
-            } else {
-                continue;
+            let names = |p: &Value| {
+                Some((
+                    p["volume"].as_str()?.to_string(),
+                    p["snapshot"].as_str()?.to_string(),
+                    p["remote"].as_str()?.to_string(),
+                ))
+            };
+            let started = match (
+                req.get("push").and_then(names),
+                req.get("restore").and_then(names),
+            ) {
+                (Some((v, s, r)), _) => self.push(&v, &s, &r, true, true).await,
+                (_, Some((v, s, r))) => self.restore(&r, &s, &v, true).await,
+                _ => continue,
             };
             match started {
                 Ok((_, job)) => tracing::info!(
@@ -670,10 +664,5 @@ async fn restore(
     let (status, answer) = o
         .restore(&name, &r.snapshot, &r.volume, r.background)
         .await?;
-    let status = if status == StatusCode::OK {
-        StatusCode::CREATED
-    } else {
-        status
-    };
-    Ok((status, answer))
+    Ok((crate::jobs::created(status), answer))
 }

@@ -1469,3 +1469,22 @@ fn u64_of(v: &Value, field: &str) -> u64 {
         .as_u64()
         .unwrap_or_else(|| panic!("{field} in {v}"))
 }
+
+/// A client command whose output pipe has closed (`ibid ... | head` after head has gone) ends
+/// by SIGPIPE, as other command-line tools do, not with a panic.
+#[test]
+fn a_closed_output_pipe_ends_the_client_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let srv = Server::start(&[]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ibid"))
+        .args(["volume", "list", "--json", "--server", &server_url(&srv)])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ibid");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(13), "{:?} {stderr}", out.status);
+}
