@@ -135,6 +135,14 @@ pub fn encode_record(hash: &Hash, plain: &[u8], out: &mut Vec<u8>) {
 /// Decodes the record at the start of `bytes` (header and stored bytes) expected to hold chunk
 /// `hash`, and checks the plain bytes against it.
 pub fn decode_record(bytes: &[u8], hash: &Hash) -> Result<Vec<u8>> {
+    let mut plain = Vec::new();
+    decode_record_into(bytes, hash, &mut plain)?;
+    Ok(plain)
+}
+
+/// [`decode_record`], appending the plain bytes to `out` (a restore assembles runs of chunks in
+/// one buffer); on an error `out` is left as it was.
+pub fn decode_record_into(bytes: &[u8], hash: &Hash, out: &mut Vec<u8>) -> Result<()> {
     let bad = |why: &str| Error::Corrupt(format!("chunk {}: {why}", hex(hash)));
     if bytes.len() < RECORD_HEADER_BYTES || &bytes[0..4] != RECORD_MAGIC {
         return Err(bad("no record header where the index says"));
@@ -149,20 +157,31 @@ pub fn decode_record(bytes: &[u8], hash: &Hash) -> Result<Vec<u8>> {
         return Err(bad("lengths out of bounds"));
     }
     let stored = &bytes[RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + stored_len];
-    let plain = match codec {
-        CODEC_RAW => stored.to_vec(),
-        CODEC_LZ4 => {
-            lz4_flex::block::decompress(stored, plain_len).map_err(|e| bad(&format!("LZ4: {e}")))?
+    let start = out.len();
+    let decoded = match codec {
+        CODEC_RAW if stored_len == plain_len => {
+            out.extend_from_slice(stored);
+            Ok(())
         }
-        _ => return Err(bad("unknown codec")),
+        CODEC_RAW => Err(bad("plain length differs")),
+        CODEC_LZ4 => {
+            out.resize(start + plain_len, 0);
+            match lz4_flex::block::decompress_into(stored, &mut out[start..]) {
+                Ok(n) if n == plain_len => Ok(()),
+                Ok(_) => Err(bad("plain length differs")),
+                Err(e) => Err(bad(&format!("LZ4: {e}"))),
+            }
+        }
+        _ => Err(bad("unknown codec")),
     };
-    if plain.len() != plain_len {
-        return Err(bad("plain length differs"));
+    let checked = decoded.and_then(|()| match blake3::hash(&out[start..]).as_bytes() == hash {
+        true => Ok(()),
+        false => Err(bad("BLAKE3 mismatch")),
+    });
+    if checked.is_err() {
+        out.truncate(start);
     }
-    if blake3::hash(&plain).as_bytes() != hash {
-        return Err(bad("BLAKE3 mismatch"));
-    }
-    Ok(plain)
+    checked
 }
 
 /// Encodes a manifest or index.

@@ -23,10 +23,19 @@ pub struct GcReport {
     pub snapshots: u64,
     /// Packs kept (named by a manifest).
     pub packs_kept: u64,
-    /// Packs deleted.
+    /// Packs deleted (unreferenced, or repacked).
     pub packs_deleted: u64,
     /// Bytes of the packs deleted.
     pub bytes_freed: u64,
+    /// Packs whose live chunks were moved into new packs (they were mostly garbage; see
+    /// [`crate::REPACK_LIVE_BELOW_PCT`]).
+    pub packs_repacked: u64,
+    /// Chunks moved by repacking.
+    pub chunks_moved: u64,
+    /// Bytes of the new packs repacking wrote (the net space freed is `bytes_freed` less this).
+    pub bytes_written: u64,
+    /// Manifests rewritten to name the new packs.
+    pub manifests_rewritten: u64,
     /// Stale locks removed (of killed pushes or collections).
     pub stale_locks_removed: u64,
 }
@@ -53,7 +62,8 @@ pub struct VerifyReport {
 }
 
 impl Remote {
-    /// Deletes the packs no manifest names. Refused ([`Error::Busy`]) while a push runs.
+    /// Repacks the packs mostly garbage, then deletes the packs no manifest names. Refused
+    /// ([`Error::Busy`]) while a push, a snapshot deletion or another GC runs.
     pub async fn gc(&self) -> Result<GcReport> {
         let lock = self.lock(Kind::Gc).await?;
         let result = self.gc_locked().await;
@@ -62,14 +72,16 @@ impl Remote {
     }
 
     async fn gc_locked(&self) -> Result<GcReport> {
-        let manifests = self.all_manifests().await?;
+        let mut manifests = self.all_manifests().await?;
+        let mut packs = self.all_packs().await?;
+        let repacked = self.repack(&mut manifests, &packs).await?;
+        packs.extend(repacked.new_packs.iter().map(|(h, s)| (*h, *s)));
         let mut referenced: HashSet<Hash> = HashSet::new();
         let mut known = Known::new();
         for (_, t) in &manifests {
             referenced.extend(t.packs.iter().copied());
             add_table(&mut known, t);
         }
-        let packs = self.all_packs().await?;
         let garbage: Vec<(Hash, u64)> = packs
             .iter()
             .filter(|(h, _)| !referenced.contains(*h))
@@ -99,6 +111,10 @@ impl Remote {
             packs_kept: (packs.len() - garbage.len()) as u64,
             packs_deleted: garbage.len() as u64,
             bytes_freed: garbage.iter().map(|(_, s)| s).sum(),
+            packs_repacked: repacked.packs,
+            chunks_moved: repacked.chunks,
+            bytes_written: repacked.bytes_written,
+            manifests_rewritten: repacked.manifests,
             stale_locks_removed,
         })
     }

@@ -28,7 +28,8 @@
 //! Reading stops at the first record that does not check (a torn append); the file is cut
 //! there before anything is appended.
 
-use crate::format::{self, Entry, Hash, CHUNK_BYTES, RECORD_HEADER_BYTES};
+use crate::format::{self, Entry, Hash, Location, CHUNK_BYTES, RECORD_HEADER_BYTES};
+use crate::repack::{place_of, Places};
 use crate::{pack_path, Error, Progress, Remote, Result, DOWNLOADS_INFLIGHT_MAX};
 use futures::{StreamExt, TryStreamExt};
 use ibid_engine::{Pool, Volume};
@@ -58,7 +59,8 @@ pub struct InstantRestore {
     volume: Volume,
     /// `VOLUME@SNAPSHOT` in the remote.
     snapshot: String,
-    packs: Vec<Hash>,
+    /// Where the chunks are (the manifest, read again if GC moves them).
+    places: Places,
     /// The manifest's entries, in chunk order.
     entries: Vec<Entry>,
     /// A bit per entry: the volume holds the chunk (fetched, or overwritten whole by a host).
@@ -85,6 +87,9 @@ pub struct InstantRestore {
     stopped: AtomicBool,
     runtime: tokio::runtime::Handle,
 }
+
+/// Entries to fetch from one pack, with their locations there.
+type Group = Vec<(usize, Location)>;
 
 /// The mark log file.
 struct MarkLog {
@@ -136,7 +141,7 @@ impl Remote {
         Ok(Arc::new(InstantRestore::new(
             self.clone(),
             target,
-            format!("{volume}@{snapshot}"),
+            (volume, snapshot),
             manifest,
             MarkLog { file, path: marks },
             &[],
@@ -170,7 +175,7 @@ impl Remote {
         Ok(Arc::new(InstantRestore::new(
             self.clone(),
             target,
-            format!("{volume}@{snapshot}"),
+            (volume, snapshot),
             manifest,
             MarkLog { file, path: marks },
             &marked,
@@ -184,7 +189,7 @@ pub fn marks_file(dir: &Path, volume_id: u64) -> PathBuf {
 }
 
 /// The manifest's entries must be in chunk order, once each, inside the volume.
-fn check_manifest(
+pub(crate) fn check_manifest(
     manifest: &format::Table<format::ManifestHeader>,
     volume: &str,
     snapshot: &str,
@@ -217,18 +222,18 @@ impl InstantRestore {
     fn new(
         remote: Remote,
         volume: Volume,
-        snapshot: String,
+        (source, snapshot): (&str, &str),
         manifest: format::Table<format::ManifestHeader>,
         log: MarkLog,
         marked: &[u64],
     ) -> InstantRestore {
-        let entries = manifest.entries;
+        let entries = manifest.entries.clone();
         let data_bytes = entries.iter().map(|e| e.at.plain_len as u64).sum();
         let this = InstantRestore {
             remote,
             volume,
-            snapshot,
-            packs: manifest.packs,
+            snapshot: format!("{source}@{snapshot}"),
+            places: Places::new(source, snapshot, Arc::new(manifest)),
             present: (0..entries.len().div_ceil(64))
                 .map(|_| AtomicU64::new(0))
                 .collect(),
@@ -448,51 +453,81 @@ impl InstantRestore {
         if wanted.is_empty() {
             return Ok(());
         }
-        let mut by_pack: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for &i in wanted {
-            by_pack.entry(self.entries[i].at.pack).or_default().push(i);
-        }
-        let fetched: Vec<Vec<(usize, Vec<u8>)>> = self.runtime.block_on(
-            futures::stream::iter(by_pack.into_values())
-                .map(|entries| self.fetch_pack(entries))
-                .buffer_unordered(DOWNLOADS_INFLIGHT_MAX)
-                .try_collect(),
-        )?;
-        for (i, plain) in fetched.into_iter().flatten() {
+        let fetched = self.runtime.block_on(async {
+            let mut fetched = Vec::new();
+            let mut todo = wanted.to_vec();
+            // A pack found gone (GC repacked it): its chunks again, from a newer manifest.
+            while !todo.is_empty() {
+                let (version, manifest) = self.places.current().await;
+                let mut by_pack: BTreeMap<Hash, Group> = BTreeMap::new();
+                for &i in &todo {
+                    let e = &self.entries[i];
+                    let (pack, at) = place_of(&manifest, e.chunk, &e.hash)?;
+                    by_pack.entry(pack).or_default().push((i, at));
+                }
+                let results: Vec<(Hash, Group, Option<_>)> = futures::stream::iter(by_pack)
+                    .map(|(pack, entries)| async move {
+                        let got = self.fetch_pack(&pack, &entries).await?;
+                        Ok::<_, Error>((pack, entries, got))
+                    })
+                    .buffer_unordered(DOWNLOADS_INFLIGHT_MAX)
+                    .try_collect()
+                    .await?;
+                todo.clear();
+                let mut gone = None;
+                for (pack, entries, got) in results {
+                    match got {
+                        Some(chunks) => fetched.extend(chunks),
+                        None => {
+                            todo.extend(entries.iter().map(|(i, _)| *i));
+                            gone = Some(pack);
+                        }
+                    }
+                }
+                if let Some(pack) = gone {
+                    self.places.newer(&self.remote, version, &pack).await?;
+                }
+            }
+            Ok::<_, Error>(fetched)
+        })?;
+        for (i, plain) in fetched {
             self.install(i, &plain)?;
         }
         Ok(())
     }
 
-    /// Reads the records of `entries` (all in one pack) and checks each against its BLAKE3.
-    async fn fetch_pack(&self, entries: Vec<usize>) -> Result<Vec<(usize, Vec<u8>)>> {
-        let pack = self.packs[self.entries[entries[0]].at.pack as usize];
+    /// Reads the records of `entries` (all in pack `pack`, at their locations) and checks each
+    /// against its BLAKE3; `None` if the pack is gone.
+    async fn fetch_pack(
+        &self,
+        pack: &Hash,
+        entries: &[(usize, Location)],
+    ) -> Result<Option<Vec<(usize, Vec<u8>)>>> {
         let ranges: Vec<Range<u64>> = entries
             .iter()
-            .map(|&i| {
-                let at = self.entries[i].at;
+            .map(|(_, at)| {
                 at.offset as u64
                     ..at.offset as u64 + (RECORD_HEADER_BYTES + at.stored_len as usize) as u64
             })
             .collect();
-        let parts = self
+        let parts = match self
             .remote
             .store
-            .get_ranges(&pack_path(&pack), &ranges)
+            .get_ranges(&pack_path(pack), &ranges)
             .await
-            .map_err(|e| match e {
-                object_store::Error::NotFound { .. } => {
-                    Error::Corrupt(format!("pack {} is missing", format::hex(&pack)))
-                }
-                e => e.into(),
-            })?;
+        {
+            Ok(parts) => parts,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
         let received: u64 = parts.iter().map(|p| p.len() as u64).sum();
         self.received_bytes.fetch_add(received, Relaxed);
         entries
-            .into_iter()
+            .iter()
             .zip(parts.iter())
-            .map(|(i, part)| Ok((i, format::decode_record(part, &self.entries[i].hash)?)))
-            .collect()
+            .map(|(&(i, _), part)| Ok((i, format::decode_record(part, &self.entries[i].hash)?)))
+            .collect::<Result<_>>()
+            .map(Some)
     }
 
     /// Writes entry `i`'s chunk into the volume unless it is present (a host claimed it, or
@@ -523,11 +558,12 @@ impl InstantRestore {
         progress.bytes_total.store(self.data_bytes, Relaxed);
         let started = Instant::now();
         let received_at_start = self.received_bytes();
-        let mut by_pack: Vec<Vec<usize>> = vec![Vec::new(); self.packs.len()];
+        // Pack by pack as the manifest first said (a fetch follows chunks GC moved since).
+        let mut by_pack: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
         for (i, e) in self.entries.iter().enumerate() {
-            by_pack[e.at.pack as usize].push(i);
+            by_pack.entry(e.at.pack).or_default().push(i);
         }
-        let mut packs = by_pack.into_iter().filter(|p| !p.is_empty()).peekable();
+        let mut packs = by_pack.into_values().peekable();
         while let Some(entries) = packs.peek() {
             progress
                 .bytes_done
@@ -564,9 +600,13 @@ impl InstantRestore {
             let received = self.received_bytes() - received_at_start;
             progress.bytes_transferred.store(received, Relaxed);
             if let Some(rate) = bytes_per_s.filter(|&r| r > 0) {
+                // Paced in short sleeps, so a cancel or a stop ends the fill at once.
                 let due = Duration::from_secs_f64(received as f64 / rate as f64);
-                if let Some(wait) = due.checked_sub(started.elapsed()) {
-                    tokio::time::sleep(wait).await;
+                while let Some(wait) = due.checked_sub(started.elapsed()) {
+                    if self.stopped.load(Relaxed) || progress.is_cancelled() {
+                        return Err(Error::Cancelled);
+                    }
+                    tokio::time::sleep(wait.min(Duration::from_millis(100))).await;
                 }
             }
         }

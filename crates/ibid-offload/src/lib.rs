@@ -26,14 +26,16 @@
 //! sends only the rest; what no push claims is removed by the next GC.
 //!
 //! ## GC and concurrent pushes
-//! GC deletes packs no manifest names. A pack a push has uploaded but not yet named in a
-//! manifest is such a pack, and so is a pack whose chunks a push is about to reuse, so GC and
-//! push exclude each other through lock objects: each writes its own lock *then* lists the
-//! locks, and backs off if it sees the other kind (of both, at least one sees the other). A
-//! lock whose process is gone (same host, pid not running) or not refreshed for
+//! GC repacks packs that are mostly garbage (`repack.rs`: their live chunks move to new packs,
+//! the manifests naming them are rewritten) and deletes packs no manifest names. A pack a push
+//! has uploaded but not yet named in a manifest is such a pack, and so is a pack whose chunks
+//! a push is about to reuse; a remote snapshot deletion or another GC could race the manifest
+//! rewrites. So a GC excludes the others through lock objects: each writes its own lock *then*
+//! lists the locks, and backs off if it sees a conflicting kind (of both, at least one sees the
+//! other). A lock whose process is gone (same host, pid not running) or not refreshed for
 //! [`LOCK_STALE_S`] is ignored. GC rewrites the index from the manifests before it deletes a
 //! pack (one segment, written before the others are deleted), so the index never names a
-//! deleted pack.
+//! deleted pack. A restore that finds a pack gone reads its manifest again.
 //!
 //! ## Restore
 //! The manifest is read (its checksum checked), a new thin volume created, and the records are
@@ -54,6 +56,7 @@ mod gc;
 mod instant;
 mod lock;
 mod push;
+mod repack;
 mod restore;
 
 use format::{Hash, ManifestHeader};
@@ -67,6 +70,7 @@ use std::sync::Arc;
 pub use gc::{GcReport, VerifyReport};
 pub use instant::{marks_file, Claim, InstantRestore};
 pub use push::PushReport;
+pub use repack::REPACK_LIVE_BELOW_PCT;
 pub use restore::RestoreReport;
 
 /// Packs uploaded between two writes of the index during a push (what a resumed push can skip
@@ -281,17 +285,18 @@ impl Remote {
     }
 
     /// Deletes a snapshot from the remote (its manifest); the chunks only it held stay until
-    /// the next [`Remote::gc`].
+    /// the next [`Remote::gc`]. Refused ([`Error::Busy`]) while a GC runs (its repacking
+    /// rewrites manifests, and could put this one back).
     pub async fn delete(&self, volume: &str, snapshot: &str) -> Result<()> {
         let path = manifest_path(volume, snapshot)?;
-        match self.store.head(&path).await {
-            Err(object_store::Error::NotFound { .. }) => {
-                return Err(not_in_remote(volume, snapshot))
-            }
-            r => r?,
+        let lock = self.lock(lock::Kind::Delete).await?;
+        let result = match self.store.head(&path).await {
+            Err(object_store::Error::NotFound { .. }) => Err(not_in_remote(volume, snapshot)),
+            Err(e) => Err(e.into()),
+            Ok(_) => self.store.delete(&path).await.map_err(Error::from),
         };
-        self.store.delete(&path).await?;
-        Ok(())
+        lock.release().await;
+        result
     }
 
     /// Reads only the header of a manifest (listing does not need the chunks).

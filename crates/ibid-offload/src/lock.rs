@@ -1,8 +1,9 @@
-//! Lock objects that keep a GC and a push from running at once on one remote (see the crate's
-//! doc, "GC and concurrent pushes").
+//! Lock objects that keep a GC from running beside a push, a snapshot deletion or another GC on
+//! one remote (see the crate's doc, "GC and concurrent pushes").
 //!
 //! A lock is `locks/<kind>-<host>-<pid>-<nanos>` holding JSON [`LockBody`]. Taking one: write it,
-//! then list `locks/`; if a live lock of the other kind is there, delete ours and report busy.
+//! then list `locks/`; if a live lock of a conflicting kind ([`Kind::conflicts`]) is there,
+//! delete ours and report busy.
 //! Any two takers see each other or at least one of them does, since each writes before it
 //! lists. A push's lock is rewritten every [`LOCK_REFRESH`] so a long push stays live.
 
@@ -23,6 +24,25 @@ const LOCK_REFRESH: Duration = Duration::from_secs(60);
 pub(crate) enum Kind {
     Push,
     Gc,
+    /// A remote snapshot's deletion (its manifest).
+    Delete,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Push => "push",
+            Kind::Gc => "gc",
+            Kind::Delete => "delete",
+        }
+    }
+
+    /// Whether locks of `self` and `other` may not be held at once. A GC excludes everything:
+    /// a push may reuse chunks it would delete, and a deletion or another GC could undo or
+    /// race its manifest rewrites (repacking). Pushes and deletions run beside each other.
+    pub(crate) fn conflicts(self, other: Kind) -> bool {
+        self == Kind::Gc || other == Kind::Gc
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -56,18 +76,14 @@ fn host() -> String {
 }
 
 impl Remote {
-    /// Takes a lock of `kind`, or fails with [`Error::Busy`] if one of the other kind is live.
+    /// Takes a lock of `kind`, or fails with [`Error::Busy`] if a conflicting one is live.
     pub(crate) async fn lock(&self, kind: Kind) -> Result<Held> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let host = host();
         let pid = std::process::id();
-        let kind_name = match kind {
-            Kind::Push => "push",
-            Kind::Gc => "gc",
-        };
-        let name: String = format!("{kind_name}-{host}-{pid}-{nanos}")
+        let name: String = format!("{}-{host}-{pid}-{nanos}", kind.name())
             .chars()
             .map(|c| {
                 if c.is_ascii_alphanumeric() || c == '-' {
@@ -90,7 +106,9 @@ impl Remote {
             .await?;
         let other = self.live_locks().await;
         let other = match other {
-            Ok(locks) => locks.into_iter().find(|(k, p)| *k != kind && *p != path),
+            Ok(locks) => locks
+                .into_iter()
+                .find(|(k, p)| kind.conflicts(*k) && *p != path),
             Err(e) => {
                 let _ = self.store.delete(&path).await;
                 return Err(e);
@@ -101,6 +119,7 @@ impl Remote {
             let what = match k {
                 Kind::Push => "a push to this remote is running",
                 Kind::Gc => "a garbage collection of this remote is running",
+                Kind::Delete => "a snapshot of this remote is being deleted",
             };
             return Err(Error::Busy(format!("{what} ({p}); try again later")));
         }

@@ -1,6 +1,8 @@
 //! Restore: a remote snapshot into a new volume of a pool, every chunk checked by its BLAKE3.
 
-use crate::format::{self, Hash, CHUNK_BYTES, RECORD_HEADER_BYTES};
+use crate::format::{self, Hash, ManifestHeader, Table, CHUNK_BYTES, RECORD_HEADER_BYTES};
+use crate::instant::check_manifest;
+use crate::repack::{place_of, Places};
 use crate::{pack_path, Error, Progress, Remote, Result, DOWNLOADS_INFLIGHT_MAX};
 use futures::{StreamExt, TryStreamExt};
 use ibid_engine::{Pool, Volume};
@@ -45,22 +47,25 @@ impl Remote {
     ) -> Result<RestoreReport> {
         let started = Instant::now();
         ibid_engine::validate_volume_name(new_name).map_err(|e| Error::Invalid(e.to_string()))?;
-        let manifest = self.manifest(volume, snapshot).await?;
+        let manifest = Arc::new(self.manifest(volume, snapshot).await?);
+        self.restore_from(pool, manifest, new_name, progress, started)
+            .await
+    }
+
+    /// [`Remote::restore`] from `manifest`, read at `started`.
+    pub(crate) async fn restore_from(
+        &self,
+        pool: &Pool,
+        manifest: Arc<Table<ManifestHeader>>,
+        new_name: &str,
+        progress: Arc<Progress>,
+        started: Instant,
+    ) -> Result<RestoreReport> {
+        let (volume, snapshot) = (&manifest.header.volume, &manifest.header.snapshot);
+        check_manifest(&manifest, volume, snapshot)?;
         let size = manifest.header.size_bytes;
-        if manifest.header.chunk_bytes != CHUNK_BYTES {
-            return Err(Error::Corrupt(format!(
-                "{volume}@{snapshot}: chunk size {} (this ibid uses {CHUNK_BYTES})",
-                manifest.header.chunk_bytes
-            )));
-        }
         let mut by_pack: Vec<Wanted> = vec![BTreeMap::new(); manifest.packs.len()];
         for e in &manifest.entries {
-            if e.chunk.saturating_mul(CHUNK_BYTES) >= size {
-                return Err(Error::Corrupt(format!(
-                    "chunk {} beyond the volume",
-                    e.chunk
-                )));
-            }
             by_pack[e.at.pack as usize]
                 .entry(e.at.offset)
                 .or_insert_with(|| (e.hash, e.at.stored_len, Vec::new()))
@@ -77,8 +82,9 @@ impl Remote {
                 .await
                 .map_err(|e| Error::Invalid(format!("create task failed: {e}")))??
         };
+        let places = Arc::new(Places::new(volume, snapshot, manifest.clone()));
         let result = self
-            .fill(&target, &manifest.packs, by_pack, &progress)
+            .fill(&target, &manifest.packs, by_pack, places, &progress)
             .await;
         let (bytes_received, data_bytes, chunks) = match result {
             Ok(r) => r,
@@ -109,6 +115,7 @@ impl Remote {
         target: &Volume,
         packs: &[Hash],
         by_pack: Vec<Wanted>,
+        places: Arc<Places>,
         progress: &Arc<Progress>,
     ) -> Result<(u64, u64, u64)> {
         let jobs: Vec<(Hash, Wanted)> = packs
@@ -119,22 +126,27 @@ impl Remote {
             .collect();
         let totals = futures::stream::iter(jobs)
             .map(|(name, wanted)| {
-                let (this, progress) = (self.clone(), progress.clone());
-                tokio::spawn(async move { this.fetch_pack(name, wanted, progress).await })
+                let (this, places, progress) = (self.clone(), places.clone(), progress.clone());
+                tokio::spawn(async move { this.fetch_pack(name, wanted, places, progress).await })
             })
-            .buffered(DOWNLOADS_INFLIGHT_MAX)
+            .buffer_unordered(DOWNLOADS_INFLIGHT_MAX)
             .map(|fetched| {
                 let (target, progress) = (target.clone(), progress.clone());
                 async move {
-                    let (parts, wanted) = fetched
+                    let fetched = fetched
                         .map_err(|e| Error::Invalid(format!("download task failed: {e}")))??;
-                    let received: u64 = parts.iter().map(|p| p.len() as u64).sum();
                     tokio::task::spawn_blocking(move || {
-                        write_records(&target, &parts, &wanted, &progress)
+                        let (mut received, mut written, mut chunks) = (0, 0, 0);
+                        for (parts, wanted) in &fetched {
+                            received += parts.iter().map(|p| p.len() as u64).sum::<u64>();
+                            let (w, c) = write_records(&target, parts, wanted, &progress)?;
+                            written += w;
+                            chunks += c;
+                        }
+                        Ok::<_, Error>((received, written, chunks))
                     })
                     .await
                     .map_err(|e| Error::Invalid(format!("restore task failed: {e}")))?
-                    .map(|(written, chunks)| (received, written, chunks))
                 }
             })
             .buffer_unordered(WRITERS)
@@ -149,59 +161,112 @@ impl Remote {
         Ok(totals)
     }
 
-    /// The wanted records of pack `name`, one part each.
+    /// The wanted records of pack `name`, one part each. A pack found gone (GC repacked it
+    /// since the manifest was read) is looked up in a newer manifest: its chunks then come
+    /// from the packs they were moved to, one (parts, wanted) per pack.
     async fn fetch_pack(
         &self,
         name: Hash,
         wanted: Wanted,
+        places: Arc<Places>,
         progress: Arc<Progress>,
-    ) -> Result<(Vec<bytes::Bytes>, Wanted)> {
-        progress.check()?;
-        let path = pack_path(&name);
-        let ranges: Vec<Range<u64>> = wanted
-            .iter()
-            .map(|(&off, &(_, stored, _))| {
-                off as u64..off as u64 + (RECORD_HEADER_BYTES as u64 + stored as u64)
-            })
-            .collect();
-        let parts = self
-            .store
-            .get_ranges(&path, &ranges)
-            .await
-            .map_err(|e| match e {
-                object_store::Error::NotFound { .. } => {
-                    Error::Corrupt(format!("pack {} is missing", format::hex(&name)))
+    ) -> Result<Vec<(Vec<bytes::Bytes>, Wanted)>> {
+        let mut todo = vec![(name, wanted, 0)];
+        let mut out = Vec::new();
+        while let Some((name, wanted, seen)) = todo.pop() {
+            progress.check()?;
+            let ranges: Vec<Range<u64>> = wanted
+                .iter()
+                .map(|(&off, &(_, stored, _))| {
+                    off as u64..off as u64 + (RECORD_HEADER_BYTES as u64 + stored as u64)
+                })
+                .collect();
+            match self.store.get_ranges(&pack_path(&name), &ranges).await {
+                Ok(parts) => {
+                    let received: u64 = parts.iter().map(|p| p.len() as u64).sum();
+                    progress.bytes_transferred.fetch_add(received, Relaxed);
+                    out.push((parts, wanted));
                 }
-                e => e.into(),
-            })?;
-        let received: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        progress.bytes_transferred.fetch_add(received, Relaxed);
-        Ok((parts, wanted))
+                Err(object_store::Error::NotFound { .. }) => {
+                    let (version, manifest) = places.newer(self, seen, &name).await?;
+                    let mut moved: BTreeMap<Hash, Wanted> = BTreeMap::new();
+                    for (hash, _, chunks) in wanted.into_values() {
+                        for c in chunks {
+                            let (pack, at) = place_of(&manifest, c, &hash)?;
+                            moved
+                                .entry(pack)
+                                .or_default()
+                                .entry(at.offset)
+                                .or_insert_with(|| (hash, at.stored_len, Vec::new()))
+                                .2
+                                .push(c);
+                        }
+                    }
+                    todo.extend(moved.into_iter().map(|(p, w)| (p, w, version)));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
     }
 }
 
 /// Pool writers of a restore (each writes one pack's records at a time).
 const WRITERS: usize = 2;
 
-/// Checks and writes one pack's records; (bytes written, chunks written).
+/// Most bytes a restore writes in one call: runs of consecutive chunks go together, so the
+/// engine prepares their blocks in large groups (and on every core).
+const WRITE_RUN_BYTES: u64 = 1 << 20;
+
+/// Checks and writes one pack's records, runs of consecutive chunks at a time; (bytes
+/// written, chunks written).
 fn write_records(
     target: &Volume,
     parts: &[bytes::Bytes],
     wanted: &Wanted,
     progress: &Progress,
 ) -> Result<(u64, u64)> {
+    // (chunk index, record) in volume order; a record several chunks hold appears once each.
+    let mut order: Vec<(u64, usize)> = wanted
+        .values()
+        .enumerate()
+        .flat_map(|(r, (_, _, at))| at.iter().map(move |&c| (c, r)))
+        .collect();
+    order.sort_unstable();
+    let records: Vec<(&bytes::Bytes, &Hash)> = parts
+        .iter()
+        .zip(wanted.values())
+        .map(|(part, (hash, _, _))| (part, hash))
+        .collect();
+    let mut buf = Vec::with_capacity(WRITE_RUN_BYTES as usize);
+    // The chunk index `buf` starts at, and how many chunks it holds.
+    let (mut first, mut held) = (0u64, 0u64);
     let (mut written, mut chunks) = (0u64, 0u64);
-    for (part, (_, (hash, _, at))) in parts.iter().zip(wanted.iter()) {
-        progress.check()?;
-        let plain = format::decode_record(part, hash)?;
-        for &c in at {
-            target.write(c * CHUNK_BYTES, &plain, false)?;
-            written += plain.len() as u64;
-            chunks += 1;
+    let mut write_out = |buf: &mut Vec<u8>, first: u64, held: &mut u64| -> Result<()> {
+        if *held > 0 {
+            target.write(first * CHUNK_BYTES, buf, false)?;
+            written += buf.len() as u64;
+            chunks += *held;
+            progress.bytes_done.fetch_add(buf.len() as u64, Relaxed);
         }
-        progress
-            .bytes_done
-            .fetch_add(plain.len() as u64 * at.len() as u64, Relaxed);
+        buf.clear();
+        *held = 0;
+        Ok(())
+    };
+    for &(c, r) in &order {
+        progress.check()?;
+        // A run goes on only with the next chunk, after whole chunks, up to its size.
+        let whole = buf.len() as u64 == held * CHUNK_BYTES;
+        if held > 0 && (c != first + held || !whole || buf.len() as u64 >= WRITE_RUN_BYTES) {
+            write_out(&mut buf, first, &mut held)?;
+        }
+        if held == 0 {
+            first = c;
+        }
+        let (part, hash) = records[r];
+        format::decode_record_into(part, hash, &mut buf)?;
+        held += 1;
     }
+    write_out(&mut buf, first, &mut held)?;
     Ok((written, chunks))
 }

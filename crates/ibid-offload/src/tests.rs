@@ -180,25 +180,35 @@ fn an_interrupted_push_completes_when_run_again() {
     assert!(verify.ok, "{verify:?}");
 }
 
-/// Deleting a remote snapshot and collecting frees the packs only it named, keeps the other
-/// snapshot whole (it verifies and restores), and a GC is refused while a push holds its lock.
-#[test]
-fn gc_deletes_only_unreferenced_packs() {
-    let (_d, pool) = pool();
+/// A 32 MiB volume `v` with snapshots pushed to an in-memory remote: `old` (16 MiB of noise),
+/// then `new` (the first `rewrite_mib` MiB written again).
+fn old_and_new_pushed(
+    rt: &tokio::runtime::Runtime,
+    rewrite_mib: u64,
+) -> (tempfile::TempDir, Pool, Arc<InMemory>, Remote) {
+    let (d, pool) = pool();
     let v = pool.create_volume("v", 32 * MIB).expect("create");
     v.write(0, &noise(1, (16 * MIB) as usize), false)
         .expect("fill");
     pool.create_snapshot("v", "old").expect("snapshot");
-    v.write(0, &noise(2, (16 * MIB) as usize), false)
+    v.write(0, &noise(2, (rewrite_mib * MIB) as usize), false)
         .expect("rewrite");
     pool.create_snapshot("v", "new").expect("snapshot");
     let store = Arc::new(InMemory::new());
     let remote = Remote::new(store.clone());
-    let rt = rt();
     for s in ["old", "new"] {
         rt.block_on(remote.push(&pool, "v", s, Arc::default()))
             .expect("push");
     }
+    (d, pool, store, remote)
+}
+
+/// Deleting a remote snapshot and collecting frees the packs only it named, keeps the other
+/// snapshot whole (it verifies and restores), and a GC is refused while a push holds its lock.
+#[test]
+fn gc_deletes_only_unreferenced_packs() {
+    let rt = rt();
+    let (_d, pool, _store, remote) = old_and_new_pushed(&rt, 16);
     let busy = rt.block_on(async {
         let held = remote.lock(lock::Kind::Push).await.expect("push lock");
         let gc = remote.gc().await;
@@ -223,6 +233,78 @@ fn gc_deletes_only_unreferenced_packs() {
     assert_eq!(read_all(&pool, "r"), read_snapshot(&pool, "v", "new"));
     // A second GC finds nothing to do.
     assert_eq!(rt.block_on(remote.gc()).expect("gc").packs_deleted, 0);
+}
+
+/// GC repacks a pack that deleted snapshots left mostly garbage: its live chunks move to a
+/// new pack, the manifest naming them is rewritten, the old pack goes. Restores that read the
+/// manifest before (a full one, an instant one) follow the moved chunks; a deletion and a
+/// second GC wait while a GC holds the remote.
+#[test]
+fn gc_repacks_mostly_garbage_packs_and_restores_follow() {
+    let rt = rt();
+    // Packs seal at 8 MiB: "old" has chunks of 0..8 MiB in one pack, 8..16 MiB in another;
+    // "new" keeps only 14..16 MiB of it, a quarter of the second pack.
+    let (_d, pool, store, remote) = old_and_new_pushed(&rt, 14);
+    let stale = Arc::new(rt.block_on(remote.manifest("v", "new")).expect("manifest"));
+    let marks = tempfile::tempdir().expect("marks dir");
+    let ir = rt
+        .block_on(remote.instant_restore(&pool, "v", "new", "ir", marks.path()))
+        .expect("instant restore");
+    rt.block_on(remote.delete("v", "old")).expect("delete");
+    let before = bucket_bytes(&rt, &store);
+
+    let (deletion, second) = rt.block_on(async {
+        let held = remote.lock(lock::Kind::Gc).await.expect("gc lock");
+        let deletion = remote.delete("v", "new").await;
+        let second = remote.gc().await;
+        held.release().await;
+        (deletion, second)
+    });
+    assert!(matches!(deletion, Err(Error::Busy(_))), "{deletion:?}");
+    assert!(matches!(second, Err(Error::Busy(_))), "{second:?}");
+
+    let gc = rt.block_on(remote.gc()).expect("gc");
+    assert_eq!(
+        (gc.packs_repacked, gc.chunks_moved, gc.manifests_rewritten),
+        (1, 32, 1),
+        "{gc:?}"
+    );
+    assert!(gc.packs_deleted >= 2, "{gc:?}");
+    assert!(
+        gc.bytes_written > 2 * MIB && gc.bytes_written < 2 * MIB + 64 * 1024,
+        "{gc:?}"
+    );
+    let after = bucket_bytes(&rt, &store);
+    assert!(before - after >= 13 * MIB, "{before} -> {after}");
+    let verify = rt.block_on(remote.verify()).expect("verify");
+    assert!(verify.ok && verify.unreferenced_packs == 0, "{verify:?}");
+    assert_eq!(verify.chunks_checked, 256, "{verify:?}");
+
+    let want = read_snapshot(&pool, "v", "new");
+    rt.block_on(remote.restore(&pool, "v", "new", "r1", Arc::default()))
+        .expect("restore");
+    assert_eq!(read_all(&pool, "r1"), want);
+    // A restore that read the manifest before the GC finds the moved chunks.
+    rt.block_on(remote.restore_from(
+        &pool,
+        stale,
+        "r2",
+        Arc::default(),
+        std::time::Instant::now(),
+    ))
+    .expect("restore from the stale manifest");
+    assert_eq!(read_all(&pool, "r2"), want);
+    assert_eq!(read_through(&ir, 0, (32 * MIB) as usize), want);
+    rt.block_on(ir.fill(Arc::default(), None)).expect("fill");
+    assert!(ir.is_complete());
+
+    // Nothing left to repack.
+    let again = rt.block_on(remote.gc()).expect("gc");
+    assert_eq!(
+        (again.packs_repacked, again.packs_deleted),
+        (0, 0),
+        "{again:?}"
+    );
 }
 
 /// A flipped byte in a pack is reported by verify and fails a restore, which then leaves no

@@ -59,6 +59,8 @@ struct State {
     /// Volumes that exist (or are being made) but whose restore is not running yet: no host
     /// may reach them.
     opening: HashSet<String>,
+    /// Volume ids whose background fill is running (as a job).
+    filling: HashSet<u64>,
 }
 
 /// The pool's instant restores.
@@ -402,12 +404,24 @@ impl InstantRestores {
     ) -> Result<serde_json::Value, ApiError> {
         let progress = Arc::new(Progress::default());
         let label = format!("{}:{} -> {} (instant)", k.remote, k.snapshot, k.volume);
+        let id = ir.volume().id();
+        if !self.state.lock().filling.insert(id) {
+            return Err(ApiError::conflict(
+                "busy",
+                format!(
+                    "the background fill of {}'s restore is running (`ibid job list`; cancel \
+                     its job first to start it again at another rate)",
+                    k.volume
+                ),
+            ));
+        }
         let work = {
             let (this, progress, stats) = (self.clone(), progress.clone(), stats.clone());
             let rate = k.fill_bytes_per_s;
             let started = std::time::Instant::now();
             async move {
                 let filled = ir.fill(progress.clone(), rate).await;
+                this.state.lock().filling.remove(&id);
                 stats.restored_bytes.fetch_add(ir.received_bytes(), Relaxed);
                 filled.map_err(crate::remotes::offload_error)?;
                 this.finish(&ir)?;
@@ -431,10 +445,46 @@ impl InstantRestores {
             }
         };
         // Not run again by the jobs: the restore resumes by itself at the next start.
-        let (_, job) = jobs
-            .run("restore", label, true, progress, None, work)
-            .await?;
-        Ok(job.0)
+        let ran = jobs.run("restore", label, true, progress, None, work).await;
+        if ran.is_err() {
+            self.state.lock().filling.remove(&id);
+        }
+        Ok(ran?.1 .0)
+    }
+
+    /// Starts volume `name`'s background fill again (after its job was cancelled), at
+    /// `bytes_per_s` if given (kept for later starts; 0: no limit), else at the rate it had.
+    /// Answers the job.
+    pub async fn fill_again(
+        self: &Arc<Self>,
+        name: &str,
+        bytes_per_s: Option<u64>,
+        jobs: &Arc<crate::jobs::Jobs>,
+        stats: &Arc<crate::metrics::OffloadStats>,
+    ) -> Result<serde_json::Value, ApiError> {
+        let (ir, kept) = {
+            let mut s = self.state.lock();
+            let Some(k) = s.kept.iter_mut().find(|k| k.volume == name) else {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::NOT_FOUND,
+                    "not_found",
+                    format!("volume {name:?} is not being restored"),
+                ));
+            };
+            if let Some(rate) = bytes_per_s {
+                k.fill_bytes_per_s = (rate > 0).then_some(rate);
+            }
+            let k = k.clone();
+            let Some(ir) = k.volume_id.and_then(|id| s.running.get(&id).cloned()) else {
+                return Err(ApiError::conflict(
+                    "restoring",
+                    format!("the restore of {name:?} has not resumed yet"),
+                ));
+            };
+            (ir, k)
+        };
+        self.write()?;
+        self.run_fill(ir, &kept, jobs, stats).await
     }
 
     /// A complete restore: its entry and mark log go (the volume holds the snapshot durably:

@@ -225,6 +225,14 @@ struct RestoreRequest {
     fill_bytes_per_s: Option<u64>,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FillRequest {
+    /// At most this many bytes a second (0: no limit); absent: the rate the restore had.
+    #[serde(default)]
+    fill_bytes_per_s: Option<u64>,
+}
+
 type Body<T> = Result<Json<T>, axum::extract::rejection::JsonRejection>;
 
 fn body<T>(b: Body<T>) -> Result<T, ApiError> {
@@ -255,6 +263,7 @@ where
             axum::routing::delete(delete_remote_snapshot),
         )
         .route("/api/v1/remotes/{name}/restore", post(restore))
+        .route("/api/v1/volumes/{name}/fill", post(fill_again))
         .route(
             "/api/v1/volumes/{name}/snapshots/{snapshot}/push",
             post(push),
@@ -360,9 +369,12 @@ async fn gc_remote(
 ) -> Result<Json<Value>, ApiError> {
     let report = remotes.remote(&name)?.gc().await.map_err(offload_error)?;
     tracing::info!(
-        "remote {name}: GC deleted {} packs ({} bytes)",
+        "remote {name}: GC deleted {} packs ({} bytes), repacked {} ({} chunks, {} bytes written)",
         report.packs_deleted,
-        report.bytes_freed
+        report.bytes_freed,
+        report.packs_repacked,
+        report.chunks_moved,
+        report.bytes_written
     );
     Ok(Json(json!(report)))
 }
@@ -593,6 +605,22 @@ impl Offload {
             .run("restore", label, background, progress, Some(resume), work)
             .await
     }
+}
+
+/// `POST /api/v1/volumes/{name}/fill`: an instant restore's background fill, again (after
+/// its job was cancelled) or at another rate; 202 with the job.
+async fn fill_again(
+    Extension(stats): Extension<Arc<crate::metrics::OffloadStats>>,
+    Extension(jobs): Extension<Arc<crate::jobs::Jobs>>,
+    Extension(instants): Extension<Arc<crate::instant_restores::InstantRestores>>,
+    Path(name): Path<String>,
+    req: Body<FillRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let r = body(req)?;
+    let job = instants
+        .fill_again(&name, r.fill_bytes_per_s, &jobs, &stats)
+        .await?;
+    Ok((StatusCode::ACCEPTED, Json(job)))
 }
 
 async fn restore(

@@ -598,26 +598,57 @@ fn deleted_snapshots_are_collected_and_the_rest_verifies(rgw: &Rgw) {
         rgw.keys("gc/packs/").len(),
         packs_before - gc["packs_deleted"].as_u64().expect("deleted") as usize
     );
-    let v = json(&srv, rgw, &["remote", "verify", "rgw"]);
+    verified_and_restored(&srv, rgw, "v@new", "back");
+
+    // Repacking: "newer" keeps 30..32 MiB of "new", a quarter of the last pack its push
+    // filled; once "new" is deleted, GC moves that quarter into a new pack and rewrites
+    // newer's manifest, and the old pack goes.
+    write_random(&srv.url("v"), 0, 30 * MIB);
+    ok(&srv, rgw, &["snapshot", "create", "v@newer"]);
+    json(
+        &srv,
+        rgw,
+        &["snapshot", "push", "v@newer", "--remote", "rgw"],
+    );
+    ok(
+        &srv,
+        rgw,
+        &["snapshot", "delete", "v@new", "--remote", "rgw"],
+    );
+    let gc = ibid(&srv, rgw, &["remote", "gc", "rgw"]);
+    let said = String::from_utf8_lossy(&gc.stdout);
+    assert!(gc.status.success(), "{said}");
+    assert!(
+        said.contains("repacked 1 packs mostly garbage: 32 chunks moved")
+            && said.contains("1 manifests rewritten"),
+        "{said}"
+    );
+    verified_and_restored(&srv, rgw, "v@newer", "back2");
+}
+
+/// `remote verify` finds nothing wrong or unreferenced, and `snapshot` restores as volume
+/// `new` equal to it.
+fn verified_and_restored(srv: &Server, rgw: &Rgw, snapshot: &str, new: &str) {
+    let v = json(srv, rgw, &["remote", "verify", "rgw"]);
     assert_eq!(
         (v["ok"].clone(), v["unreferenced_packs"].clone()),
         (true.into(), 0.into()),
         "{v}"
     );
     json(
-        &srv,
+        srv,
         rgw,
         &[
             "volume",
             "restore",
-            "back",
+            new,
             "--remote",
             "rgw",
             "--snapshot",
-            "v@new",
+            snapshot,
         ],
     );
-    assert_same(&srv.url("v@new"), &srv.url("back"));
+    assert_same(&srv.url(snapshot), &srv.url(new));
 }
 
 /// A push started in the background is a job: listed with its progress, cancelled on request
@@ -881,8 +912,45 @@ fn instant_restores_serve_at_once_and_survive_kill_9(rgw: &Rgw) {
     assert!(String::from_utf8_lossy(&out.stderr).contains("restoring"));
     let dir = b.kill();
     let b = Server::start_in(dir, &["--no-default-volume"]);
-    // Resumed: still restoring (at 1 MiB/s) or done, and equal to the source either way.
+    // Resumed at 1 MiB/s. Its fill cancelled, the restore goes on (fetching on access) and
+    // its fill can be started again, at another rate, once at a time.
     eprintln!("after the restart: {}", restoring(&b, rgw, "r"));
+    let running = |b: &Server| -> Option<Value> {
+        let jobs = json(b, rgw, &["job", "list"]);
+        jobs.as_array()
+            .expect("jobs")
+            .iter()
+            .find(|j| j["state"] == "running" && j["kind"] == "restore")
+            .cloned()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let fill_job = loop {
+        if let Some(j) = running(&b) {
+            break j;
+        }
+        assert!(Instant::now() < deadline, "the fill did not resume");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let id = fill_job["id"].to_string();
+    ok(&b, rgw, &["job", "cancel", &id]);
+    while running(&b).is_some() {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        !restoring(&b, rgw, "r").is_null(),
+        "cancelled before the end"
+    );
+    let again = json(&b, rgw, &["volume", "fill", "r", "--fill-rate", "0"]);
+    assert_eq!(again["kind"], "restore", "{again}");
+    assert_eq!(
+        ibid(&b, rgw, &["volume", "fill", "r"]).status.code(),
+        Some(4),
+        "a second fill while one runs"
+    );
+    assert_eq!(
+        ibid(&b, rgw, &["volume", "fill", "nope"]).status.code(),
+        Some(3)
+    );
     assert_same(&a.url("vm"), &b.url("r"));
     let deadline = Instant::now() + Duration::from_secs(120);
     let job = loop {

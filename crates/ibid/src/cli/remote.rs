@@ -150,6 +150,16 @@ pub fn run(ctx: &Ctx, cmd: RemoteCmd) -> Result<(), CliError> {
                     r["packs_kept"],
                     r["snapshots"]
                 );
+                if u64_field(&r, "packs_repacked")? > 0 {
+                    println!(
+                        "repacked {} packs mostly garbage: {} chunks moved into {} of new packs, \
+                         {} manifests rewritten",
+                        r["packs_repacked"],
+                        r["chunks_moved"],
+                        size(u64_field(&r, "bytes_written")?),
+                        r["manifests_rewritten"]
+                    );
+                }
             }
             Ok(())
         }

@@ -65,6 +65,16 @@ pub enum VolumeCmd {
         #[arg(long, value_parser = parse_size, requires = "instant")]
         fill_rate: Option<u64>,
     },
+    /// Fetch the rest of an instant restore in the background again, after its job was
+    /// cancelled (`ibid job cancel`), or at another rate.
+    Fill {
+        /// The volume being restored.
+        name: String,
+        /// At most this much received per second, e.g. 50M (0: no limit; default: the rate
+        /// the restore had).
+        #[arg(long, value_parser = parse_size)]
+        fill_rate: Option<u64>,
+    },
     /// Show a volume's space (the `vmkfstools -D` view): size, blocks, mapped, tbz, unique,
     /// shared, physical, reserved, snapshots.
     Describe {
@@ -195,6 +205,22 @@ pub fn run(ctx: &Ctx, cmd: VolumeCmd) -> Result<(), CliError> {
                 return super::remote::restore_instant(ctx, &name, &remote, &snapshot, fill_rate);
             }
             super::remote::restore(ctx, &name, &remote, &snapshot)
+        }
+        VolumeCmd::Fill { name, fill_rate } => {
+            let job = ctx.client.post(
+                &format!("/volumes/{}/fill", segment(&name)),
+                json!({ "fill_bytes_per_s": fill_rate }),
+                &format!("filling {name}"),
+            )?;
+            if ctx.json {
+                print_json(&job);
+            } else {
+                println!(
+                    "volume {name}: the rest arrives in the background (job {}, `ibid job list`)",
+                    u64_field(&job, "id")?
+                );
+            }
+            Ok(())
         }
         VolumeCmd::Describe { name } => describe(ctx, &name),
         VolumeCmd::Resize { name, size } => resize(ctx, &name, size),
