@@ -1,5 +1,7 @@
-//! Crash-safe replacement of the small files the server keeps in the pool directory
-//! (`qos.json`, `luns.json`): a crash leaves the old content or the new one, never a mix.
+//! The small files the server keeps in the pool directory (`qos.json`, `luns.json`,
+//! `remotes.json`, `schedules.json`, `jobs.json`, `instant-restores.json`): each a JSON object
+//! with a format `version`, replaced crash-safely (a crash leaves the old content or the new
+//! one, never a mix) and read back with its version checked.
 
 use std::io::Write;
 use std::path::Path;
@@ -46,6 +48,36 @@ fn write_with_mode(path: &Path, content: &[u8], mode: u32) -> std::io::Result<()
     Ok(())
 }
 
+/// Reads the table in `path`, a JSON object whose `version` must be `version`; `None` if the
+/// file does not exist. Errors name the file and `what` it holds (e.g. "QoS limits").
+pub fn read_table<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    what: &str,
+    version: u64,
+) -> anyhow::Result<Option<T>> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => anyhow::bail!("read {} ({what}): {e}", path.display()),
+    };
+    let unreadable =
+        |e: serde_json::Error| anyhow::anyhow!("{} ({what}) is unreadable: {e}", path.display());
+    /// The version alone, checked before the rest is parsed (a newer format may not parse).
+    #[derive(serde::Deserialize)]
+    struct Versioned {
+        version: u64,
+    }
+    let found: Versioned = serde_json::from_slice(&bytes).map_err(unreadable)?;
+    if found.version != version {
+        anyhow::bail!(
+            "{} ({what}) is in format version {}; this ibid reads version {version}",
+            path.display(),
+            found.version
+        );
+    }
+    serde_json::from_slice(&bytes).map(Some).map_err(unreadable)
+}
+
 #[cfg(test)]
 mod tests {
     /// The file holds the new content and no temporary file stays behind.
@@ -70,5 +102,37 @@ mod tests {
         let mode = std::fs::metadata(&path).expect("stat").permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         assert_eq!(std::fs::read(&path).expect("read"), b"key");
+    }
+
+    /// A table reads back; a missing file is `None`; another version or bad JSON is an error
+    /// naming the file, what it holds and (for a version) both versions.
+    #[test]
+    fn tables_read_back_with_their_version_checked() {
+        #[derive(serde::Deserialize, Debug, PartialEq)]
+        struct T {
+            version: u64,
+            rows: Vec<u64>,
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.json");
+        let read = || super::read_table::<T>(&path, "test rows", 1);
+        assert!(read().expect("missing").is_none());
+        super::write_file(&path, br#"{"version": 1, "rows": [3, 4]}"#).expect("write");
+        assert_eq!(
+            read().expect("read"),
+            Some(T {
+                version: 1,
+                rows: vec![3, 4]
+            })
+        );
+        super::write_file(&path, br#"{"version": 2, "rows": "new shape"}"#).expect("write");
+        let e = read().expect_err("version 2").to_string();
+        assert!(
+            e.contains("t.json (test rows) is in format version 2; this ibid reads version 1"),
+            "{e}"
+        );
+        super::write_file(&path, b"{\"version\": 1, \"rows\": [").expect("write");
+        let e = read().expect_err("torn").to_string();
+        assert!(e.contains("t.json (test rows) is unreadable"), "{e}");
     }
 }

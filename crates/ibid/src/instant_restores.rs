@@ -79,26 +79,9 @@ impl InstantRestores {
     /// [`InstantRestores::resume`].
     pub fn open(pool: &Pool) -> anyhow::Result<InstantRestores> {
         let path = pool.dir().join(FILE_NAME);
-        let kept = match std::fs::read(&path) {
-            Ok(bytes) => {
-                let t: Table = serde_json::from_slice(&bytes).map_err(|e| {
-                    anyhow::anyhow!(
-                        "the instant restores in {} are unreadable: {e}",
-                        path.display()
-                    )
-                })?;
-                if t.version != FILE_VERSION {
-                    anyhow::bail!(
-                        "the instant restores in {} are in format version {}; this ibid reads version {FILE_VERSION}",
-                        path.display(),
-                        t.version
-                    );
-                }
-                t.restores
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => anyhow::bail!("read {}: {e}", path.display()),
-        };
+        let kept = crate::durable::read_table::<Table>(&path, "instant restores", FILE_VERSION)?
+            .map(|t| t.restores)
+            .unwrap_or_default();
         let this = InstantRestores {
             path: Some(path),
             marks_dir: pool.dir().join(MARKS_DIR),

@@ -186,23 +186,9 @@ impl Jobs {
     /// The jobs kept in `pool`'s directory; those that were running are now `interrupted`.
     pub fn open(pool: &ibid_engine::Pool) -> anyhow::Result<Jobs> {
         let path = pool.dir().join(FILE_NAME);
-        let records = match std::fs::read(&path) {
-            Ok(bytes) => {
-                let t: Table = serde_json::from_slice(&bytes).map_err(|e| {
-                    anyhow::anyhow!("the jobs in {} are unreadable: {e}", path.display())
-                })?;
-                if t.version != FILE_VERSION {
-                    anyhow::bail!(
-                        "the jobs in {} are in format version {}; this ibid reads version {FILE_VERSION}",
-                        path.display(),
-                        t.version
-                    );
-                }
-                t.jobs
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => anyhow::bail!("read {}: {e}", path.display()),
-        };
+        let records = crate::durable::read_table::<Table>(&path, "jobs", FILE_VERSION)?
+            .map(|t| t.jobs)
+            .unwrap_or_default();
         let jobs = Jobs {
             path: Some(path),
             ..Jobs::default()

@@ -87,11 +87,11 @@ impl LunMap {
     /// exists are dropped.
     pub fn open(pool: &Pool) -> anyhow::Result<LunMap> {
         let path = pool.dir().join(FILE_NAME);
-        let (rows, fresh) = match std::fs::read_to_string(&path) {
-            Ok(text) => (parse(&path, &text)?, false),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (Vec::new(), true),
-            Err(e) => anyhow::bail!("read the LUN table in {}: {e}", path.display()),
-        };
+        let (rows, fresh) =
+            match crate::durable::read_table::<Table>(&path, "LUN table", FILE_VERSION)? {
+                Some(table) => (checked(&path, table)?, false),
+                None => (Vec::new(), true),
+            };
         let map = LunMap {
             path,
             luns: RwLock::new(rows.into_iter().map(|m| (m.lun, m)).collect()),
@@ -354,16 +354,8 @@ impl LunMap {
     }
 }
 
-fn parse(path: &Path, text: &str) -> anyhow::Result<Vec<Mapping>> {
-    let table: Table = serde_json::from_str(text)
-        .map_err(|e| anyhow::anyhow!("the LUN table in {} is unreadable: {e}", path.display()))?;
-    if table.version != FILE_VERSION {
-        anyhow::bail!(
-            "the LUN table in {} is in format version {}; this ibid reads version {FILE_VERSION}",
-            path.display(),
-            table.version
-        );
-    }
+/// The table's mappings, if they are consistent (LUNs in range and once each).
+fn checked(path: &Path, table: Table) -> anyhow::Result<Vec<Mapping>> {
     let mut seen = std::collections::HashSet::new();
     for m in &table.luns {
         if m.lun > LUN_MAX || !seen.insert(m.lun) || m.snapshot.is_some() != m.snapshot_id.is_some()

@@ -335,21 +335,10 @@ impl Qos {
             volumes: RwLock::default(),
             saving: Mutex::default(),
         };
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(qos),
-            Err(e) => anyhow::bail!("read the QoS limits in {}: {e}", path.display()),
+        let Some(table) = crate::durable::read_table::<Table>(&path, "QoS limits", FILE_VERSION)?
+        else {
+            return Ok(qos);
         };
-        let table: Table = serde_json::from_str(&text).map_err(|e| {
-            anyhow::anyhow!("the QoS limits in {} are unreadable: {e}", path.display())
-        })?;
-        if table.version != FILE_VERSION {
-            anyhow::bail!(
-                "the QoS limits in {} are in format version {}; this ibid reads version {FILE_VERSION}",
-                path.display(),
-                table.version
-            );
-        }
         let mut stale = false;
         {
             let mut volumes = qos.volumes.write();

@@ -59,25 +59,12 @@ impl Remotes {
     /// The remotes kept in `pool`'s directory (none if it has no `remotes.json`).
     pub fn open(pool: &Pool) -> anyhow::Result<Remotes> {
         let path = pool.dir().join(FILE_NAME);
-        let state = match std::fs::read_to_string(&path) {
-            Ok(text) => {
-                let t: Table = serde_json::from_str(&text).map_err(|e| {
-                    anyhow::anyhow!("the remotes in {} are unreadable: {e}", path.display())
-                })?;
-                if t.version != FILE_VERSION {
-                    anyhow::bail!(
-                        "the remotes in {} are in format version {}; this ibid reads version {FILE_VERSION}",
-                        path.display(),
-                        t.version
-                    );
-                }
-                Kept {
-                    remotes: t.remotes,
-                    restoring: t.restoring,
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Kept::default(),
-            Err(e) => anyhow::bail!("read the remotes in {}: {e}", path.display()),
+        let state = match crate::durable::read_table::<Table>(&path, "remotes", FILE_VERSION)? {
+            Some(t) => Kept {
+                remotes: t.remotes,
+                restoring: t.restoring,
+            },
+            None => Kept::default(),
         };
         let remotes = Remotes {
             path: Some(path),

@@ -85,23 +85,9 @@ impl Schedules {
     /// The schedules kept in `pool`'s directory.
     pub fn open(pool: &Pool) -> anyhow::Result<Schedules> {
         let path = pool.dir().join(FILE_NAME);
-        let table = match std::fs::read_to_string(&path) {
-            Ok(text) => {
-                let t: Table = serde_json::from_str(&text).map_err(|e| {
-                    anyhow::anyhow!("the schedules in {} are unreadable: {e}", path.display())
-                })?;
-                if t.version != FILE_VERSION {
-                    anyhow::bail!(
-                        "the schedules in {} are in format version {}; this ibid reads version {FILE_VERSION}",
-                        path.display(),
-                        t.version
-                    );
-                }
-                t.volumes
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(e) => anyhow::bail!("read the schedules in {}: {e}", path.display()),
-        };
+        let table = crate::durable::read_table::<Table>(&path, "schedules", FILE_VERSION)?
+            .map(|t| t.volumes)
+            .unwrap_or_default();
         Ok(Schedules {
             path,
             table: Mutex::new(table),
