@@ -41,6 +41,9 @@ use serde::{Deserialize, Serialize};
 pub const CHUNK_BYTES: u64 = 64 << 10;
 /// A pack is sealed (uploaded) once it holds this many stored bytes.
 pub const PACK_BYTES_TARGET: usize = 8 << 20;
+/// The most bytes a pack can hold: it is sealed by the record that takes it to
+/// [`PACK_BYTES_TARGET`], which may be a whole chunk stored as is.
+pub const PACK_BYTES_MAX: usize = PACK_BYTES_TARGET + RECORD_HEADER_BYTES + CHUNK_BYTES as usize;
 /// Bytes of a chunk record's header.
 pub const RECORD_HEADER_BYTES: usize = 45;
 /// Version of the manifest and index formats; the changelog:

@@ -65,10 +65,14 @@ impl Remote {
     /// Repacks the packs mostly garbage, then deletes the packs no manifest names. Refused
     /// ([`Error::Busy`]) while a push, a snapshot deletion or another GC runs.
     pub async fn gc(&self) -> Result<GcReport> {
-        let lock = self.lock(Kind::Gc).await?;
-        let result = self.gc_locked().await;
-        lock.release().await;
-        result
+        let this = self.clone();
+        crate::on_transfers(async move {
+            let lock = this.lock(Kind::Gc).await?;
+            let result = this.gc_locked().await;
+            lock.release().await;
+            result
+        })
+        .await
     }
 
     async fn gc_locked(&self) -> Result<GcReport> {
@@ -154,6 +158,11 @@ impl Remote {
     /// Reads every manifest and every chunk record they name, checking each against its
     /// BLAKE3; lists what is wrong.
     pub async fn verify(&self) -> Result<VerifyReport> {
+        let this = self.clone();
+        crate::on_transfers(async move { this.verify_here().await }).await
+    }
+
+    async fn verify_here(&self) -> Result<VerifyReport> {
         let mut problems: Vec<String> = Vec::new();
         let mut manifests = Vec::new();
         for path in self.manifest_paths().await? {

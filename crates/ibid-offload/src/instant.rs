@@ -85,6 +85,7 @@ pub struct InstantRestore {
     log: Mutex<MarkLog>,
     /// Set by [`InstantRestore::stop`]: on-demand fetches go on, the fill ends.
     stopped: AtomicBool,
+    /// Where the hooks' fetches run (the transfer runtime; a hook blocks on it).
     runtime: tokio::runtime::Handle,
 }
 
@@ -109,7 +110,7 @@ impl Remote {
     /// Starts an instant restore of `volume@snapshot` into a new thin volume `new_name` of
     /// `pool`, keeping its mark log in directory `marks_dir` ([`marks_file`]). The volume can be read
     /// and written at once through the returned handle's hooks; [`InstantRestore::fill`]
-    /// fetches the rest. Must run inside a Tokio runtime (the hooks use it from other threads).
+    /// fetches the rest.
     pub async fn instant_restore(
         &self,
         pool: &Pool,
@@ -248,7 +249,7 @@ impl InstantRestore {
             pending: Mutex::new(Vec::new()),
             log: Mutex::new(log),
             stopped: AtomicBool::new(false),
-            runtime: tokio::runtime::Handle::current(),
+            runtime: crate::transfers().handle().clone(),
         };
         for &chunk in marked {
             if let Ok(i) = this.entries.binary_search_by_key(&chunk, |e| e.chunk) {

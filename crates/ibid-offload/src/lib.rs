@@ -348,6 +348,35 @@ impl Remote {
     }
 }
 
+/// Worker threads of the runtime remote transfers run on.
+const TRANSFER_THREADS: usize = 2;
+
+/// The runtime remote transfers run on (threads `ibid-remote`), made at first use: uploads
+/// sign their payloads (SHA-256) and downloads copy their bodies, work that would otherwise
+/// run on the caller's runtime — in the server, the thread that serves every host's
+/// connection.
+fn transfers() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(TRANSFER_THREADS)
+            .thread_name("ibid-remote")
+            .enable_all()
+            .build()
+            .expect("the remote transfer runtime starts")
+    })
+}
+
+/// Runs `work` on the transfer runtime ([`transfers`]); the caller's runtime only waits.
+async fn on_transfers<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    transfers()
+        .spawn(work)
+        .await
+        .map_err(|e| Error::Invalid(format!("remote transfer task failed: {e}")))?
+}
+
 fn not_in_remote(volume: &str, snapshot: &str) -> Error {
     Error::NotFound(format!("the remote has no snapshot {volume}@{snapshot}"))
 }

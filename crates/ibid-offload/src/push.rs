@@ -85,6 +85,22 @@ impl Remote {
         snapshot: &str,
         progress: Arc<Progress>,
     ) -> Result<PushReport> {
+        let (this, pool) = (self.clone(), pool.clone());
+        let (volume, snapshot) = (volume.to_string(), snapshot.to_string());
+        crate::on_transfers(
+            async move { this.push_here(&pool, &volume, &snapshot, progress).await },
+        )
+        .await
+    }
+
+    /// [`Remote::push`], on the caller's runtime.
+    async fn push_here(
+        &self,
+        pool: &Pool,
+        volume: &str,
+        snapshot: &str,
+        progress: Arc<Progress>,
+    ) -> Result<PushReport> {
         let started = Instant::now();
         let manifest = manifest_path(volume, snapshot)?;
         let info = pool
@@ -446,7 +462,8 @@ fn read_snapshot(
         packs: 0,
     };
     // The open pack: its bytes, its chunks, and the manifest entries waiting for its name.
-    let mut pack: Vec<u8> = Vec::with_capacity(format::PACK_BYTES_TARGET + 1024);
+    // Allocated whole for each pack, so no record's append moves the pack's bytes.
+    let mut pack: Vec<u8> = Vec::with_capacity(format::PACK_BYTES_MAX);
     let mut pack_chunks: Vec<(Hash, Location)> = Vec::new();
     let mut in_pack: HashMap<Hash, Location> = HashMap::new();
     let mut waiting: Vec<usize> = Vec::new();
@@ -470,7 +487,10 @@ fn read_snapshot(
         }
         let sealed = Sealed {
             name,
-            bytes: Bytes::from(std::mem::take(pack)),
+            bytes: Bytes::from(std::mem::replace(
+                pack,
+                Vec::with_capacity(format::PACK_BYTES_MAX),
+            )),
             chunks: std::mem::take(pack_chunks),
         };
         waiting.clear();

@@ -81,7 +81,10 @@ impl Remote {
         candidates.sort_by_key(|(p, _)| *p);
         let mut out = Repacked::default();
         let mut moves = Moves::new();
-        let mut builder = PackBuilder::default();
+        let mut builder = PackBuilder {
+            bytes: Vec::with_capacity(format::PACK_BYTES_MAX),
+            records: Vec::new(),
+        };
         let mut fetched = futures::stream::iter(candidates)
             .map(|(pack, records)| async move {
                 let parts = self.live_records(&pack, &records).await?;
@@ -153,7 +156,10 @@ impl Remote {
         if builder.bytes.is_empty() {
             return Ok(());
         }
-        let bytes = std::mem::take(&mut builder.bytes);
+        let bytes = std::mem::replace(
+            &mut builder.bytes,
+            Vec::with_capacity(format::PACK_BYTES_MAX),
+        );
         let name = *blake3::hash(&bytes).as_bytes();
         let len = bytes.len() as u64;
         self.store
@@ -169,7 +175,6 @@ impl Remote {
 }
 
 /// A new pack being filled with moved records.
-#[derive(Default)]
 struct PackBuilder {
     bytes: Vec<u8>,
     /// (old pack, old offset) → offset here.

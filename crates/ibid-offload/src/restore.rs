@@ -48,8 +48,12 @@ impl Remote {
         let started = Instant::now();
         ibid_engine::validate_volume_name(new_name).map_err(|e| Error::Invalid(e.to_string()))?;
         let manifest = Arc::new(self.manifest(volume, snapshot).await?);
-        self.restore_from(pool, manifest, new_name, progress, started)
-            .await
+        let (this, pool, new_name) = (self.clone(), pool.clone(), new_name.to_string());
+        crate::on_transfers(async move {
+            this.restore_from(&pool, manifest, &new_name, progress, started)
+                .await
+        })
+        .await
     }
 
     /// [`Remote::restore`] from `manifest`, read at `started`.
