@@ -246,7 +246,7 @@ impl Inner {
             let placed = self.segments.append(gc_writer, id, rec.flags, payload, 0)?;
             moved.push((id, offset, placed));
         }
-        self.segments.sync()?;
+        self.segments.sync_writer(gc_writer)?;
         let cs = self.commit.lock();
         let mut txn = self.db.write()?;
         {

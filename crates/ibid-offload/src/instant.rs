@@ -28,7 +28,7 @@
 //! Reading stops at the first record that does not check (a torn append); the file is cut
 //! there before anything is appended.
 
-use crate::format::{self, Entry, Hash, Location, CHUNK_BYTES, RECORD_HEADER_BYTES};
+use crate::format::{self, Hash, Location, CHUNK_BYTES, RECORD_HEADER_BYTES};
 use crate::repack::{place_of, Places};
 use crate::{pack_path, Error, Progress, Remote, Result, DOWNLOADS_INFLIGHT_MAX};
 use futures::{StreamExt, TryStreamExt};
@@ -61,8 +61,9 @@ pub struct InstantRestore {
     snapshot: String,
     /// Where the chunks are (the manifest, read again if GC moves them).
     places: Places,
-    /// The manifest's entries, in chunk order.
-    entries: Vec<Entry>,
+    /// The manifest as first read: its entries (in chunk order) are what is restored; where
+    /// they are now, [`Places`] says.
+    first: Arc<format::Table<format::ManifestHeader>>,
     /// A bit per entry: the volume holds the chunk (fetched, or overwritten whole by a host).
     present: Vec<AtomicU64>,
     /// Entries not present.
@@ -228,13 +229,14 @@ impl InstantRestore {
         log: MarkLog,
         marked: &[u64],
     ) -> InstantRestore {
-        let entries = manifest.entries.clone();
+        let first = Arc::new(manifest);
+        let entries = &first.entries;
         let data_bytes = entries.iter().map(|e| e.at.plain_len as u64).sum();
         let this = InstantRestore {
             remote,
             volume,
             snapshot: format!("{source}@{snapshot}"),
-            places: Places::new(source, snapshot, Arc::new(manifest)),
+            places: Places::new(source, snapshot, first.clone()),
             present: (0..entries.len().div_ceil(64))
                 .map(|_| AtomicU64::new(0))
                 .collect(),
@@ -244,7 +246,7 @@ impl InstantRestore {
             data_bytes,
             present_bytes: AtomicU64::new(0),
             received_bytes: AtomicU64::new(0),
-            entries,
+            first: first.clone(),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             pending: Mutex::new(Vec::new()),
             log: Mutex::new(log),
@@ -252,7 +254,7 @@ impl InstantRestore {
             runtime: crate::transfers().handle().clone(),
         };
         for &chunk in marked {
-            if let Ok(i) = this.entries.binary_search_by_key(&chunk, |e| e.chunk) {
+            if let Ok(i) = this.first.entries.binary_search_by_key(&chunk, |e| e.chunk) {
                 if !this.is_present(i) {
                     this.set_present(i);
                 }
@@ -302,7 +304,7 @@ impl InstantRestore {
         assert_eq!(was & (1 << (i % 64)), 0, "entry {i} was present already");
         self.missing.fetch_sub(1, Release);
         self.present_bytes
-            .fetch_add(self.entries[i].at.plain_len as u64, Relaxed);
+            .fetch_add(self.first.entries[i].at.plain_len as u64, Relaxed);
     }
 
     /// Takes back a claim; the caller holds the stripe.
@@ -311,7 +313,7 @@ impl InstantRestore {
         assert_ne!(was & (1 << (i % 64)), 0, "entry {i} was absent");
         self.missing.fetch_add(1, Relaxed);
         self.present_bytes
-            .fetch_sub(self.entries[i].at.plain_len as u64, Relaxed);
+            .fetch_sub(self.first.entries[i].at.plain_len as u64, Relaxed);
     }
 
     fn stripe(&self, i: usize) -> &Mutex<()> {
@@ -320,7 +322,7 @@ impl InstantRestore {
 
     /// Volume bytes entry `i` covers.
     fn span(&self, i: usize) -> Range<u64> {
-        let e = &self.entries[i];
+        let e = &self.first.entries[i];
         let start = e.chunk * CHUNK_BYTES;
         start..start + e.at.plain_len as u64
     }
@@ -331,8 +333,8 @@ impl InstantRestore {
             return 0..0;
         }
         let (first, last) = (off / CHUNK_BYTES, (off + len - 1) / CHUNK_BYTES);
-        let lo = self.entries.partition_point(|e| e.chunk < first);
-        let hi = self.entries.partition_point(|e| e.chunk <= last);
+        let lo = self.first.entries.partition_point(|e| e.chunk < first);
+        let hi = self.first.entries.partition_point(|e| e.chunk <= last);
         lo..hi
     }
 
@@ -416,7 +418,7 @@ impl InstantRestore {
         if succeeded {
             self.pending
                 .lock()
-                .extend(claim.entries.iter().map(|&i| self.entries[i].chunk));
+                .extend(claim.entries.iter().map(|&i| self.first.entries[i].chunk));
         } else {
             for &i in &claim.entries {
                 let _g = self.stripe(i).lock();
@@ -462,7 +464,7 @@ impl InstantRestore {
                 let (version, manifest) = self.places.current().await;
                 let mut by_pack: BTreeMap<Hash, Group> = BTreeMap::new();
                 for &i in &todo {
-                    let e = &self.entries[i];
+                    let e = &self.first.entries[i];
                     let (pack, at) = place_of(&manifest, e.chunk, &e.hash)?;
                     by_pack.entry(pack).or_default().push((i, at));
                 }
@@ -526,7 +528,9 @@ impl InstantRestore {
         entries
             .iter()
             .zip(parts.iter())
-            .map(|(&(i, _), part)| Ok((i, format::decode_record(part, &self.entries[i].hash)?)))
+            .map(|(&(i, _), part)| {
+                Ok((i, format::decode_record(part, &self.first.entries[i].hash)?))
+            })
             .collect::<Result<_>>()
             .map(Some)
     }
@@ -539,10 +543,10 @@ impl InstantRestore {
             return Ok(());
         }
         self.volume
-            .write(self.entries[i].chunk * CHUNK_BYTES, plain, false)?;
+            .write(self.first.entries[i].chunk * CHUNK_BYTES, plain, false)?;
         // The mark is queued before the entry counts as present: a flush that sees nothing
         // missing takes it (see `flush`).
-        self.pending.lock().push(self.entries[i].chunk);
+        self.pending.lock().push(self.first.entries[i].chunk);
         self.set_present(i);
         Ok(())
     }
@@ -561,7 +565,7 @@ impl InstantRestore {
         let received_at_start = self.received_bytes();
         // Pack by pack as the manifest first said (a fetch follows chunks GC moved since).
         let mut by_pack: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for (i, e) in self.entries.iter().enumerate() {
+        for (i, e) in self.first.entries.iter().enumerate() {
             by_pack.entry(e.at.pack).or_default().push(i);
         }
         let mut packs = by_pack.into_values().peekable();

@@ -219,7 +219,8 @@ impl Remote {
 const WRITERS: usize = 2;
 
 /// Most bytes a restore writes in one call: runs of consecutive chunks go together, so the
-/// engine prepares their blocks in large groups (and on every core).
+/// engine's per-write work (its LZ4 skip streak, its dedup neighbourhood) spans a run, not a
+/// chunk.
 const WRITE_RUN_BYTES: u64 = 1 << 20;
 
 /// Checks and writes one pack's records, runs of consecutive chunks at a time; (bytes

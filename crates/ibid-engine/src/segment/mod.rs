@@ -908,6 +908,54 @@ impl Segments {
         self.check_io()
     }
 
+    /// Makes every record appended through writer `w` durable without touching the other
+    /// writers' buffers: writes `w`'s buffer and fsyncs its open segment, the sealed segments
+    /// not fsynced yet (`w`'s among them) and the directory if files were created or removed.
+    /// For the cleaner, whose copies must be durable before its transaction: a whole
+    /// [`Segments::sync`] would hold each host writer's buffer while it writes it out.
+    pub fn sync_writer(&self, w: usize) -> Result<()> {
+        let _syncing = self.sync_lock.lock();
+        self.check_io()?;
+        let writer = &self.writers[w];
+        let mut guard = writer.open.lock();
+        let open = match guard.as_mut() {
+            Some(o) => {
+                self.write_buffer(writer, o)?;
+                Some(o.id)
+            }
+            None => None,
+        };
+        let files: Vec<(u64, Arc<SegmentFile>)> = {
+            let sealed = self.sealed.lock();
+            let mut unsynced = self.shared.unsynced.lock();
+            let ids: Vec<u64> = (unsynced.keys())
+                .copied()
+                .filter(|id| Some(*id) == open || sealed.contains_key(id))
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| unsynced.remove(&id).map(|f| (id, f)))
+                .collect()
+        };
+        let dir_dirty = std::mem::take(&mut *self.dir_dirty.lock());
+        for (id, f) in &files {
+            if let Err(e) = f.file.sync_data() {
+                let context = format!("sync segment {id:016x}");
+                self.shared.fail(&context, &e);
+                return Err(Error::io(context, e));
+            }
+        }
+        if dir_dirty {
+            if let Err(e) = self.disk.sync_dir(&self.dir) {
+                self.shared.fail("sync segment directory", &e);
+                return Err(Error::io("sync segment directory", e));
+            }
+        }
+        drop(guard);
+        // As in `sync`: the sync thread's fsync of one of these files may have failed.
+        drop(self.shared.syncing.lock());
+        self.check_io()
+    }
+
     /// Reads a whole record (header and payload) at `offset` in segment `segment`.
     /// Returns `Ok(None)` if the segment no longer exists (it was cleaned: the caller retries
     /// with fresh metadata).
