@@ -44,9 +44,12 @@ const GARBAGE_OF_FREE_PCT_MAX: u64 = 25;
 /// `free` bytes free. Under steady load garbage grows to the limit, and from there the cleaner
 /// keeps it there; when the load pauses it cleans everything eligible.
 fn cleaner_waits(since_io: Duration, full: bool, garbage: u64, free: u64) -> bool {
-    since_io < IO_QUIET
-        && !full
-        && (garbage as u128 * 100) < free as u128 * GARBAGE_OF_FREE_PCT_MAX as u128
+    since_io < IO_QUIET && !full && !garbage_past_bound(garbage, free)
+}
+
+/// Whether `garbage` bytes reach [`GARBAGE_OF_FREE_PCT_MAX`] of `free`.
+fn garbage_past_bound(garbage: u64, free: u64) -> bool {
+    garbage as u128 * 100 >= free as u128 * GARBAGE_OF_FREE_PCT_MAX as u128
 }
 
 /// The background thread: commit, settle zeroed ranges and fold the reference log while no
@@ -126,18 +129,28 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         ) {
             continue;
         }
+        let mut cleaned = 0;
         for _ in 0..CLEAN_PER_WAKE_MAX {
             if stop.load(Ordering::Acquire) {
                 return;
             }
             match inner.clean_one(false, None) {
-                Ok(Some(_)) => {}
+                Ok(Some(_)) => cleaned += 1,
                 Ok(None) => break,
                 Err(e) => {
                     tracing::error!("segment cleaner: {e}");
                     break;
                 }
             }
+        }
+        // Behind (garbage still past its bound after a whole pass): the next pass at once,
+        // after a commit, not at the next wake-up, so cleaning keeps pace with the garbage
+        // the writes make instead of letting it grow until the filesystem is full.
+        if cleaned == CLEAN_PER_WAKE_MAX
+            && (inner.soft_warned.load(Ordering::Relaxed)
+                || garbage_past_bound(inner.garbage_bytes(), inner.free_bytes()))
+        {
+            inner.wake_background();
         }
     }
 }

@@ -85,6 +85,8 @@ fn every_format_creates_a_petabyte_volume_as_metadata() {
 fn thick_creation_and_growth_beyond_the_pool_are_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pool = Pool::create(dir.path().join("p"), quiet_config(64 << 20)).expect("create");
+    // The filter build's commit must not grow the store between `before` and the refusal.
+    pool.wait_filters_built();
     let before = pool.stats();
     let result = pool.create_volume_with_format("big", 64 << 20, VolumeFormat::EagerZeroedThick);
     match result
