@@ -389,14 +389,7 @@ impl InstantRestores {
         let label = format!("{}:{} -> {} (instant)", k.remote, k.snapshot, k.volume);
         let id = ir.volume().id();
         if !self.state.lock().filling.insert(id) {
-            return Err(ApiError::conflict(
-                "busy",
-                format!(
-                    "the background fill of {}'s restore is running (`ibid job list`; cancel \
-                     its job first to start it again at another rate)",
-                    k.volume
-                ),
-            ));
+            return Err(fill_running(&k.volume));
         }
         let work = {
             let (this, progress, stats) = (self.clone(), progress.clone(), stats.clone());
@@ -447,24 +440,38 @@ impl InstantRestores {
     ) -> Result<serde_json::Value, ApiError> {
         let (ir, kept) = {
             let mut s = self.state.lock();
-            let Some(k) = s.kept.iter_mut().find(|k| k.volume == name) else {
+            let Some(volume_id) = s
+                .kept
+                .iter()
+                .find(|k| k.volume == name)
+                .map(|k| k.volume_id)
+            else {
                 return Err(ApiError::new(
                     axum::http::StatusCode::NOT_FOUND,
                     "not_found",
                     format!("volume {name:?} is not being restored"),
                 ));
             };
-            if let Some(rate) = bytes_per_s {
-                k.fill_bytes_per_s = (rate > 0).then_some(rate);
-            }
-            let k = k.clone();
-            let Some(ir) = k.volume_id.and_then(|id| s.running.get(&id).cloned()) else {
+            let Some(ir) = volume_id.and_then(|id| s.running.get(&id).cloned()) else {
                 return Err(ApiError::conflict(
                     "restoring",
                     format!("the restore of {name:?} has not resumed yet"),
                 ));
             };
-            (ir, k)
+            let id = ir.volume().id();
+            if s.filling.contains(&id) {
+                // Refused before the rate changes (`run_fill` checks again, atomically).
+                return Err(fill_running(name));
+            }
+            let k = s
+                .kept
+                .iter_mut()
+                .find(|k| k.volume == name)
+                .expect("found above");
+            if let Some(rate) = bytes_per_s {
+                k.fill_bytes_per_s = (rate > 0).then_some(rate);
+            }
+            (ir, k.clone())
         };
         self.write()?;
         self.run_fill(ir, &kept, jobs, stats).await
@@ -519,6 +526,17 @@ impl InstantRestores {
             }
         }
     }
+}
+
+/// The answer to starting a fill that runs already.
+fn fill_running(volume: &str) -> ApiError {
+    ApiError::conflict(
+        "busy",
+        format!(
+            "the background fill of {volume}'s restore is running (`ibid job list`; cancel its \
+             job first to start it again at another rate)"
+        ),
+    )
 }
 
 /// A volume's instant restore as the front ends use it around each request; does nothing for

@@ -928,10 +928,12 @@ impl Segments {
         let files: Vec<(u64, Arc<SegmentFile>)> = {
             let sealed = self.sealed.lock();
             let mut unsynced = self.shared.unsynced.lock();
-            let ids: Vec<u64> = (unsynced.keys())
+            let mut ids: Vec<u64> = (unsynced.keys())
                 .copied()
                 .filter(|id| Some(*id) == open || sealed.contains_key(id))
                 .collect();
+            // In id order, as `sync` does: a seed of the simulator replays the same I/O.
+            ids.sort_unstable();
             ids.into_iter()
                 .filter_map(|id| unsynced.remove(&id).map(|f| (id, f)))
                 .collect()
