@@ -16,7 +16,7 @@ use crate::{pack_path, Error, Remote, Result, DOWNLOADS_INFLIGHT_MAX};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::PutPayload;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -81,6 +81,8 @@ impl Remote {
         candidates.sort_by_key(|(p, _)| *p);
         let mut out = Repacked::default();
         let mut moves = Moves::new();
+        // The packs whose records all moved: a manifest naming one is rewritten.
+        let mut moved_from: HashSet<Hash> = HashSet::new();
         let mut builder = PackBuilder {
             bytes: Vec::with_capacity(format::PACK_BYTES_MAX),
             records: Vec::new(),
@@ -110,15 +112,17 @@ impl Remote {
                     self.seal(&mut builder, &mut moves, &mut out).await?;
                 }
             }
+            moved_from.insert(pack);
             out.packs += 1;
             out.chunks += records.len() as u64;
         }
         drop(fetched);
         self.seal(&mut builder, &mut moves, &mut out).await?;
         for (path, table) in manifests.iter_mut() {
-            let Some(moved) = relocated(table, &moves) else {
+            if !table.packs.iter().any(|p| moved_from.contains(p)) {
                 continue;
-            };
+            }
+            let moved = relocated(table, &moves);
             let bytes = format::encode_table(format::MANIFEST_MAGIC, &moved);
             self.store.put(path, PutPayload::from(bytes)).await?;
             *table = moved;
@@ -190,9 +194,8 @@ impl PackBuilder {
     }
 }
 
-/// `t` with its moved records' new places and its pack table rebuilt, or `None` if none of
-/// its records moved.
-fn relocated(t: &Table<ManifestHeader>, moves: &Moves) -> Option<Table<ManifestHeader>> {
+/// `t` with its moved records' new places and its pack table rebuilt.
+fn relocated(t: &Table<ManifestHeader>, moves: &Moves) -> Table<ManifestHeader> {
     let place = |e: &Entry| {
         let pack = t.packs[e.at.pack as usize];
         moves
@@ -200,13 +203,6 @@ fn relocated(t: &Table<ManifestHeader>, moves: &Moves) -> Option<Table<ManifestH
             .copied()
             .unwrap_or((pack, e.at.offset))
     };
-    if !t
-        .entries
-        .iter()
-        .any(|e| moves.contains_key(&(t.packs[e.at.pack as usize], e.at.offset)))
-    {
-        return None;
-    }
     let mut numbers: HashMap<Hash, u32> = HashMap::new();
     let mut out = Table {
         header: t.header.clone(),
@@ -228,7 +224,7 @@ fn relocated(t: &Table<ManifestHeader>, moves: &Moves) -> Option<Table<ManifestH
             ..*e
         });
     }
-    Some(out)
+    out
 }
 
 /// Times a restore reads its manifest again, at most, because packs it named were gone.

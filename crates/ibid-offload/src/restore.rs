@@ -1,6 +1,8 @@
 //! Restore: a remote snapshot into a new volume of a pool, every chunk checked by its BLAKE3.
 
-use crate::format::{self, Hash, ManifestHeader, Table, CHUNK_BYTES, RECORD_HEADER_BYTES};
+use crate::format::{
+    self, Hash, Location, ManifestHeader, Table, CHUNK_BYTES, RECORD_HEADER_BYTES,
+};
 use crate::instant::check_manifest;
 use crate::repack::{place_of, Places};
 use crate::{pack_path, Error, Progress, Remote, Result, DOWNLOADS_INFLIGHT_MAX};
@@ -70,11 +72,7 @@ impl Remote {
         let size = manifest.header.size_bytes;
         let mut by_pack: Vec<Wanted> = vec![BTreeMap::new(); manifest.packs.len()];
         for e in &manifest.entries {
-            by_pack[e.at.pack as usize]
-                .entry(e.at.offset)
-                .or_insert_with(|| (e.hash, e.at.stored_len, Vec::new()))
-                .2
-                .push(e.chunk);
+            want(&mut by_pack[e.at.pack as usize], e.at, e.hash, e.chunk);
         }
         progress
             .bytes_total
@@ -197,13 +195,7 @@ impl Remote {
                     for (hash, _, chunks) in wanted.into_values() {
                         for c in chunks {
                             let (pack, at) = place_of(&manifest, c, &hash)?;
-                            moved
-                                .entry(pack)
-                                .or_default()
-                                .entry(at.offset)
-                                .or_insert_with(|| (hash, at.stored_len, Vec::new()))
-                                .2
-                                .push(c);
+                            want(moved.entry(pack).or_default(), at, hash, c);
                         }
                     }
                     todo.extend(moved.into_iter().map(|(p, w)| (p, w, version)));
@@ -213,6 +205,15 @@ impl Remote {
         }
         Ok(out)
     }
+}
+
+/// Adds chunk `chunk`, record `hash` at `at` in a pack, to what is wanted from that pack.
+fn want(wanted: &mut Wanted, at: Location, hash: Hash, chunk: u64) {
+    wanted
+        .entry(at.offset)
+        .or_insert_with(|| (hash, at.stored_len, Vec::new()))
+        .2
+        .push(chunk);
 }
 
 /// Pool writers of a restore (each writes one pack's records at a time).
