@@ -1,16 +1,18 @@
 # Shared by the probes: start `ibid serve` (BIN, extra args after it) on a fresh pool under
 # SCRATCH, wait for its NBD export, and helpers to read its CPU ticks and the disk's counters.
-# Env: SCRATCH (default /var/tmp/ibid-probe), PORT (default 10990), DISK (default vda).
+# Env: SCRATCH (default /var/tmp/ibid-probe), PORT (default 10990), DISK (default vda), HTTP
+# (ibid's API and /metrics address, default off).
 set -euo pipefail
 SCRATCH=${SCRATCH:-/var/tmp/ibid-probe}
 PORT=${PORT:-10990}
+HTTP=${HTTP:-off}
 DISK=${DISK:-vda}
 URI=nbd://127.0.0.1:$PORT/bench
 
 start_ibid() {
     rm -rf "$SCRATCH"; mkdir -p "$SCRATCH"
     local bin=$1; shift
-    "$bin" serve --data "$SCRATCH/pool" --nbd 127.0.0.1:$PORT --iscsi off --http off \
+    "$bin" serve --data "$SCRATCH/pool" --nbd 127.0.0.1:$PORT --iscsi off --http "$HTTP" \
         --volume bench=16G --no-default-volume "$@" > "$SCRATCH/log" 2>&1 &
     PID=$!
     trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; cp "$SCRATCH/log" /tmp/last-probe.log 2>/dev/null; rm -rf "$SCRATCH"' EXIT

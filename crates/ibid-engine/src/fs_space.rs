@@ -80,7 +80,7 @@ impl FsSpace {
     }
 
     /// Reads the filesystem again (keeps the last reading if `statvfs` fails).
-    fn refresh(&self) {
+    pub(crate) fn refresh(&self) {
         if let Ok((total, avail)) = statvfs(&*self.disk, &self.dir) {
             self.total.store(total, Ordering::Relaxed);
             self.avail.store(avail, Ordering::Relaxed);

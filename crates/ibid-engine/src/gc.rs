@@ -11,6 +11,7 @@
 //! the copies are unreferenced dead space. After it, the copies are durable and referenced; the
 //! old file is unreferenced and is deleted at once or at the next open.
 
+use crate::cleaner_pace;
 use crate::error::Result;
 use crate::format::{self, ChunkRecord, SegmentUsage, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES};
 use crate::meta;
@@ -20,7 +21,7 @@ use crate::store::Reader;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Segments the background thread cleans per wake-up at most.
 const CLEAN_PER_WAKE_MAX: usize = 4;
@@ -33,23 +34,14 @@ const CLEAN_PER_WAKE_MAX: usize = 4;
 /// for its writes: flush latency and random reads right after a random-write test suffer
 /// while it runs (measurements: BENCHMARKS.md and docs/benchmarks/nbd-fio.md).
 pub(crate) const IO_QUIET: Duration = Duration::from_millis(100);
-/// The cleaner stops yielding once garbage reaches this share of the pool's free space, in
-/// percent. Garbage is not counted as used space but occupies the filesystem below, so it
-/// must stay well inside the room the pool promises; past this share the cleaner runs
-/// whatever the load (and, busy or not, once the pool is past its soft threshold).
-const GARBAGE_OF_FREE_PCT_MAX: u64 = 25;
-
 /// Whether the cleaner should skip this wake-up: foreground I/O ran `since_io` ago, the pool
-/// is (`full`) or is not past its soft threshold, and holds `garbage` bytes of garbage with
-/// `free` bytes free. Under steady load garbage grows to the limit, and from there the cleaner
-/// keeps it there; when the load pauses it cleans everything eligible.
-fn cleaner_waits(since_io: Duration, full: bool, garbage: u64, free: u64) -> bool {
-    since_io < IO_QUIET && !full && !garbage_past_bound(garbage, free)
-}
-
-/// Whether `garbage` bytes reach [`GARBAGE_OF_FREE_PCT_MAX`] of `free`.
-fn garbage_past_bound(garbage: u64, free: u64) -> bool {
-    garbage as u128 * 100 >= free as u128 * GARBAGE_OF_FREE_PCT_MAX as u128
+/// is (`full`) or is not past its soft threshold, and garbage presses on the pool's room with
+/// `pressure` (`cleaner_pace.rs`). Under steady load garbage grows to
+/// [`cleaner_pace::CLEAN_ALWAYS_FROM`], and from there the cleaner runs whatever the load (and
+/// writers are paced to it if it falls further behind); when the load pauses it cleans
+/// everything eligible.
+fn cleaner_waits(since_io: Duration, full: bool, pressure: f64) -> bool {
+    since_io < IO_QUIET && !full && pressure < cleaner_pace::CLEAN_ALWAYS_FROM
 }
 
 /// The background thread: commit, settle zeroed ranges and fold the reference log while no
@@ -121,12 +113,8 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         if inner.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
             inner.spawn_filter_work(false);
         }
-        if cleaner_waits(
-            inner.since_last_io(),
-            inner.soft_warned.load(Ordering::Relaxed),
-            inner.garbage_bytes(),
-            inner.free_bytes(),
-        ) {
+        let full = inner.soft_warned.load(Ordering::Relaxed);
+        if cleaner_waits(inner.since_last_io(), full, inner.update_pressure()) {
             continue;
         }
         let mut cleaned = 0;
@@ -134,8 +122,18 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             if stop.load(Ordering::Acquire) {
                 return;
             }
-            match inner.clean_one(false, None) {
-                Ok(Some(_)) => cleaned += 1,
+            // Under pacing pressure any dead bytes qualify (the emptiest segment first): a
+            // segment past the live fraction frees less, but writers wait for what it frees.
+            let thorough = inner.cleaner_pace.pressure() >= cleaner_pace::PACE_FROM;
+            let t0 = Instant::now();
+            match inner.clean_one(thorough, None) {
+                Ok(Some(c)) => {
+                    cleaned += 1;
+                    inner
+                        .cleaner_pace
+                        .note_pass(c.freed, t0.elapsed(), Instant::now());
+                    inner.update_pressure();
+                }
                 Ok(None) => break,
                 Err(e) => {
                     tracing::error!("segment cleaner: {e}");
@@ -143,16 +141,25 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
                 }
             }
         }
-        // Behind (garbage still past its bound after a whole pass): the next pass at once,
-        // after a commit, not at the next wake-up, so cleaning keeps pace with the garbage
-        // the writes make instead of letting it grow until the filesystem is full.
+        // Behind (garbage still pressing after a whole pass): the next pass at once, after a
+        // commit, not at the next wake-up, so cleaning keeps pace with the garbage the writes
+        // make instead of letting it grow until the filesystem is full.
         if cleaned == CLEAN_PER_WAKE_MAX
             && (inner.soft_warned.load(Ordering::Relaxed)
-                || garbage_past_bound(inner.garbage_bytes(), inner.free_bytes()))
+                || inner.cleaner_pace.pressure() >= cleaner_pace::CLEAN_ALWAYS_FROM)
         {
             inner.wake_background();
         }
     }
+}
+
+/// A cleaning pass's outcome.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cleaned {
+    /// The segment cleaned.
+    pub segment: u64,
+    /// Bytes of segment files it gave back (the file, less the live records it moved).
+    pub freed: u64,
 }
 
 impl Inner {
@@ -172,19 +179,60 @@ impl Inner {
     }
 
     /// Segment file bytes that no live record occupies.
-    fn garbage_bytes(&self) -> u64 {
+    pub(crate) fn garbage_bytes(&self) -> u64 {
         self.segment_file_bytes()
             .saturating_sub(self.live_bytes.load(Ordering::Relaxed))
     }
 
+    /// Bytes a live chunk takes in its segment on average (a block's record when none is).
+    pub(crate) fn bytes_per_chunk(&self) -> u64 {
+        let chunks = self.live_chunks.load(Ordering::Relaxed);
+        match chunks {
+            0 => (RECORD_HEADER_BYTES + format::BLOCK_BYTES) as u64,
+            n => (self.live_bytes.load(Ordering::Relaxed) / n).max(1),
+        }
+    }
+
+    /// Works out garbage's pressure on the pool's room (`cleaner_pace.rs`) from the figures
+    /// now, sets it for the writers, and returns it.
+    pub(crate) fn update_pressure(&self) -> f64 {
+        let (_, fs_avail) = self.fs_space.now();
+        let fs_room = fs_avail.saturating_sub(self.fs_space.reserve_bytes());
+        let (garbage, free) = (self.garbage_bytes(), self.free_bytes());
+        let p = cleaner_pace::pressure(garbage, free, fs_room);
+        let rate = || {
+            let r = self.cleaner_pace.freeing_rate().unwrap_or(0.0);
+            crate::units::format_size(r as u64)
+        };
+        match self.cleaner_pace.set_pressure(p) {
+            Some(true) => tracing::warn!(
+                "pool {}: garbage ({}) outgrows the cleaner (frees {}/s lately) with {} free \
+                 and {} on the filesystem beyond its reserve; writes of new data are paced to \
+                 the cleaner",
+                self.dir.display(),
+                crate::units::format_size(garbage),
+                rate(),
+                crate::units::format_size(free),
+                crate::units::format_size(fs_room),
+            ),
+            Some(false) => tracing::info!(
+                "pool {}: the cleaner caught up (garbage {}); writes go unpaced by it",
+                self.dir.display(),
+                crate::units::format_size(garbage),
+            ),
+            None => {}
+        }
+        p
+    }
+
     /// Cleans the emptiest eligible segment (among `only`, if given). With `thorough`, any
     /// segment with dead bytes qualifies; otherwise only those under the configured live
-    /// fraction. Returns the segment cleaned, if one was.
+    /// fraction. Returns the segment cleaned and the bytes that gave back, if one was.
     pub(crate) fn clean_one(
         &self,
         thorough: bool,
         only: Option<&HashSet<u64>>,
-    ) -> Result<Option<u64>> {
+    ) -> Result<Option<Cleaned>> {
         let _gc = self.gc_lock.lock();
         let committed = self.committed.load(Ordering::Acquire);
         // Each candidate's live bytes (none without a usage row): one pass over the usage
@@ -221,7 +269,7 @@ impl Inner {
                 best = Some((seg, live, file_bytes));
             }
         }
-        let Some((seg, live, _)) = best else {
+        let Some((seg, live, file_bytes)) = best else {
             return Ok(None);
         };
         let t0 = std::time::Instant::now();
@@ -234,7 +282,10 @@ impl Inner {
             "cleaned segment {seg:#x}: {live} live bytes moved in {:.1} ms",
             t0.elapsed().as_secs_f64() * 1e3
         );
-        Ok(Some(seg))
+        Ok(Some(Cleaned {
+            segment: seg,
+            freed: file_bytes.saturating_sub(live),
+        }))
     }
 
     fn drop_segment(&self, seg: u64) -> Result<()> {
@@ -333,22 +384,29 @@ mod tests {
     use super::*;
 
     /// The cleaner waits only while foreground I/O ran lately, while the pool is under its
-    /// soft threshold and garbage is under a quarter of the free space.
+    /// soft threshold and garbage presses on the pool's room less than `CLEAN_ALWAYS_FROM`.
     #[test]
     fn cleaner_yields_to_io_only_while_garbage_is_small() {
         let ms = Duration::from_millis;
         let gib = 1u64 << 30;
-        assert!(cleaner_waits(ms(10), false, 0, gib));
-        assert!(cleaner_waits(ms(99), false, gib / 4 - 1, gib));
+        let p = |garbage, free| cleaner_pace::pressure(garbage, free, u64::MAX);
+        assert!(cleaner_waits(ms(10), false, p(0, gib)));
+        assert!(cleaner_waits(ms(99), false, p(gib / 4 - 1, gib)));
         // No I/O lately.
-        assert!(!cleaner_waits(IO_QUIET, false, 0, gib));
+        assert!(!cleaner_waits(IO_QUIET, false, p(0, gib)));
         // Past the soft threshold.
-        assert!(!cleaner_waits(ms(10), true, 0, gib));
-        // Too much garbage (a quarter of the free space), or no free space at all.
-        assert!(!cleaner_waits(ms(10), false, gib / 4, gib));
-        assert!(!cleaner_waits(ms(10), false, 0, 0));
+        assert!(!cleaner_waits(ms(10), true, p(0, gib)));
+        // Too much garbage (a quarter of the free space), or garbage and no free space.
+        assert!(!cleaner_waits(ms(10), false, p(gib / 4, gib)));
+        assert!(!cleaner_waits(ms(10), false, p(1, 0)));
+        // The filesystem's room counts when it is the smaller: a quarter of it is garbage.
+        assert!(!cleaner_waits(
+            ms(10),
+            false,
+            cleaner_pace::pressure(gib, 100 * gib, 3 * gib)
+        ));
         // An unbounded free space does not overflow.
-        assert!(cleaner_waits(ms(10), false, u64::MAX / 5, u64::MAX));
-        assert!(!cleaner_waits(ms(10), false, u64::MAX / 3, u64::MAX));
+        assert!(cleaner_waits(ms(10), false, p(u64::MAX / 5, u64::MAX)));
+        assert!(!cleaner_waits(ms(10), false, p(u64::MAX / 3, u64::MAX)));
     }
 }

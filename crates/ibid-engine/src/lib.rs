@@ -22,6 +22,7 @@ pub mod allocator;
 mod bloom;
 mod breakdown;
 pub mod chunk_table;
+mod cleaner_pace;
 mod commit;
 mod compression;
 pub mod config;

@@ -121,18 +121,7 @@ impl Pacer {
         } else {
             max.saturating_sub(dirty) as f64 / (max - throttle) as f64
         };
-        let admit = commits * scale;
-        let start = s.next.map_or(now, |n| n.max(now));
-        let slot = if admit > 0.0 {
-            Duration::from_secs_f64((blocks.max(1) as f64 / admit).min(DELAY_MAX.as_secs_f64()))
-        } else {
-            DELAY_MAX
-        };
-        // The schedule never runs further ahead than one longest wait: writers past it would
-        // otherwise queue behind a backlog of slots taken while the rate was low.
-        let next = (start + slot).min(now + DELAY_MAX);
-        s.next = Some(next);
-        Some(next.saturating_duration_since(now))
+        Some(take_slot(&mut s.next, commits * scale, blocks, now))
     }
 
     /// Whether a write that comes with `dirty` blocks uncommitted is paced (it may wait for a
@@ -140,6 +129,28 @@ impl Pacer {
     pub(crate) fn paces(&self, dirty: u64) -> bool {
         dirty >= self.limits.commit && self.commit_rate().is_some()
     }
+}
+
+/// Takes the slot after `next` (or at `now`, if the schedule has not run ahead of it) for
+/// `units` at `admit` units per second, moves `next` past it, and returns how long until the
+/// slot: at most [`DELAY_MAX`], which is also the slot of a rate of zero.
+pub(crate) fn take_slot(
+    next: &mut Option<Instant>,
+    admit: f64,
+    units: u64,
+    now: Instant,
+) -> Duration {
+    let start = next.map_or(now, |n| n.max(now));
+    let slot = if admit > 0.0 {
+        Duration::from_secs_f64((units.max(1) as f64 / admit).min(DELAY_MAX.as_secs_f64()))
+    } else {
+        DELAY_MAX
+    };
+    // The schedule never runs further ahead than one longest wait: writers past it would
+    // otherwise queue behind a backlog of slots taken while the rate was low.
+    let slot_at = (start + slot).min(now + DELAY_MAX);
+    *next = Some(slot_at);
+    slot_at.saturating_duration_since(now)
 }
 
 fn rate(s: &State) -> Option<f64> {

@@ -184,6 +184,9 @@ pub(crate) struct Inner {
     /// Paces writers to the commits' rate once the backlog grows (see `pacer.rs`); `None`
     /// without a background committer.
     pub pacer: Option<crate::pacer::Pacer>,
+    /// Garbage's pressure and the cleaner's freeing rate; paces writers of new data when the
+    /// cleaner falls behind (see `cleaner_pace.rs`).
+    pub cleaner_pace: crate::cleaner_pace::CleanerPace,
     /// Writes preparing whole blocks right now (see `write_range`): a large write spreads its
     /// blocks over the helper threads only while fewer writes than cores are busy.
     pub preparing: AtomicUsize,
@@ -694,7 +697,9 @@ impl Pool {
             .into_iter()
             .collect();
         let mut cleaned = 0;
-        while let Some(seg) = self.inner.clean_one(true, Some(&remaining))? {
+        while let Some(crate::gc::Cleaned { segment: seg, .. }) =
+            self.inner.clean_one(true, Some(&remaining))?
+        {
             remaining.remove(&seg);
             cleaned += 1;
         }

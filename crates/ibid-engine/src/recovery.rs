@@ -300,6 +300,7 @@ fn assemble(
                 max: config.dirty_blocks_max,
             })
         }),
+        cleaner_pace: Default::default(),
         failed: Mutex::new(None),
         soft_warned: AtomicBool::new(false),
         last_io_ms: AtomicU64::new(0),

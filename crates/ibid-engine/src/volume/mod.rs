@@ -42,6 +42,12 @@ const BLOCK: u64 = BLOCK_BYTES as u64;
 
 /// Most commits a write that found no space retries after ([`Inner::retry_after_commit`]).
 const RETRIES_AFTER_COMMIT_MAX: usize = 16;
+/// Most segments a writer refused by the filesystem cleans before it answers `NoSpace`
+/// (`retry_after_commit`).
+const CLEANS_FOR_SPACE_MAX: usize = 64;
+/// Pool room under which a refused writer does not clean: the refusal is then the pool's
+/// own capacity, which cleaning (it frees filesystem space, not pool space) does not change.
+const ROOM_FOR_CLEANING_MIN: u64 = 1 << 20;
 /// Blocks of a write fingerprinted together.
 const LANES: u64 = fingerprint::LANES as u64;
 /// Times a read retries when the chunk it found was concurrently freed or moved.
@@ -177,7 +183,8 @@ impl Volume {
     /// stand: whole 4 KiB blocks (a partial block is read first), at most
     /// [`QUICK_WRITE_BLOCKS_MAX`] of them (larger writes spread their blocks over threads),
     /// and an uncommitted backlog under the throttle (past it, a writer waits for a commit) and
-    /// not paced (past the commit threshold, a writer may wait for its slot: `pacer.rs`).
+    /// not paced (past the commit threshold, a writer may wait for its slot: `pacer.rs`; with
+    /// the cleaner behind, for its slot behind the cleaner: `cleaner_pace.rs`).
     /// Such a write costs CPU only (fingerprint, compression, a copy into a segment buffer),
     /// plus, once per megabyte a writer appends, that buffer's write to its file. A hint for a
     /// caller choosing whether to run the write on a thread that must not block for long:
@@ -193,6 +200,7 @@ impl Volume {
         let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed) + blocks;
         dirty < self.inner.config.dirty_blocks_throttle
             && !self.inner.pacer.as_ref().is_some_and(|p| p.paces(dirty))
+            && !self.inner.cleaner_pace.paces(std::time::Instant::now())
     }
 
     /// Writes `data` at `offset`. With `fua`, the data is durable when this returns.
@@ -205,7 +213,7 @@ impl Volume {
             self.inner
                 .retry_after_commit(|| self.inner.write_range(&self.state, offset, data))?;
         }
-        self.after_write((data.len() as u64).div_ceil(BLOCK), fua)
+        self.after_write((data.len() as u64).div_ceil(BLOCK), fua, true)
     }
 
     /// Makes the range read as zeros and releases its space: a metadata operation. The call
@@ -235,17 +243,27 @@ impl Volume {
             }
         }
         // A metadata operation: one slot, whatever its length.
-        self.after_write(1, fua)
+        self.after_write(1, fua, false)
     }
 
     /// Backpressure after a write of `blocks` blocks: a FUA write is made durable; otherwise,
     /// past the commit threshold the background commit is woken and the writer waits for its
     /// pacing slot (or, before a commit was measured, for the commit in progress once past the
-    /// throttle), and at the hard limit it commits itself.
-    fn after_write(&self, blocks: u64, fua: bool) -> Result<()> {
+    /// throttle), and at the hard limit it commits itself. A write of data (`data`, not a
+    /// zeroing or a copy) also waits for its slot behind the cleaner when garbage presses on
+    /// the pool's room (`cleaner_pace.rs`): the longer of the two waits.
+    fn after_write(&self, blocks: u64, fua: bool, data: bool) -> Result<()> {
         if fua {
             return self.inner.flush();
         }
+        let behind_cleaner = if data {
+            self.inner.cleaner_pace.pace(
+                blocks * self.inner.bytes_per_chunk(),
+                std::time::Instant::now(),
+            )
+        } else {
+            std::time::Duration::ZERO
+        };
         let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed);
         let max = self.inner.config.dirty_blocks_max;
         if dirty >= max {
@@ -268,8 +286,10 @@ impl Volume {
                 .as_ref()
                 .and_then(|p| p.pace(blocks, dirty, std::time::Instant::now()));
             match paced {
-                Some(wait) if wait >= crate::pacer::SLEEP_MIN => std::thread::sleep(wait),
-                Some(_) => {}
+                Some(wait) => {
+                    sleep_if_worth(wait.max(behind_cleaner));
+                    return Ok(());
+                }
                 None if dirty >= self.inner.config.dirty_blocks_throttle => {
                     // Wait for the commit in progress (it started with an empty backlog; this
                     // one will be the next): writers then go at the pace of the commits.
@@ -278,6 +298,7 @@ impl Volume {
                 None => {}
             }
         }
+        sleep_if_worth(behind_cleaner);
         Ok(())
     }
 
@@ -349,7 +370,7 @@ impl Volume {
                 .compare_and_write(&self.state, offset, expected, new)
         })?;
         if outcome.is_none() {
-            self.after_write((new.len() as u64).div_ceil(BLOCK), fua)?;
+            self.after_write((new.len() as u64).div_ceil(BLOCK), fua, true)?;
         }
         Ok(outcome)
     }
@@ -382,7 +403,7 @@ impl Volume {
         let report = self
             .inner
             .copy_range(&src.state, src_offset, &self.state, dst_offset, len)?;
-        self.after_write(1, false)?;
+        self.after_write(1, false, false)?;
         Ok(report)
     }
 
@@ -520,4 +541,12 @@ fn stripe_of(block: u64) -> usize {
 
 pub(crate) fn shard_of_chunk(id: u64) -> usize {
     (id & ((1 << SHARD_BITS) - 1)) as usize
+}
+
+/// Sleeps for `wait` unless it is shorter than a sleep can be ([`crate::pacer::SLEEP_MIN`]; the
+/// pacing schedules make up for slots not slept).
+fn sleep_if_worth(wait: std::time::Duration) {
+    if wait >= crate::pacer::SLEEP_MIN {
+        std::thread::sleep(wait);
+    }
 }

@@ -313,3 +313,76 @@ fn a_cached_read_reads_what_a_read_does_or_declines() {
     assert!(v.read_if_cached(64 << 10, &mut got).expect("cached read"));
     assert_eq!(got, data[64 << 10..128 << 10]);
 }
+
+/// Overwrites of unique data on a pool whose filesystem holds its data about eight times, with
+/// no cleaner thread: every segment keeps some data that is never overwritten (one write in 16
+/// goes to a cold area, the rest overwrite a hot one at random), so none ever dies whole, and
+/// garbage fills the filesystem long before the pool. Each writer the filesystem refuses cleans
+/// segments itself and goes on, instead of answering `NoSpace` with the pool three-quarters
+/// empty.
+#[test]
+fn writes_refused_by_a_filesystem_full_of_garbage_clean_and_go_on() {
+    const PIECE: u64 = 64 << 10;
+    const HOT: u64 = 256; // pieces: 16 MiB
+    const WRITES: u64 = 8192; // 512 MiB
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sim = crate::disk::SimDisk::new(11, 384 << 20);
+    let config = PoolConfig {
+        disk: std::sync::Arc::new(sim),
+        meta_backend: crate::store::Backend::Redb,
+        background: false,
+        segment_bytes_max: 4 << 20,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::create(dir.path().join("p"), config).expect("create");
+    let capacity = pool.stats().capacity_bytes;
+    let v = pool.create_volume("v", 128 << 20).expect("volume");
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut model = vec![0u64; (128 << 20) / PIECE as usize];
+    let mut block = vec![0u8; PIECE as usize];
+    for i in 0..WRITES {
+        let at = match i % 16 {
+            0 => HOT + i / 16,
+            _ => next() % HOT,
+        } as usize;
+        let seed = next() | 1;
+        fill_unique(&mut block, seed);
+        v.write(at as u64 * PIECE, &block, false)
+            .unwrap_or_else(|e| panic!("write {i}: {e} ({:?})", pool.stats()));
+        model[at] = seed;
+    }
+    pool.sync().expect("sync");
+    let stats = pool.stats();
+    assert!(
+        stats.physical_bytes < capacity / 4,
+        "the volume's data is a fraction of the pool: {stats:?}"
+    );
+    let mut got = vec![0u8; PIECE as usize];
+    for (at, &seed) in model.iter().enumerate() {
+        v.read(at as u64 * PIECE, &mut got).expect("read");
+        if seed == 0 {
+            assert!(got.iter().all(|&b| b == 0));
+            continue;
+        }
+        fill_unique(&mut block, seed);
+        assert!(got == block, "piece {at} reads what was last written there");
+    }
+    pool.verify().expect("verify");
+}
+
+/// Fills `buf` with incompressible bytes that depend on `seed` (xorshift).
+fn fill_unique(buf: &mut [u8], seed: u64) {
+    let mut x = seed;
+    for w in buf.chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes());
+    }
+}

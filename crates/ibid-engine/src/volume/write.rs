@@ -705,7 +705,11 @@ impl Inner {
 
     /// Runs `op`; if it fails for lack of space, commits and folds the reference log (space
     /// freed by overwrites, zeroing and deletes is only counted back then) and runs it once more, and
-    /// again (up to [`RETRIES_AFTER_COMMIT_MAX`] times) while each commit freed space.
+    /// again (up to [`RETRIES_AFTER_COMMIT_MAX`] times) while each commit freed space. If the
+    /// pool still has room and only the filesystem refuses (garbage fills it: the cleaner fell
+    /// behind the writes despite pacing, or has no thread), the writer cleans segments itself
+    /// and runs `op` again after each, up to [`CLEANS_FOR_SPACE_MAX`]: a write waits for space
+    /// the pool has instead of failing.
     /// `op` must be safe to repeat after a partial run (a plain write is).
     pub(crate) fn retry_after_commit<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
         let mut result = op();
@@ -725,6 +729,18 @@ impl Inner {
             if !freed {
                 break;
             }
+        }
+        for _ in 0..CLEANS_FOR_SPACE_MAX {
+            if !matches!(result, Err(Error::NoSpace))
+                || self.free_bytes() < ROOM_FOR_CLEANING_MIN
+                || self.garbage_bytes() == 0
+                || self.clean_one(true, None)?.is_none()
+            {
+                break;
+            }
+            // What the pass gave back, not a reading from before it.
+            self.fs_space.refresh();
+            result = op();
         }
         result
     }
