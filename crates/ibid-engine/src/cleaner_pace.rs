@@ -32,6 +32,8 @@ use std::time::{Duration, Instant};
 pub(crate) const CLEAN_ALWAYS_FROM: f64 = 0.25;
 /// Pressure from which writers are paced to the cleaner and it cleans any dead bytes.
 pub(crate) const PACE_FROM: f64 = 0.5;
+/// Pressure under which pacing counts as over, for telling (a little under [`PACE_FROM`]).
+const CALM_UNDER: f64 = 0.45;
 /// Writers are paced only while a cleaning pass ended this recently.
 const ACTIVE_WITHIN: Duration = Duration::from_secs(2);
 /// Longest gap between two passes still counted as cleaning time (a longer one was idle
@@ -77,12 +79,14 @@ struct State {
 
 impl CleanerPace {
     /// Sets the pressure (see [`pressure`]); returns `Some(true)` when it reached
-    /// [`PACE_FROM`] and `Some(false)` when it fell back under it (worth telling), `None` when
-    /// it stayed on the same side.
+    /// [`PACE_FROM`] and `Some(false)` when it fell back under [`CALM_UNDER`] (worth telling),
+    /// `None` otherwise (pacing works near [`PACE_FROM`] too: it would be told every second).
     pub(crate) fn set_pressure(&self, p: f64) -> Option<bool> {
         self.pressure.store(p.to_bits(), Ordering::Relaxed);
-        let over = p >= PACE_FROM;
-        (self.over.swap(over, Ordering::Relaxed) != over).then_some(over)
+        let was = self.over.load(Ordering::Relaxed);
+        let over = if was { p >= CALM_UNDER } else { p >= PACE_FROM };
+        self.over.store(over, Ordering::Relaxed);
+        (was != over).then_some(over)
     }
 
     /// The pressure as last set.
@@ -164,6 +168,9 @@ mod tests {
         assert_eq!(c.set_pressure(0.3), None);
         assert_eq!(c.set_pressure(0.5), Some(true));
         assert_eq!(c.set_pressure(0.9), None);
+        // Around the threshold: nothing to tell.
+        assert_eq!(c.set_pressure(0.49), None);
+        assert_eq!(c.set_pressure(0.5), None);
         assert_eq!(c.set_pressure(0.1), Some(false));
         assert_eq!(c.pressure(), 0.1);
     }

@@ -97,6 +97,11 @@ impl Inner {
     /// Commits with the commit lock already held (`cs` is its guard's content).
     pub(crate) fn commit_with(&self, cs: &mut CommitState) -> Result<()> {
         self.check_failed()?;
+        // The cleaner's passes since the last commit (their copies are durable already).
+        if let Err(e) = self.apply_relocations() {
+            self.fail(&e);
+            return Err(e);
+        }
         let batch = self.cut();
         // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
         let orphans = self.orphans_pending.swap(false, Ordering::AcqRel);

@@ -1,11 +1,15 @@
-//! The background thread (periodic commits, dedup filter growth) and the segment cleaner.
+//! The background thread (periodic commits, dedup filter growth) and the segment cleaner's
+//! thread.
 //!
 //! The cleaner picks the sealed, fully committed segment with the smallest live fraction,
-//! copies its live records to the cleaner's own segment, makes them durable, then in one
-//! metadata transaction points the chunks at their new places and forgets the old segment,
-//! whose file is deleted afterwards. Writers and readers are never stopped: the copy runs
-//! without locks, and the transaction only moves chunks still found at their old place (a chunk
-//! freed meanwhile simply isn't moved; its copy is dead space in the new segment).
+//! copies its live records to the cleaner's own segment, makes them durable, and queues the
+//! move ([`Relocations`]); the next commit, before its batch, points the chunks at their new
+//! places and forgets the old segments in one transaction for every queued move, and deletes
+//! their files afterwards. Writers and readers are never stopped: the copy runs without locks,
+//! the cleaner never waits for the commit lock, and the transaction only moves chunks still
+//! found at their old place (a chunk freed meanwhile simply isn't moved; its copy is dead space
+//! in the new segment). Until the move is applied, neither the old segment nor the segments
+//! holding the copies may be cleaned (the copies' segments' usage rows do not count them yet).
 //!
 //! Crash analysis: before the transaction commits, the old segment is intact and referenced;
 //! the copies are unreferenced dead space. After it, the copies are durable and referenced; the
@@ -18,13 +22,20 @@ use crate::meta;
 use crate::pool::{Inner, DATA_WRITERS};
 use crate::ref_log::FoldRequest;
 use crate::store::Reader;
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-/// Segments the background thread cleans per wake-up at most.
+/// Segments the cleaner's thread cleans per round at most (it decides between rounds whether
+/// to go on).
 const CLEAN_PER_WAKE_MAX: usize = 4;
+
+/// Cleaned segments whose moves may wait for a commit; the cleaner waits (polling every
+/// [`QUEUE_POLL`]) while this many do.
+const QUEUED_MAX: usize = 4;
+const QUEUE_POLL: Duration = Duration::from_millis(5);
 
 /// The cleaner yields to foreground I/O: it does not start a pass within this long of the
 /// last read, write, zeroing, copy or flush.
@@ -45,7 +56,8 @@ fn cleaner_waits(since_io: Duration, full: bool, pressure: f64) -> bool {
 }
 
 /// The background thread: commit, settle zeroed ranges and fold the reference log while no
-/// I/O runs, flatten layers, grow the dedup filter when outgrown, clean a few segments.
+/// I/O runs, flatten layers, grow the dedup filter when outgrown (the cleaner has its own
+/// thread: [`cleaner_loop`]).
 pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: Duration) {
     loop {
         {
@@ -113,15 +125,35 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         if inner.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
             inner.spawn_filter_work(false);
         }
+    }
+}
+
+/// The cleaner's thread: a round of up to [`CLEAN_PER_WAKE_MAX`] segments every `interval`,
+/// and the next round at once while the last one found a full round of work. It runs beside
+/// the commits, whose next one applies its moves: on the background thread only 4 passes of
+/// ~100 ms fit between commits of ~1 s under random overwrites, and on its own thread with a
+/// transaction of its own each pass waited for the commit in progress (BENCHMARKS.md, "The
+/// cleaner's pace"). Woken early only to stop.
+pub(crate) fn cleaner_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: Duration) {
+    let mut busy = false;
+    loop {
+        if !busy {
+            std::thread::park_timeout(interval);
+        }
+        busy = false;
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.check_failed().is_err() {
+            return;
+        }
         let full = inner.soft_warned.load(Ordering::Relaxed);
         if cleaner_waits(inner.since_last_io(), full, inner.update_pressure()) {
             continue;
         }
         let mut cleaned = 0;
-        for _ in 0..CLEAN_PER_WAKE_MAX {
-            if stop.load(Ordering::Acquire) {
-                return;
-            }
+        while cleaned < CLEAN_PER_WAKE_MAX && !stop.load(Ordering::Acquire) {
             // Under pacing pressure any dead bytes qualify (the emptiest segment first): a
             // segment past the live fraction frees less, but writers wait for what it frees.
             let thorough = inner.cleaner_pace.pressure() >= cleaner_pace::PACE_FROM;
@@ -133,6 +165,14 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
                         .cleaner_pace
                         .note_pass(c.freed, t0.elapsed(), Instant::now());
                     inner.update_pressure();
+                    // The moves wait for a commit: not too many of them.
+                    while inner.relocations.queued() >= QUEUED_MAX
+                        && !stop.load(Ordering::Acquire)
+                        && inner.check_failed().is_ok()
+                    {
+                        inner.wake_background();
+                        std::thread::sleep(QUEUE_POLL);
+                    }
                 }
                 Ok(None) => break,
                 Err(e) => {
@@ -141,15 +181,90 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
                 }
             }
         }
-        // Behind (garbage still pressing after a whole pass): the next pass at once, after a
-        // commit, not at the next wake-up, so cleaning keeps pace with the garbage the writes
-        // make instead of letting it grow until the filesystem is full.
-        if cleaned == CLEAN_PER_WAKE_MAX
-            && (inner.soft_warned.load(Ordering::Relaxed)
-                || inner.cleaner_pace.pressure() >= cleaner_pace::CLEAN_ALWAYS_FROM)
-        {
+        if cleaned > 0 {
+            // A commit applies the round's moves (at once on an idle pool).
             inner.wake_background();
         }
+        // A full round: more may qualify (the pool is idle, or garbage still presses), so the
+        // next round at once; `cleaner_waits` decides again whether it may run.
+        busy = cleaned == CLEAN_PER_WAKE_MAX;
+    }
+}
+
+/// Segments whose live records the cleaner has copied and made durable, waiting for the next
+/// commit to point their chunks at the copies ([`Inner::apply_relocations`]).
+#[derive(Debug, Default)]
+pub(crate) struct Relocations {
+    state: Mutex<RelocationState>,
+}
+
+#[derive(Debug, Default)]
+struct RelocationState {
+    queued: Vec<Relocation>,
+    /// Segments queued ones moved records into, not yet applied, with how many relocations
+    /// did: not to be cleaned (their usage rows do not count the copies yet).
+    targets: HashMap<u64, usize>,
+    /// Segments queued or being applied.
+    sources: HashSet<u64>,
+}
+
+/// One cleaned segment: the moves of its live records, `(chunk id, old offset, new segment,
+/// new offset)`.
+#[derive(Debug)]
+pub(crate) struct Relocation {
+    segment: u64,
+    moved: Vec<(u64, u32, u64, u32)>,
+}
+
+impl Relocations {
+    fn push(&self, r: Relocation) {
+        let mut s = self.state.lock();
+        for t in r.targets() {
+            *s.targets.entry(t).or_default() += 1;
+        }
+        s.sources.insert(r.segment);
+        s.queued.push(r);
+    }
+
+    /// The queued relocations, for a commit to apply; their segments stay excluded from
+    /// cleaning until [`Relocations::applied`].
+    fn take(&self) -> Vec<Relocation> {
+        std::mem::take(&mut self.state.lock().queued)
+    }
+
+    /// `done` are durable: their segments may be cleaned again (the copies' segments) or are
+    /// gone (the sources).
+    fn applied(&self, done: &[Relocation]) {
+        let mut s = self.state.lock();
+        for r in done {
+            s.sources.remove(&r.segment);
+            for t in r.targets() {
+                if let Some(n) = s.targets.get_mut(&t) {
+                    *n -= 1;
+                    if *n == 0 {
+                        s.targets.remove(&t);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Relocations waiting for a commit.
+    pub(crate) fn queued(&self) -> usize {
+        self.state.lock().queued.len()
+    }
+
+    /// Whether segment `seg` must not be cleaned now.
+    fn busy(&self, seg: u64) -> bool {
+        let s = self.state.lock();
+        s.targets.contains_key(&seg) || s.sources.contains(&seg)
+    }
+}
+
+impl Relocation {
+    /// The segments its records were copied into, each once.
+    fn targets(&self) -> HashSet<u64> {
+        self.moved.iter().map(|m| m.2).collect()
     }
 }
 
@@ -242,6 +357,7 @@ impl Inner {
             .cleanable(committed)
             .into_iter()
             .filter(|s| only.is_none_or(|o| o.contains(s)))
+            .filter(|&s| !self.relocations.busy(s))
             .map(|s| (s, 0))
             .collect();
         if candidates.is_empty() {
@@ -288,14 +404,17 @@ impl Inner {
         }))
     }
 
+    /// Queues segment `seg`'s removal (it holds no live record) for the next commit.
     fn drop_segment(&self, seg: u64) -> Result<()> {
-        let _cs = self.commit.lock();
-        let mut txn = self.db.write()?;
-        txn.remove(meta::SEGMENTS, &seg);
-        txn.commit()?;
-        self.segments.remove(seg)
+        self.relocations.push(Relocation {
+            segment: seg,
+            moved: Vec::new(),
+        });
+        Ok(())
     }
 
+    /// Copies segment `seg`'s live records to the cleaner's writer, makes the copies durable,
+    /// and queues the move for the next commit ([`Inner::apply_relocations`]).
     fn relocate_segment(&self, seg: u64) -> Result<()> {
         let Some(bytes) = self.segments.read_all(seg)? else {
             return Ok(());
@@ -308,48 +427,74 @@ impl Inner {
             let start = offset as usize + RECORD_HEADER_BYTES;
             let payload = &bytes[start..start + rec.stored_len as usize];
             let placed = self.segments.append(gc_writer, id, rec.flags, payload, 0)?;
-            moved.push((id, offset, placed));
+            debug_assert_eq!(rec.crc, placed.crc);
+            moved.push((id, offset, placed.segment, placed.offset));
         }
         self.segments.sync_writer(gc_writer)?;
-        let cs = self.commit.lock();
+        self.relocations.push(Relocation {
+            segment: seg,
+            moved,
+        });
+        Ok(())
+    }
+
+    /// Applies every queued relocation in one transaction (call with the commit lock held):
+    /// chunks still at their old place point at their copies, each cleaned segment's usage
+    /// row goes, and its file is deleted once the transaction is durable. A chunk freed or
+    /// moved meanwhile is left alone (its copy is dead space in the new segment).
+    pub(crate) fn apply_relocations(&self) -> Result<()> {
+        let queued = self.relocations.take();
+        if queued.is_empty() {
+            return Ok(());
+        }
+        let applied = self.relocations_txn(&queued).and_then(|()| {
+            queued
+                .iter()
+                .try_for_each(|r| self.segments.remove(r.segment))
+        });
+        // Only now may their segments be chosen again: the copies' segments count them, the
+        // sources are gone (or, after a failure, are still there to be cleaned again).
+        self.relocations.applied(&queued);
+        applied
+    }
+
+    fn relocations_txn(&self, queued: &[Relocation]) -> Result<()> {
         let mut txn = self.db.write()?;
-        {
-            let mut usage: std::collections::BTreeMap<u64, SegmentUsage> = Default::default();
-            let mut chunks = crate::chunk_table::Pages::new();
-            for (id, old_offset, placed) in moved {
+        let mut usage: std::collections::BTreeMap<u64, SegmentUsage> = Default::default();
+        let mut chunks = crate::chunk_table::Pages::new();
+        for r in queued {
+            for &(id, old_offset, segment, offset) in &r.moved {
                 let Some(mut rec) = chunks.get(&txn, id)? else {
                     continue;
                 };
-                let u = match usage.entry(placed.segment) {
+                let u = match usage.entry(segment) {
                     std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                     std::collections::btree_map::Entry::Vacant(e) => {
-                        e.insert(match txn.get(meta::SEGMENTS, &placed.segment)? {
+                        e.insert(match txn.get(meta::SEGMENTS, &segment)? {
                             Some(v) => SegmentUsage::decode(&v)?,
                             None => SegmentUsage::default(),
                         })
                     }
                 };
                 u.total_bytes += rec.physical_bytes();
-                if rec.segment == seg && rec.offset == old_offset {
+                if rec.segment == r.segment && rec.offset == old_offset {
                     u.live_bytes += rec.physical_bytes();
-                    rec.segment = placed.segment;
-                    rec.offset = placed.offset;
-                    debug_assert_eq!(rec.crc, placed.crc);
+                    rec.segment = segment;
+                    rec.offset = offset;
                     chunks.put(&txn, id, rec)?;
                 }
             }
-            chunks.write(&mut txn);
-            for (s, u) in usage {
-                txn.insert(meta::SEGMENTS, &s, u.encode().as_slice());
-            }
-            txn.remove(meta::SEGMENTS, &seg);
         }
-        txn.commit()?;
-        drop(cs);
-        self.segments.remove(seg)
+        chunks.write(&mut txn);
+        for (s, u) in usage {
+            txn.insert(meta::SEGMENTS, &s, u.encode().as_slice());
+        }
+        for r in queued {
+            txn.remove(meta::SEGMENTS, &r.segment);
+        }
+        txn.commit()
     }
 
-    /// Records of `seg` (whose bytes are `bytes`) that the store still points at.
     fn live_records(&self, seg: u64, bytes: &[u8]) -> Result<Vec<(u64, u32, ChunkRecord)>> {
         let txn = self.db.read()?;
         let mut out = Vec::new();

@@ -187,6 +187,8 @@ pub(crate) struct Inner {
     /// Garbage's pressure and the cleaner's freeing rate; paces writers of new data when the
     /// cleaner falls behind (see `cleaner_pace.rs`).
     pub cleaner_pace: crate::cleaner_pace::CleanerPace,
+    /// Cleaned segments whose moves the next commit applies (see `gc.rs`).
+    pub relocations: crate::gc::Relocations,
     /// Writes preparing whole blocks right now (see `write_range`): a large write spreads its
     /// blocks over the helper threads only while fewer writes than cores are busy.
     pub preparing: AtomicUsize,
@@ -216,6 +218,8 @@ pub(crate) struct Inner {
 pub(crate) struct Background {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<()>,
+    /// The segment cleaner's thread (`gc::cleaner_loop`).
+    cleaner: JoinHandle<()>,
 }
 
 /// Describes a volume.
@@ -378,7 +382,16 @@ impl Pool {
             .name("ibid-background".into())
             .spawn(move || crate::gc::background_loop(weak, stop2, interval))
             .expect("spawn background thread");
-        *self.inner.background.lock() = Some(Background { stop, thread });
+        let (weak, stop2) = (Arc::downgrade(&self.inner), stop.clone());
+        let cleaner = std::thread::Builder::new()
+            .name("ibid-cleaner".into())
+            .spawn(move || crate::gc::cleaner_loop(weak, stop2, interval))
+            .expect("spawn cleaner thread");
+        *self.inner.background.lock() = Some(Background {
+            stop,
+            thread,
+            cleaner,
+        });
     }
 
     /// Rebuilds the dedup filter from the index, then the layer filters from the map, in a
@@ -402,7 +415,9 @@ impl Pool {
         if let Some(bg) = self.inner.background.lock().take() {
             bg.stop.store(true, Ordering::Release);
             self.inner.wake_background();
+            bg.cleaner.thread().unpark();
             let _ = bg.thread.join();
+            let _ = bg.cleaner.join();
         }
         if let Some(t) = self.inner.rebuild_thread.lock().take() {
             let _ = t.join();
@@ -703,6 +718,8 @@ impl Pool {
             remaining.remove(&seg);
             cleaned += 1;
         }
+        // The passes' moves.
+        self.inner.commit()?;
         Ok(cleaned)
     }
 

@@ -301,6 +301,7 @@ fn assemble(
             })
         }),
         cleaner_pace: Default::default(),
+        relocations: Default::default(),
         failed: Mutex::new(None),
         soft_warned: AtomicBool::new(false),
         last_io_ms: AtomicU64::new(0),

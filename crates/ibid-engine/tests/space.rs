@@ -809,9 +809,12 @@ fn gc_now_ends_while_writes_go_on() {
         !writes_ended_first,
         "gc_now ran until the writer stopped ({writes_max:?})"
     );
+    // It cleans what is there when it lists the segments: those before the writer started
+    // and the few the writer sealed until then, not the stream of 256 KiB segments it goes on
+    // making (thousands in 30 s).
     assert!(
-        cleaned <= before,
-        "gc_now cleaned {cleaned} segments, {before} existed when it started"
+        cleaned <= 2 * before,
+        "gc_now cleaned {cleaned} segments, {before} existed before the writer started"
     );
     drop(v);
     pool.close().expect("close");

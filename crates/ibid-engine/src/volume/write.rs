@@ -738,7 +738,8 @@ impl Inner {
             {
                 break;
             }
-            // What the pass gave back, not a reading from before it.
+            // The pass's move, then what it gave back, not a reading from before it.
+            self.commit()?;
             self.fs_space.refresh();
             result = op();
         }
