@@ -32,6 +32,10 @@ use std::time::{Duration, Instant};
 /// to go on).
 const CLEAN_PER_WAKE_MAX: usize = 4;
 
+/// Filesystem room a cleaning pass leaves for metadata beyond the records it copies: it does not
+/// start with less.
+const CLEAN_ROOM_MIN: u64 = 16 << 20;
+
 /// Cleaned segments whose moves may wait for a commit; the cleaner waits (polling every
 /// [`QUEUE_POLL`]) while this many do.
 const QUEUED_MAX: usize = 4;
@@ -388,6 +392,14 @@ impl Inner {
         let Some((seg, live, file_bytes)) = best else {
             return Ok(None);
         };
+        // The pass writes the live records again, and the commit that applies it writes
+        // metadata: on a filesystem without room for both (something else filled it), a pass
+        // would fail the pool instead of freeing anything.
+        self.fs_space.refresh();
+        let (_, avail) = self.fs_space.now();
+        if avail < live + CLEAN_ROOM_MIN {
+            return Ok(None);
+        }
         let t0 = std::time::Instant::now();
         if live == 0 {
             self.drop_segment(seg)?;
