@@ -132,8 +132,13 @@ impl CleanerPace {
     /// most [`DELAY_MAX`].
     pub(crate) fn pace(&self, bytes: u64, now: Instant) -> Duration {
         let p = self.pressure();
+        if p < PACE_FROM {
+            // No lock for the writes of a pool whose cleaner keeps up. A schedule left
+            // behind restarts from `now` (or at most one longest wait ahead) when pacing does.
+            return Duration::ZERO;
+        }
         let mut s = self.state.lock();
-        if p < PACE_FROM || !self.active(&s, now) {
+        if !self.active(&s, now) {
             s.next = None;
             return Duration::ZERO;
         }
