@@ -222,30 +222,27 @@ mod tests {
         assert_eq!(c.pace(1, now), DELAY_MAX);
     }
 
-    #[test]
-    fn the_rate_counts_the_gaps_between_passes_and_not_idle_time() {
+    /// The rate after two passes of 1,000 bytes and 100 ms, the second ending `apart` after
+    /// the first.
+    fn rate_after_two_passes(apart: Duration) -> f64 {
         let t0 = Instant::now();
         let c = CleanerPace::default();
-        assert_eq!(c.freeing_rate(), None);
         c.note_pass(1000, Duration::from_millis(100), t0);
+        c.note_pass(1000, Duration::from_millis(100), t0 + apart);
+        c.freeing_rate().expect("measured")
+    }
+
+    #[test]
+    fn the_rate_counts_the_gaps_between_passes_and_not_idle_time() {
+        let c = CleanerPace::default();
+        assert_eq!(c.freeing_rate(), None);
+        c.note_pass(1000, Duration::from_millis(100), Instant::now());
         assert!((c.freeing_rate().expect("measured") - 10_000.0).abs() < 1e-6);
         // The next pass ends 1 s later: the gap (commits in between) is the time.
-        c.note_pass(
-            1000,
-            Duration::from_millis(100),
-            t0 + Duration::from_secs(1),
-        );
         let r = (1000.0 * DECAY + 1000.0) / (0.1 * DECAY + 1.0);
-        assert!((c.freeing_rate().expect("measured") - r).abs() < 1e-6);
+        assert!((rate_after_two_passes(Duration::from_secs(1)) - r).abs() < 1e-6);
         // After a minute idle, the pass counts its own duration.
-        let c2 = CleanerPace::default();
-        c2.note_pass(1000, Duration::from_millis(100), t0);
-        c2.note_pass(
-            1000,
-            Duration::from_millis(100),
-            t0 + Duration::from_secs(60),
-        );
         let r = (1000.0 * DECAY + 1000.0) / (0.1 * DECAY + 0.1);
-        assert!((c2.freeing_rate().expect("measured") - r).abs() < 1e-6);
+        assert!((rate_after_two_passes(Duration::from_secs(60)) - r).abs() < 1e-6);
     }
 }

@@ -258,10 +258,10 @@ impl Relocations {
         self.state.lock().queued.len()
     }
 
-    /// Whether segment `seg` must not be cleaned now.
-    fn busy(&self, seg: u64) -> bool {
+    /// The segments that must not be cleaned now (queued, or holding queued copies).
+    fn busy(&self) -> HashSet<u64> {
         let s = self.state.lock();
-        s.targets.contains_key(&seg) || s.sources.contains(&seg)
+        s.targets.keys().chain(&s.sources).copied().collect()
     }
 }
 
@@ -354,6 +354,8 @@ impl Inner {
     ) -> Result<Option<Cleaned>> {
         let _gc = self.gc_lock.lock();
         let committed = self.committed.load(Ordering::Acquire);
+        // Passes queue only under `gc_lock`: the set can only shrink meanwhile.
+        let busy = self.relocations.busy();
         // Each candidate's live bytes (none without a usage row): one pass over the usage
         // table, not a lookup per segment (a large pool has hundreds of thousands).
         let mut candidates: HashMap<u64, u64> = self
@@ -361,7 +363,7 @@ impl Inner {
             .cleanable(committed)
             .into_iter()
             .filter(|s| only.is_none_or(|o| o.contains(s)))
-            .filter(|&s| !self.relocations.busy(s))
+            .filter(|s| !busy.contains(s))
             .map(|s| (s, 0))
             .collect();
         if candidates.is_empty() {
