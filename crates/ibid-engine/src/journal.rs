@@ -40,10 +40,14 @@
 //! # Recovery
 //! Open reads the last committed batch `C` and replays each file whose batch is newer, lower
 //! stamp first, each up to the first record that is torn, fails its checksum or carries another
-//! stamp. Flushes are serialized and each ends with an fdatasync, so the records that survive a
-//! crash are a prefix of what was journaled, and a completed flush's records are all in it. Replay runs the changes through the normal write path (reference counts
-//! are recomputed, not journaled) and one commit makes them durable. The commit counter then
-//! resumes after the highest stamp replayed, so a record is never replayed twice.
+//! stamp. Flushes are serialized and each ends with an fdatasync, so the records replayed are a
+//! prefix of what was journaled, and a completed flush's records are all in it. Replay runs the
+//! changes through the normal write path (reference counts are recomputed, not journaled) and
+//! one commit makes them durable. The commit counter then resumes past every stamp a record can
+//! carry (the highest replayed, and at least [`BATCHES_IN_FLIGHT`] past the last commit): a
+//! record that outlived a power cut further into a file, behind one that did not (the pages of
+//! an interrupted write may reach the disk in any order), can then never be taken for part of
+//! a later batch.
 
 use crate::direct_io::{AlignedBuf, PAGE_BYTES};
 use crate::disk::{Disk, DiskFile, OpenMode};
@@ -65,6 +69,17 @@ pub const JOURNAL_PREWRITTEN_BYTES: u64 = 4 << 20;
 pub const JOURNAL_FILE_BYTES_MAX: u64 = 128 << 20;
 /// New data a flush carries inline at most; above it, the flush syncs the segments instead.
 pub const INLINE_BYTES_MAX: u64 = 1 << 20;
+/// Batches whose changes may be journaled and not committed at any time: the one a commit is
+/// applying and the next (writers stamp `cut + 1`; commits are serialized). Records in the
+/// journal files never carry a stamp past `committed + BATCHES_IN_FLIGHT`.
+pub const BATCHES_IN_FLIGHT: u64 = 2;
+
+/// The batch number to resume from at open, given the last committed batch and the highest
+/// stamp of a file's first record: past every stamp a record in the files can carry, not only
+/// past the highest one read (see the module doc).
+pub(crate) fn resume_after(committed: u64, highest_stamp: u64) -> u64 {
+    highest_stamp.max(committed + BATCHES_IN_FLIGHT)
+}
 
 const KIND_CHUNK: u8 = 1;
 const KIND_INSTALL: u8 = 2;
@@ -795,6 +810,15 @@ mod tests {
             assert_eq!(parse(&content(), 6), sample());
             assert!(f[0].size >= f[0].len);
         }
+    }
+
+    #[test]
+    fn batches_resume_past_every_stamp_the_files_can_hold() {
+        // Nothing replayed, or only the batch the crash interrupted the commit of: a record of
+        // the next batch may still lie further into its file.
+        assert_eq!(resume_after(5, 5), 7);
+        assert_eq!(resume_after(5, 6), 7);
+        assert_eq!(resume_after(5, 7), 7);
     }
 
     #[test]

@@ -7,8 +7,8 @@
 //! 3. [`upgrade_format`]: an older pool's tables move to this version's layout, in the
 //!    transaction that rewrites the record (older builds refuse it from then on); the dedup
 //!    index's runs are read again after it.
-//! 4. [`read_journal`]: the changes journaled after the last commit; batches resume after the
-//!    highest stamp found, so no stamp is used twice.
+//! 4. [`read_journal`]: the changes journaled after the last commit; batches resume past every
+//!    stamp a journal record can carry, so no stamp is used twice.
 //! 5. [`open_chunk_store`]: segment files no commit and no journaled change references were
 //!    written after the last commit: they are deleted.
 //! 6. [`assemble`]: the in-memory pool (filters pending, shards empty, counters from the
@@ -166,12 +166,19 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
 }
 
 /// Step 4: the changes journaled after the last commit, with their stamps; the record's
-/// commit counter moves past the highest stamp found.
+/// commit counter moves past every stamp a journal record can carry.
 fn read_journal(disk: &dyn Disk, dir: &Path, catalog: &mut Catalog) -> Result<Vec<(u64, Change)>> {
-    let (journaled, highest_stamp) = crate::journal::read(disk, dir, catalog.record.commits)?;
-    // Batches resume after the last one journaled, so no stamp is ever used twice.
-    assert!(highest_stamp >= catalog.record.commits);
-    catalog.record.commits = highest_stamp;
+    let committed = catalog.record.commits;
+    let (journaled, highest_stamp) = crate::journal::read(disk, dir, committed)?;
+    assert!(highest_stamp >= committed);
+    debug_assert!(
+        highest_stamp <= committed + crate::journal::BATCHES_IN_FLIGHT,
+        "a journal record of batch {highest_stamp} after commit {committed}"
+    );
+    // Batches resume past the last one that can have journaled (not only the last one
+    // replayed: records that outlived a power cut behind one that did not are never read,
+    // and must not pass for a later batch's), so no stamp is ever used twice.
+    catalog.record.commits = crate::journal::resume_after(committed, highest_stamp);
     Ok(journaled)
 }
 

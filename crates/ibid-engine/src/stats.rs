@@ -60,7 +60,8 @@ pub struct PoolStats {
     pub dedup_filter_ram_bytes: u64,
     /// RAM of the filters that say which blocks each map layer holds.
     pub layer_filter_ram_bytes: u64,
-    /// Metadata commits so far.
+    /// The number of the last committed batch: metadata commits so far, plus the numbers
+    /// each open skips past batches a crash may have left in the journal.
     pub committed_batches: u64,
 }
 
