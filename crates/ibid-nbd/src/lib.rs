@@ -40,7 +40,7 @@ pub use tls::{TlsConfig, TlsConfigError, TlsCredentials};
 pub use transmission::{
     validate_request, INFLIGHT_BYTES_MAX, INFLIGHT_REQUESTS_MAX, INLINE_READ_BYTES_MAX,
 };
-pub use workers::WORKERS_DEFAULT;
+pub use workers::{INLINE_SHARED_BYTES_MAX, WORKERS_DEFAULT};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 

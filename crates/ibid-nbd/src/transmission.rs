@@ -14,7 +14,7 @@
 use crate::buffers::Buffers;
 use crate::export::{Direction, Export, ExportError, Extent, BLOCK_SIZE_MIN, PAYLOAD_LEN_MAX};
 use crate::wire::{self, Errno, ReplyMode, RequestHeader, StatusDescriptor, WireError};
-use crate::workers::Workers;
+use crate::workers::{Activity, InFlight, Workers};
 use crate::BoxStream;
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -170,11 +170,12 @@ pub(crate) enum Outcome {
     Error(Errno, String),
 }
 
-/// One encoded reply, with the in-flight permits it releases once written.
+/// One encoded reply, with the in-flight permits and count it releases once written.
 struct Outgoing {
     header: Vec<u8>,
     data: Vec<u8>,
     _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+    _in_flight: InFlight,
 }
 
 fn errno_of(e: &ExportError) -> Errno {
@@ -331,6 +332,7 @@ pub(crate) async fn run(
     let bytes = Arc::new(Semaphore::new(INFLIGHT_BYTES_MAX as usize));
     let session = Arc::new(session);
     let buffers = Arc::new(Buffers::default());
+    let activity = workers.connection();
     let result = loop {
         let step = tokio::select! {
             r = next_request(&mut rd, &session, &requests, &bytes, &buffers) => r,
@@ -349,7 +351,7 @@ pub(crate) async fn run(
                         _ = stop.wait_for(|stopped| *stopped) => break Ok(()),
                     }
                 }
-                dispatch(request, &session, workers, &tx, &buffers)
+                dispatch(request, &session, workers, &activity, &tx, &buffers)
             }
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
@@ -487,11 +489,14 @@ pub const INLINE_READ_BYTES_MAX: u64 = 64 << 10;
 /// [`INLINE_READ_BYTES_MAX`] the backend can answer from memory ([`Export::read_if_cached`]):
 /// running it here costs no thread hand-off (two per request otherwise: to a worker, and the
 /// reply back to the writer task), at the price of the connection reading its next request a
-/// few microseconds later.
+/// few microseconds later. A request over [`crate::workers::INLINE_SHARED_BYTES_MAX`] runs
+/// here only while no other connection has a request in flight, so that it never holds up
+/// their requests ([`Workers::inline_is_fair`]).
 fn dispatch(
     request: Request,
     session: &Arc<Session>,
     workers: &Workers,
+    activity: &Arc<Activity>,
     tx: &mpsc::UnboundedSender<Outgoing>,
     buffers: &Arc<Buffers>,
 ) {
@@ -502,7 +507,9 @@ fn dispatch(
         permits,
     } = request;
     let export = session.export.clone();
-    let quick = workers.quick_writes_inline && is_quick_write(&export, &header);
+    let in_flight = activity.start();
+    let fair = workers.inline_is_fair(header.len);
+    let quick = workers.quick_writes_inline && fair && is_quick_write(&export, &header);
     let connection = session;
     let session = session.clone();
     let tx = tx.clone();
@@ -515,10 +522,12 @@ fn dispatch(
             header: header_bytes,
             data,
             _permits: permits,
+            _in_flight: in_flight,
         });
     };
     if verdict.is_ok()
         && workers.cached_reads_inline
+        && fair
         && header.kind == wire::CMD_READ
         && header.len <= INLINE_READ_BYTES_MAX
         && try_inline(&connection.read_misses)

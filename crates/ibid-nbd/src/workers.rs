@@ -9,12 +9,22 @@
 
 use crossbeam_channel::{Receiver, Sender};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use tracing::warn;
 
 /// Default number of worker threads: one per request of a client at queue depth 32, so such a
 /// client's requests all run at once (measured best of 4, 8, 16 and 32 on 2 cores:
 /// docs/BENCHMARKS.md, "NBD worker threads").
 pub const WORKERS_DEFAULT: usize = 32;
+
+/// Largest request that runs on its connection's task (when the backend calls it quick or
+/// cached) while another connection of the server has a request in flight too. A larger one
+/// (tens of microseconds of fingerprinting, compressing or decompressing) would hold up the
+/// other connections' requests queued behind it on the async runtime's thread: in a database
+/// mix, 32 KiB reads and writes run inline made a log writer's 4 KiB write wait ~0.5 ms for
+/// that thread (docs/BENCHMARKS.md, "Inline requests and other connections").
+pub const INLINE_SHARED_BYTES_MAX: u64 = 16 << 10;
 
 /// One unit of work: a backend call and the queuing of its reply.
 pub(crate) type Job = Box<dyn FnOnce() + Send + 'static>;
@@ -27,6 +37,36 @@ pub(crate) struct Workers {
     pub(crate) quick_writes_inline: bool,
     /// Reads the backend answers from memory run on the connection's task, not here.
     pub(crate) cached_reads_inline: bool,
+    /// Connections with a request in flight.
+    busy: Arc<AtomicUsize>,
+}
+
+/// The requests in flight of one connection, counted so that the server knows how many
+/// connections are busy.
+pub(crate) struct Activity {
+    in_flight: AtomicUsize,
+    busy: Arc<AtomicUsize>,
+}
+
+impl Activity {
+    /// Counts a request in flight until the returned guard is dropped (with its reply).
+    pub(crate) fn start(self: &Arc<Self>) -> InFlight {
+        if self.in_flight.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.busy.fetch_add(1, Ordering::AcqRel);
+        }
+        InFlight(self.clone())
+    }
+}
+
+/// One request of a connection in flight (see [`Activity::start`]).
+pub(crate) struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.busy.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 impl Workers {
@@ -47,7 +87,23 @@ impl Workers {
             queue,
             quick_writes_inline,
             cached_reads_inline,
+            busy: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// Starts counting a new connection's requests in flight.
+    pub(crate) fn connection(&self) -> Arc<Activity> {
+        Arc::new(Activity {
+            in_flight: AtomicUsize::new(0),
+            busy: self.busy.clone(),
+        })
+    }
+
+    /// Whether a request of `len` bytes may run on its connection's task as far as the other
+    /// connections are concerned: a small one always, a larger one only while its connection
+    /// (counted in flight already) is the only busy one ([`INLINE_SHARED_BYTES_MAX`]).
+    pub(crate) fn inline_is_fair(&self, len: u64) -> bool {
+        len <= INLINE_SHARED_BYTES_MAX || self.busy.load(Ordering::Acquire) <= 1
     }
 
     /// Queues `job` for the next free worker.

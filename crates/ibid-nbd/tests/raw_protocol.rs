@@ -720,3 +720,57 @@ fn cached_reads_run_on_the_connection_not_behind_the_workers() {
         }
     }
 }
+
+/// Proves a read or write over `INLINE_SHARED_BYTES_MAX` runs on its connection's task only
+/// while no other connection has a request in flight: with another connection's read holding
+/// the only worker, a 32 KiB cached read waits for that worker, while a 4 KiB one is answered
+/// at once; alone, the 32 KiB read is answered at once from memory.
+#[test]
+fn large_requests_run_inline_only_while_no_other_connection_is_busy() {
+    let len = 32u64 << 10;
+    assert!(len > ibid_nbd::INLINE_SHARED_BYTES_MAX && len <= ibid_nbd::INLINE_READ_BYTES_MAX);
+    let gate = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let export = std::sync::Arc::new(GatedExport { gate: gate.clone() });
+    let config = ServerConfig {
+        workers: 1,
+        ..ServerConfig::default()
+    };
+    let srv = TestServer::start(std::sync::Arc::new(GatedExports(export)), config);
+    let mut alone = Raw::connect(srv.port);
+    alone.go("any", false, false);
+    alone.request(CMD_READ, 0, 1, 512 << 10, len);
+    assert_eq!(alone.simple(), (0, 1));
+    assert_eq!(
+        alone.read_n(len as usize),
+        vec![9u8; len as usize],
+        "from memory"
+    );
+
+    let mut busy = Raw::connect(srv.port);
+    busy.go("any", false, false);
+    busy.request(CMD_READ, 0, 1, 0, 512);
+    // Until `busy`'s read reaches the worker and stays there, it may not be counted yet.
+    std::thread::sleep(Duration::from_millis(100));
+    alone.request(CMD_READ, 0, 2, 512 << 10, len);
+    alone.request(CMD_READ, 0, 3, 512 << 10, 4096);
+    assert_eq!(
+        alone.simple(),
+        (0, 3),
+        "the small cached read is answered first"
+    );
+    assert_eq!(alone.read_n(4096), vec![9u8; 4096]);
+    assert!(
+        !reply_within(&mut alone, Duration::from_millis(300)),
+        "the large read ran inline while another connection was busy"
+    );
+    {
+        let (open, cv) = &*gate;
+        *open.lock().expect("gate") = true;
+        cv.notify_all();
+    }
+    assert_eq!(busy.simple(), (0, 1));
+    assert_eq!(busy.read_n(512), vec![7u8; 512]);
+    // The worker's `read` (7s), not the cached path.
+    assert_eq!(alone.simple(), (0, 2));
+    assert_eq!(alone.read_n(len as usize), vec![7u8; len as usize]);
+}
