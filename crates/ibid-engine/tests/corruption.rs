@@ -27,26 +27,32 @@ fn block_content(i: u64) -> Vec<u8> {
 /// The record whose byte a test flips.
 #[derive(Clone, Copy)]
 enum Target {
-    /// The segment's first record (block 0's, compressible).
+    /// The first record of the first segment that holds one.
     First,
-    /// The segment's first record stored uncompressed (read straight into a reader's buffer
-    /// by grouped reads).
+    /// The first record stored uncompressed (read straight into a reader's buffer by grouped
+    /// reads).
     FirstUncompressed,
 }
 
-/// Where in the segment file `target`'s record starts.
-fn record_start(file: &std::fs::File, target: Target) -> u64 {
-    // Records follow the 64-byte segment header; a header holds its flags at bytes 4..6 and
-    // its payload's length at 8..12.
+/// Where in the segment file `target`'s record starts, if the file holds one. (A writer's
+/// records can land in another writer's segment while its own is busy, so any segment may
+/// hold only a few, or only compressed ones.)
+fn record_start(file: &std::fs::File, target: Target) -> Option<u64> {
+    // Records follow the 64-byte segment header; a header holds its magic at bytes 0..4, its
+    // flags at 4..6 and its payload's length at 8..12; after the last one, the file ends or
+    // holds zeros.
     let mut at = 64;
     loop {
         let mut header = [0u8; 24];
-        file.read_exact_at(&mut header, at).expect("record header");
+        file.read_exact_at(&mut header, at).ok()?;
+        if header[..4] != ibid_engine::format::RECORD_MAGIC.to_le_bytes() {
+            return None;
+        }
         let flags = u16::from_le_bytes([header[4], header[5]]);
         let stored = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
         match target {
-            Target::First => return at,
-            Target::FirstUncompressed if flags & 1 == 0 => return at,
+            Target::First => return Some(at),
+            Target::FirstUncompressed if flags & 1 == 0 => return Some(at),
             Target::FirstUncompressed => at += 24 + stored as u64,
         }
     }
@@ -69,12 +75,18 @@ fn corrupt_and_check(target: Target, flip_at_record_offset: u64) {
     drop(vol);
     let segments = pool.segment_paths();
     pool.close().expect("close");
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&segments[0])
-        .expect("segment");
-    let at = record_start(&file, target) + flip_at_record_offset;
+    let (file, start) = segments
+        .iter()
+        .find_map(|path| {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .expect("segment");
+            record_start(&file, target).map(|at| (file, at))
+        })
+        .expect("a segment holds the target record");
+    let at = start + flip_at_record_offset;
     let mut byte = [0u8; 1];
     file.read_exact_at(&mut byte, at).expect("read byte");
     byte[0] ^= 0x40;
