@@ -23,7 +23,7 @@ pub const WORKERS_DEFAULT: usize = 32;
 /// (tens of microseconds of fingerprinting, compressing or decompressing) would hold up the
 /// other connections' requests queued behind it on the async runtime's thread: in a database
 /// mix, 32 KiB reads and writes run inline made a log writer's 4 KiB write wait ~0.5 ms for
-/// that thread (docs/BENCHMARKS.md, "Inline requests and other connections").
+/// that thread (docs/BENCHMARKS.md, "Where a log writer's flush waits beside database I/O").
 pub const INLINE_SHARED_BYTES_MAX: u64 = 16 << 10;
 
 /// One unit of work: a backend call and the queuing of its reply.
