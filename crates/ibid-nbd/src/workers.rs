@@ -19,12 +19,13 @@ use tracing::warn;
 pub const WORKERS_DEFAULT: usize = 32;
 
 /// Largest request that runs on its connection's task (when the backend calls it quick or
-/// cached) while another connection of the server has a request in flight too. A larger one
-/// (tens of microseconds of fingerprinting, compressing or decompressing) would hold up the
-/// other connections' requests queued behind it on the async runtime's thread: in a database
-/// mix, 32 KiB reads and writes run inline made a log writer's 4 KiB write wait ~0.5 ms for
-/// that thread (docs/BENCHMARKS.md, "Where a log writer's flush waits beside database I/O").
-pub const INLINE_SHARED_BYTES_MAX: u64 = 16 << 10;
+/// cached) while another connection of the server has a request in flight too: one block. A
+/// larger one (tens of microseconds of fingerprinting, compressing or decompressing) holds up
+/// the other connections' requests queued behind it on the async runtime's thread: in a
+/// database mix, 32 KiB reads and writes run inline made a log writer's 4 KiB write wait
+/// ~0.5 ms for that thread, 8 KiB ones ~0.25 ms (docs/BENCHMARKS.md, "Where a log writer's
+/// flush waits beside database I/O").
+pub const INLINE_SHARED_BYTES_MAX: u64 = 4 << 10;
 
 /// One unit of work: a backend call and the queuing of its reply.
 pub(crate) type Job = Box<dyn FnOnce() + Send + 'static>;
