@@ -5,10 +5,14 @@
 # compressible data, then RUNTIME (default 30) s of 3 jobs of 32 KiB random reads and writes
 # (58/42, QD4 each) beside one 4 KiB sequential log writer that flushes after every write
 # (fio fsync=1). Prints total DB IOPS, the log writer's commits/s and its flush mean and p99.
+# Variations: DB_BS (default 32k), DB_JOBS (3), DB_QD (4).
 . "$(dirname "$0")/common.sh"
 system=$1; shift
 DB_GIB=${DB_GIB:-2}
 RUNTIME=${RUNTIME:-30}
+DB_BS=${DB_BS:-32k}
+DB_JOBS=${DB_JOBS:-3}
+DB_QD=${DB_QD:-4}
 start_system "$system" "$@"
 fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 --size=${DB_GIB}G \
     --refill_buffers=1 --buffer_compress_percentage=50 --randseed=7 --end_fsync=1 > /dev/null
@@ -28,11 +32,11 @@ lat_percentiles=1
 [db]
 rw=randrw
 rwmixread=58
-bs=32k
+bs=$DB_BS
 offset=0
 size=${DB_GIB}G
-iodepth=4
-numjobs=3
+iodepth=$DB_QD
+numjobs=$DB_JOBS
 group_reporting=1
 
 [log]

@@ -617,6 +617,13 @@ impl ibid_nbd::Exports for GatedExports {
     }
 }
 
+/// Lets every read waiting at `gate` through.
+fn open_gate(gate: &(std::sync::Mutex<bool>, std::sync::Condvar)) {
+    let (open, cv) = gate;
+    *open.lock().expect("gate") = true;
+    cv.notify_all();
+}
+
 /// Whether a reply arrives within `wait` (it is left unread).
 fn reply_within(c: &mut Raw, wait: Duration) -> bool {
     c.s.set_read_timeout(Some(wait)).expect("timeout");
@@ -662,11 +669,7 @@ fn quick_writes_run_on_the_connection_not_behind_the_workers() {
             !reply_within(&mut c, Duration::from_millis(300)),
             "a write that is not run inline was answered while the only worker is busy"
         );
-        {
-            let (open, cv) = &*gate;
-            *open.lock().expect("gate") = true;
-            cv.notify_all();
-        }
+        open_gate(&gate);
         assert_eq!(c.simple(), (0, 1));
         assert_eq!(c.read_n(512), vec![7u8; 512]);
         let rest: Vec<u64> = if inline { vec![3, 4] } else { vec![2] };
@@ -706,11 +709,7 @@ fn cached_reads_run_on_the_connection_not_behind_the_workers() {
                 "a read not run inline was answered while the only worker is busy"
             );
         }
-        {
-            let (open, cv) = &*gate;
-            *open.lock().expect("gate") = true;
-            cv.notify_all();
-        }
+        open_gate(&gate);
         assert_eq!(c.simple(), (0, 1));
         assert_eq!(c.read_n(512), vec![7u8; 512]);
         if !first {
@@ -763,11 +762,7 @@ fn large_requests_run_inline_only_while_no_other_connection_is_busy() {
         !reply_within(&mut alone, Duration::from_millis(300)),
         "the large read ran inline while another connection was busy"
     );
-    {
-        let (open, cv) = &*gate;
-        *open.lock().expect("gate") = true;
-        cv.notify_all();
-    }
+    open_gate(&gate);
     assert_eq!(busy.simple(), (0, 1));
     assert_eq!(busy.read_n(512), vec![7u8; 512]);
     // The worker's `read` (7s), not the cached path.
