@@ -43,7 +43,7 @@ struct Batch {
     volumes: Vec<(Arc<VolumeState>, Arc<Overlay>, VolumeRecord)>,
     deleted: Vec<Arc<VolumeState>>,
     shards: Vec<Arc<ShardBatch>>,
-    new_bytes: i64,
+    new_bytes: u64,
 }
 
 impl Batch {
@@ -89,7 +89,7 @@ impl Inner {
     pub(crate) fn after_commit(&self) {
         self.check_soft_threshold();
         let bloom = self.bloom();
-        if self.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
+        if self.space.live_chunks() > bloom.capacity() {
             self.wake_background();
         }
     }
@@ -120,7 +120,7 @@ impl Inner {
         let logged_bytes = cs.ref_log.entries() * format::BLOCK_BYTES as u64;
         let fold = cs
             .ref_log
-            .slices_to_fold(asked, logged_bytes > self.free_bytes() / 4);
+            .slices_to_fold(asked, logged_bytes > self.space.free_bytes() / 4);
         let t0 = std::time::Instant::now();
         let mut record = cs.record.clone();
         // The batch's records must be durable before the transaction that references them
@@ -150,12 +150,12 @@ impl Inner {
             }
         };
         cs.record = record;
-        self.after_apply(cs, &mut applied);
-        self.pending_bytes
-            .fetch_sub(batch.new_bytes, Ordering::Relaxed);
-        self.meta_bytes.store(
+        self.after_apply(&mut applied);
+        self.space.commit(
+            batch.new_bytes,
+            cs.record.live_bytes,
+            cs.record.live_chunks,
             self.db.disk_bytes() + self.journal.disk_bytes(),
-            Ordering::Relaxed,
         );
         self.publish(&batch, &applied);
         self.committed.store(batch.no, Ordering::Release);
@@ -185,15 +185,11 @@ impl Inner {
     }
 
     /// What an applied transaction changes in memory before the publish.
-    fn after_apply(&self, cs: &CommitState, applied: &mut Applied) {
+    fn after_apply(&self, applied: &mut Applied) {
         if let Some(runs) = applied.runs.take() {
             // Before publishing: see `dedup_index.rs`.
             *self.dedup_runs.write() = Arc::new(runs);
         }
-        self.live_bytes
-            .store(cs.record.live_bytes, Ordering::Relaxed);
-        self.live_chunks
-            .store(cs.record.live_chunks, Ordering::Relaxed);
     }
 
     fn cut(&self) -> Batch {
@@ -227,7 +223,7 @@ impl Inner {
                 map.committing = Arc::new(std::mem::take(&mut map.dirty));
             })
             .collect();
-        let mut new_bytes = 0i64;
+        let mut new_bytes = 0u64;
         let shards = self
             .shards
             .iter()
@@ -238,8 +234,8 @@ impl Inner {
                 new_bytes += b
                     .new_chunks
                     .values()
-                    .map(|r| r.physical_bytes() as i64)
-                    .sum::<i64>();
+                    .map(|r| r.physical_bytes())
+                    .sum::<u64>();
                 s.committing = b.clone();
                 b
             })

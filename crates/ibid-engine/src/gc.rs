@@ -80,7 +80,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         if inner.check_failed().is_err() {
             return;
         }
-        match inner.fs_space.release_if_full() {
+        match inner.space.fs().release_if_full() {
             Ok(true) => tracing::warn!(
                 "pool {}: the filesystem is full; the pool's reserve file was released so that \
                  commits go on (new data gets ENOSPC until space is freed)",
@@ -119,14 +119,14 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
                 }
             }
         }
-        if let Err(e) = inner.fs_space.restore_reserve_file() {
+        if let Err(e) = inner.space.fs().restore_reserve_file() {
             tracing::warn!("pool reserve file: {e}");
         }
         if let Err(e) = inner.flatten_all(false, &stop) {
             tracing::error!("flatten volume layers: {e}");
         }
         let bloom = inner.bloom();
-        if inner.live_chunks.load(Ordering::Relaxed) > bloom.capacity() {
+        if inner.space.live_chunks() > bloom.capacity() {
             inner.spawn_filter_work(false);
         }
     }
@@ -152,7 +152,7 @@ pub(crate) fn cleaner_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: D
         if inner.check_failed().is_err() {
             return;
         }
-        let full = inner.soft_warned.load(Ordering::Relaxed);
+        let full = inner.space.soft_warned();
         if cleaner_waits(inner.since_last_io(), full, inner.update_pressure()) {
             continue;
         }
@@ -290,34 +290,27 @@ impl Inner {
         ))
     }
 
-    /// Bytes neither used nor reserved.
-    pub(crate) fn free_bytes(&self) -> u64 {
-        self.capacity_bytes
-            .load(Ordering::Relaxed)
-            .saturating_sub(self.used_now() + self.reserved_bytes())
-    }
-
     /// Segment file bytes that no live record occupies.
     pub(crate) fn garbage_bytes(&self) -> u64 {
         self.segment_file_bytes()
-            .saturating_sub(self.live_bytes.load(Ordering::Relaxed))
+            .saturating_sub(self.space.live_bytes())
     }
 
     /// Bytes a live chunk takes in its segment on average (a block's record when none is).
     pub(crate) fn bytes_per_chunk(&self) -> u64 {
-        let chunks = self.live_chunks.load(Ordering::Relaxed);
+        let chunks = self.space.live_chunks();
         match chunks {
             0 => (RECORD_HEADER_BYTES + format::BLOCK_BYTES) as u64,
-            n => (self.live_bytes.load(Ordering::Relaxed) / n).max(1),
+            n => (self.space.live_bytes() / n).max(1),
         }
     }
 
     /// Works out garbage's pressure on the pool's room (`cleaner_pace.rs`) from the figures
     /// now, sets it for the writers, and returns it.
     pub(crate) fn update_pressure(&self) -> f64 {
-        let (_, fs_avail) = self.fs_space.now();
-        let fs_room = fs_avail.saturating_sub(self.fs_space.reserve_bytes());
-        let (garbage, free) = (self.garbage_bytes(), self.free_bytes());
+        let (_, fs_avail) = self.space.fs().now();
+        let fs_room = fs_avail.saturating_sub(self.space.fs().reserve_bytes());
+        let (garbage, free) = (self.garbage_bytes(), self.space.free_bytes());
         let p = cleaner_pace::pressure(garbage, free, fs_room);
         let rate = || {
             let r = self.cleaner_pace.freeing_rate().unwrap_or(0.0);
@@ -397,8 +390,8 @@ impl Inner {
         // The pass writes the live records again, and the commit that applies it writes
         // metadata: on a filesystem without room for both (something else filled it), a pass
         // would fail the pool instead of freeing anything.
-        self.fs_space.refresh();
-        let (_, avail) = self.fs_space.now();
+        self.space.fs().refresh();
+        let (_, avail) = self.space.fs().now();
         if avail < live + CLEAN_ROOM_MIN {
             return Ok(None);
         }

@@ -48,9 +48,11 @@ mod provision;
 mod recovery;
 mod ref_log;
 mod scrub;
+
 mod segment;
 pub mod simulator;
 mod snapshot;
+mod space;
 mod stack;
 pub mod stats;
 pub mod store;

@@ -8,12 +8,12 @@ use crate::error::{Error, Result};
 use crate::format::{
     ChunkRecord, Frame, VolumeFormat, VolumeRecord, BLOCK_BYTES, SECTOR_BYTES, VOLUME_BYTES_MAX,
 };
-use crate::fs_space::FsSpace;
 use crate::journal::Journal;
 use crate::layer_filter::LayerFilters;
 use crate::meta::{self, PoolRecord};
 use crate::ref_log::{FoldRequest, RefLog};
 use crate::segment::Segments;
+use crate::space::Space;
 use crate::stats::PoolStats;
 use crate::store::Store;
 use crate::volume::Volume;
@@ -22,7 +22,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::any::Any;
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -144,8 +144,9 @@ pub(crate) struct Inner {
     pub dedup_runs: RwLock<Arc<Runs>>,
     /// Which blocks each layer holds entries for (see `layer_filter.rs`).
     pub layer_filters: LayerFilters,
-    /// The filesystem under the pool: new data is admitted only while it keeps its reserve.
-    pub fs_space: FsSpace,
+    /// Capacity, used and reserved space, and the filesystem under the pool (see
+    /// `space.rs`).
+    pub space: Space,
     pub shards: Vec<Mutex<ShardState>>,
     pub volumes: RwLock<BTreeMap<String, Arc<VolumeState>>>,
     /// Snapshots by `VOLUME@SNAPSHOT`.
@@ -163,23 +164,6 @@ pub(crate) struct Inner {
     /// Batches durably committed.
     pub committed: AtomicU64,
     pub chunk_seq: AtomicU64,
-    pub capacity_bytes: AtomicU64,
-    pub soft_threshold_pct: AtomicU64,
-    /// Committed live chunk bytes and count (mirrors the pool record).
-    pub live_bytes: AtomicU64,
-    pub live_chunks: AtomicU64,
-    /// Bytes appended for chunks not yet committed.
-    pub pending_bytes: AtomicI64,
-    /// Blocks of thick volumes that hold no data: each keeps a reservation (see
-    /// `provision.rs`). Changed with the volume's map locked.
-    pub thick_unwritten_blocks: AtomicI64,
-    /// Blocks of thick volumes (their sizes summed): up to
-    /// [`crate::provision::OVERWRITE_HEADROOM_BLOCKS_MAX`] of them keep a reservation as
-    /// headroom for overwrites (see `provision.rs`). Raised only with `reserve_lock` held.
-    pub thick_blocks: AtomicI64,
-    /// Serializes operations that take new reservations, so two cannot both fit.
-    pub reserve_lock: Mutex<()>,
-    pub meta_bytes: AtomicU64,
     pub dirty_blocks: AtomicU64,
     /// Paces writers to the commits' rate once the backlog grows (see `pacer.rs`); `None`
     /// without a background committer.
@@ -198,7 +182,6 @@ pub(crate) struct Inner {
     /// CPU cores available to the process.
     pub cores: usize,
     pub failed: Mutex<Option<String>>,
-    pub soft_warned: AtomicBool,
     /// When a foreground request (read, write, zeroing, copy, flush) last ran, in milliseconds
     /// since `opened` (the cleaner yields to them; see `gc.rs`).
     pub last_io_ms: AtomicU64,
@@ -473,10 +456,10 @@ impl Pool {
         validate_volume_name(name)?;
         validate_volume_size(size_bytes)?;
         self.inner.check_failed()?;
-        let _reserving = self.inner.reserve_lock.lock();
+        let reserving = self.inner.space.reserving();
+        let blocks = crate::provision::volume_blocks(size_bytes) as i64;
         if format.is_thick() {
-            let blocks = crate::provision::volume_blocks(size_bytes) as i64;
-            self.inner.check_reservation(blocks, blocks)?;
+            reserving.check(blocks, blocks)?;
         }
         let mut cs = self.inner.commit.lock();
         let mut vols = self.inner.volumes.write();
@@ -503,16 +486,13 @@ impl Pool {
         cs.record = pool_rec;
         let state = Arc::new(new_volume_state(name.to_string(), &record, false));
         if format.is_thick() {
-            let blocks = crate::provision::volume_blocks(size_bytes) as i64;
-            self.inner
-                .thick_unwritten_blocks
-                .fetch_add(blocks, Ordering::Relaxed);
-            self.inner.thick_blocks.fetch_add(blocks, Ordering::Relaxed);
+            reserving.add(blocks, blocks);
         }
         vols.insert(name.to_string(), state.clone());
         self.inner
             .catalog_generation
             .fetch_add(1, Ordering::Relaxed);
+        drop((vols, cs, reserving));
         self.inner.check_soft_threshold();
         Ok(Volume::new(self.inner.clone(), state))
     }
@@ -574,7 +554,7 @@ impl Pool {
     /// thick volume reserves the added blocks, or fails with `CannotReserve`.
     pub fn resize_volume(&self, name: &str, new_size_bytes: u64) -> Result<()> {
         validate_volume_size(new_size_bytes)?;
-        let _reserving = self.inner.reserve_lock.lock();
+        let reserving = self.inner.space.reserving();
         let state = self.live_state(name)?;
         {
             let mut map = state.map.lock();
@@ -588,17 +568,13 @@ impl Pool {
             if state.format().is_thick() {
                 let added = crate::provision::volume_blocks(new_size_bytes)
                     - crate::provision::volume_blocks(map.size);
-                self.inner.check_reservation(added as i64, added as i64)?;
-                self.inner
-                    .thick_unwritten_blocks
-                    .fetch_add(added as i64, Ordering::Relaxed);
-                self.inner
-                    .thick_blocks
-                    .fetch_add(added as i64, Ordering::Relaxed);
+                reserving.check(added as i64, added as i64)?;
+                reserving.add(added as i64, added as i64);
             }
             map.size = new_size_bytes;
             map.record_dirty = true;
         }
+        drop(reserving);
         self.inner.commit()
     }
 
@@ -617,13 +593,9 @@ impl Pool {
             let mut map = state.map.lock();
             map.deleted = true;
             if state.format().is_thick() {
-                let share = crate::provision::reservation_share(map.size, map.mapped_blocks);
-                self.inner
-                    .thick_unwritten_blocks
-                    .fetch_sub(share, Ordering::Relaxed);
-                self.inner.thick_blocks.fetch_sub(
+                self.inner.space.release(
+                    crate::provision::reservation_share(map.size, map.mapped_blocks),
                     crate::provision::volume_blocks(map.size) as i64,
-                    Ordering::Relaxed,
                 );
             }
             drop(map);
@@ -661,7 +633,7 @@ impl Pool {
     /// Whether the pool is past its soft threshold (as of the last commit). Cheap: front ends
     /// may call it for every command.
     pub fn soft_threshold_exceeded(&self) -> bool {
-        self.inner.soft_warned.load(Ordering::Relaxed)
+        self.inner.space.soft_warned()
     }
 
     /// Space accounting for the whole pool, exact as of the last commit (call [`Pool::sync`]
@@ -781,11 +753,6 @@ pub(crate) fn name_prepare_threads() {
 /// first `min` chunks (from 64 Ki, seven scans and the commits they start before 1 Mi).
 pub(crate) fn bloom_capacity(live_chunks: u64, min: u64) -> u64 {
     live_chunks.saturating_add(live_chunks / 2).max(min)
-}
-
-/// Whether `used` bytes reach `pct` percent of `capacity`.
-fn past_threshold(used: u64, capacity: u64, pct: u64) -> bool {
-    used as u128 * 100 >= capacity as u128 * pct as u128
 }
 
 pub(crate) fn new_volume_state(name: String, r: &VolumeRecord, read_only: bool) -> VolumeState {
@@ -975,10 +942,7 @@ impl Inner {
     /// index. New chunks go into the new filter as soon as it is installed; a commit right after
     /// makes sure every older chunk is in the index snapshot the scan reads.
     pub(crate) fn rebuild_bloom(&self) -> Result<()> {
-        let capacity = bloom_capacity(
-            self.live_chunks.load(Ordering::Relaxed),
-            self.config.dedup_filter_min,
-        );
+        let capacity = bloom_capacity(self.space.live_chunks(), self.config.dedup_filter_min);
         let bloom = {
             let mut current = self.bloom.write();
             let bloom = Arc::new(Bloom::growing_from(capacity, current.clone()));
@@ -1028,10 +992,11 @@ impl Inner {
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
-        let physical = self.live_bytes.load(Ordering::Relaxed);
-        let meta_bytes = self.meta_bytes.load(Ordering::Relaxed);
-        let live_chunks = self.live_chunks.load(Ordering::Relaxed);
+        let space = &self.space;
+        let capacity = space.capacity();
+        let physical = space.live_bytes();
+        let meta_bytes = space.meta_bytes();
+        let live_chunks = space.live_chunks();
         let (mut provisioned, mut thick, mut mapped) = (0u64, 0u64, 0u64);
         let volumes = self.volumes.read();
         for v in volumes.values() {
@@ -1042,20 +1007,18 @@ impl Inner {
             }
             mapped += m.mapped_blocks;
         }
-        let reserved = self.reserved_bytes();
+        let reserved = space.reserved_bytes();
         let segment_file_bytes = self.segment_file_bytes();
         let used = physical + meta_bytes;
         let logical = mapped * BLOCK_BYTES as u64;
-        let soft_pct = self.soft_threshold_pct.load(Ordering::Relaxed);
-        let (fs_total, fs_avail) = self.fs_space.now();
+        let (fs_total, fs_avail) = space.fs().now();
         PoolStats {
             capacity_bytes: capacity,
-            soft_threshold_pct: soft_pct as u8,
-            soft_threshold_exceeded: past_threshold(used + reserved, capacity, soft_pct)
-                || self.fs_space.is_low(fs_avail),
+            soft_threshold_pct: space.soft_threshold_pct() as u8,
+            soft_threshold_exceeded: space.past_soft_threshold(fs_avail),
             filesystem_bytes: fs_total,
             filesystem_free_bytes: fs_avail,
-            filesystem_reserve_bytes: self.fs_space.reserve_bytes(),
+            filesystem_reserve_bytes: space.fs().reserve_bytes(),
             volumes: volumes.len() as u64,
             provisioned_bytes: provisioned,
             thick_provisioned_bytes: thick,
@@ -1066,7 +1029,7 @@ impl Inner {
             metadata_bytes: meta_bytes,
             used_bytes: used,
             reserved_bytes: reserved,
-            overwrite_headroom_bytes: self.overwrite_headroom_bytes(),
+            overwrite_headroom_bytes: space.overwrite_headroom_bytes(),
             free_bytes: capacity.saturating_sub(used + reserved),
             segment_file_bytes,
             garbage_bytes: segment_file_bytes.saturating_sub(physical),
@@ -1087,54 +1050,14 @@ impl Inner {
             .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
-    /// Bytes used, counting chunks appended but not yet committed.
-    pub(crate) fn used_now(&self) -> u64 {
-        self.used_with_pending(self.pending_bytes.load(Ordering::Relaxed))
-    }
-
-    /// [`Self::used_now`] with `pending` uncommitted new bytes.
-    pub(crate) fn used_with_pending(&self, pending: i64) -> u64 {
-        let used = self.live_bytes.load(Ordering::Relaxed) as i64
-            + pending
-            + self.meta_bytes.load(Ordering::Relaxed) as i64;
-        used.max(0) as u64
-    }
-
     /// Bytes of all segment files ([`Segments::total_bytes`]: a counter, so the background
     /// thread may ask on every wake-up however many segments the pool has).
     pub(crate) fn segment_file_bytes(&self) -> u64 {
         self.segments.total_bytes()
     }
 
-    /// Logs the soft threshold crossing once, and its clearing; cheap (atomics only), run
-    /// after every commit.
+    /// Logs the soft threshold crossing once, and its clearing ([`Space::check_soft_threshold`]).
     pub(crate) fn check_soft_threshold(&self) {
-        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
-        let used = self.live_bytes.load(Ordering::Relaxed)
-            + self.meta_bytes.load(Ordering::Relaxed)
-            + self.reserved_bytes();
-        let pct = self.soft_threshold_pct.load(Ordering::Relaxed);
-        let fs_low = self.fs_space.low();
-        if past_threshold(used, capacity, pct) || fs_low {
-            if !self.soft_warned.swap(true, Ordering::Relaxed) {
-                if fs_low {
-                    let (_, avail) = self.fs_space.now();
-                    tracing::warn!(
-                        "pool {}: the filesystem has {} available, under twice the {} kept \
-                         for metadata (new data is refused below it)",
-                        self.dir.display(),
-                        crate::units::format_size(avail),
-                        crate::units::format_size(self.fs_space.reserve_bytes())
-                    );
-                } else {
-                    tracing::warn!(
-                        "pool {}: {used} of {capacity} bytes used or reserved, past the soft threshold of {pct} %",
-                        self.dir.display()
-                    );
-                }
-            }
-        } else if self.soft_warned.swap(false, Ordering::Relaxed) {
-            tracing::info!("pool {}: back under the soft threshold", self.dir.display());
-        }
+        self.space.check_soft_threshold(&self.dir);
     }
 }

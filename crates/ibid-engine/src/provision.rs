@@ -45,6 +45,7 @@ use crate::error::{Error, Result};
 use crate::format::{VolumeFormat, VolumeRecord, BLOCK_BYTES, RECORD_HEADER_BYTES};
 use crate::meta;
 use crate::pool::{Inner, Pool, VolumeState};
+use crate::space::SpaceClaim;
 use std::sync::atomic::Ordering;
 
 /// Metadata a stored block may add (map entry, chunk record, fingerprint index, B-tree slack):
@@ -59,17 +60,6 @@ pub const RESERVED_BYTES_PER_BLOCK: u64 =
 /// Most blocks the pool keeps reserved as headroom for thick volumes' overwrites (64 MiB of
 /// data: more than the largest single write, 32 MiB over NBD).
 pub const OVERWRITE_HEADROOM_BLOCKS_MAX: u64 = 16 << 10;
-
-/// Blocks of overwrite headroom for thick volumes of `blocks` blocks in all.
-fn headroom_blocks(blocks: i64) -> u64 {
-    (blocks.max(0) as u64).min(OVERWRITE_HEADROOM_BLOCKS_MAX)
-}
-
-/// Space reserved for thick volumes of `blocks` blocks in all, `unwritten` of them without
-/// data.
-fn reserved_bytes_for(unwritten: i64, blocks: i64) -> u64 {
-    (unwritten.max(0) as u64 + headroom_blocks(blocks)).saturating_mul(RESERVED_BYTES_PER_BLOCK)
-}
 
 /// Blocks of a volume of `size` bytes.
 pub(crate) fn volume_blocks(size: u64) -> u64 {
@@ -113,100 +103,21 @@ impl VolumeState {
 }
 
 impl Inner {
-    /// Space thick volumes keep reserved: for their unwritten blocks, and the overwrite
-    /// headroom.
-    pub(crate) fn reserved_bytes(&self) -> u64 {
-        reserved_bytes_for(
-            self.thick_unwritten_blocks.load(Ordering::Relaxed),
-            self.thick_blocks.load(Ordering::Relaxed),
-        )
-    }
-
-    /// The part of [`Self::reserved_bytes`] kept as headroom for thick volumes' overwrites.
-    pub(crate) fn overwrite_headroom_bytes(&self) -> u64 {
-        headroom_blocks(self.thick_blocks.load(Ordering::Relaxed)) * RESERVED_BYTES_PER_BLOCK
-    }
-
-    /// Claims `bytes` of pool space for a new chunk of volume `v`: counts them as used (in
-    /// `pending_bytes`, which the commit that stores the chunk moves to `live_bytes`) for as
-    /// long as the returned claim is held or kept. Fails with `NoSpace`, counting nothing, if
-    /// they would not fit: a thin volume may not use what thick volumes keep reserved; a thick
-    /// volume may, and is always admitted while it has blocks without data (its reservation
-    /// covers them).
-    ///
-    /// The bytes are added before the check, and the check uses the sum that addition
-    /// returned, so concurrent writers see each other's claims and together never pass the
-    /// capacity (two racing for the last bytes may both fail; a write retries once after a
-    /// commit). A check first and an addition after the append let every writer preparing a
-    /// block at once pass the same check.
+    /// Claims `bytes` of pool space for a new chunk of volume `v` ([`Space::claim`]: a thick
+    /// volume with blocks still without data is always admitted).
     pub(crate) fn reserve_space(&self, bytes: u64, v: &VolumeState) -> Result<SpaceClaim<'_>> {
-        let claim = SpaceClaim { inner: self, bytes };
-        let pending = self.pending_bytes.fetch_add(bytes as i64, Ordering::AcqRel) + bytes as i64;
-        let used = self.used_with_pending(pending);
-        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
-        let thick = v.format().is_thick();
-        let reserved = if thick { 0 } else { self.reserved_bytes() };
-        let fits = used + reserved <= capacity
-            || (thick && {
-                let map = v.map.lock();
-                unwritten_blocks(map.size, map.mapped_blocks) > 0
-            });
-        // The filesystem is the hard limit, whatever the pool promised.
-        if fits && self.fs_space.admits(bytes) {
-            return Ok(claim);
-        }
-        Err(Error::NoSpace)
+        self.space.claim(bytes, v.format().is_thick(), || {
+            let map = v.map.lock();
+            unwritten_blocks(map.size, map.mapped_blocks) > 0
+        })
     }
 
-    /// Records that `v`'s mapped count changed by `delta` (call with its map locked).
+    /// Records that `v`'s mapped count changed by `delta` (call with its map locked): a thick
+    /// volume's reservation follows it.
     pub(crate) fn note_mapped_change(&self, v: &VolumeState, delta: i64) {
         if delta != 0 && v.format().is_thick() {
-            self.thick_unwritten_blocks
-                .fetch_sub(delta, Ordering::Relaxed);
+            self.space.note_mapped_change(delta);
         }
-    }
-
-    /// Fails with `CannotReserve` unless the reservation that `unwritten` more unwritten
-    /// blocks and `blocks` more blocks of thick volumes add fits in the space that is neither
-    /// used nor reserved. Call with `reserve_lock` held, and add the blocks before releasing
-    /// it.
-    pub(crate) fn check_reservation(&self, unwritten: i64, blocks: i64) -> Result<()> {
-        let (u, b) = (
-            self.thick_unwritten_blocks.load(Ordering::Relaxed),
-            self.thick_blocks.load(Ordering::Relaxed),
-        );
-        let needed = reserved_bytes_for(u.saturating_add(unwritten), b.saturating_add(blocks))
-            .saturating_sub(reserved_bytes_for(u, b));
-        let capacity = self.capacity_bytes.load(Ordering::Relaxed);
-        let available = capacity.saturating_sub(self.used_now() + self.reserved_bytes());
-        if needed > available {
-            return Err(Error::CannotReserve { needed, available });
-        }
-        Ok(())
-    }
-}
-
-/// Pool space counted as used for a new chunk not yet registered ([`Inner::reserve_space`]):
-/// given back when dropped, unless [`SpaceClaim::keep`] hands it to the chunk (whose commit
-/// then counts it as live).
-#[must_use = "a claim dropped at once gives its space back"]
-pub(crate) struct SpaceClaim<'a> {
-    inner: &'a Inner,
-    bytes: u64,
-}
-
-impl SpaceClaim<'_> {
-    /// The chunk is registered: its uncommitted bytes stay counted until its commit.
-    pub(crate) fn keep(self) {
-        std::mem::forget(self);
-    }
-}
-
-impl Drop for SpaceClaim<'_> {
-    fn drop(&mut self) {
-        self.inner
-            .pending_bytes
-            .fetch_sub(self.bytes as i64, Ordering::AcqRel);
     }
 }
 
@@ -218,7 +129,7 @@ impl Pool {
     pub fn set_volume_format(&self, name: &str, format: VolumeFormat) -> Result<VolumeFormat> {
         self.inner.check_failed()?;
         let state = self.live_state(name)?;
-        let _reserving = self.inner.reserve_lock.lock();
+        let reserving = self.inner.space.reserving();
         let mut map = state.map.lock();
         if map.deleted {
             return Err(Error::NotFound(name.to_string()));
@@ -231,23 +142,16 @@ impl Pool {
         let blocks = volume_blocks(map.size) as i64;
         match (old.is_thick(), format.is_thick()) {
             (false, true) => {
-                self.inner.check_reservation(share, blocks)?;
-                self.inner
-                    .thick_unwritten_blocks
-                    .fetch_add(share, Ordering::Relaxed);
-                self.inner.thick_blocks.fetch_add(blocks, Ordering::Relaxed);
+                reserving.check(share, blocks)?;
+                reserving.add(share, blocks);
             }
-            (true, false) => {
-                self.inner
-                    .thick_unwritten_blocks
-                    .fetch_sub(share, Ordering::Relaxed);
-                self.inner.thick_blocks.fetch_sub(blocks, Ordering::Relaxed);
-            }
+            (true, false) => self.inner.space.release(share, blocks),
             _ => {}
         }
         state.format.store(format.code(), Ordering::Relaxed);
         map.record_dirty = true;
         drop(map);
+        drop(reserving);
         self.inner.commit()?;
         self.inner.check_soft_threshold();
         Ok(old)
@@ -269,10 +173,9 @@ impl Pool {
     fn set_capacity_checked(&self, capacity_bytes: u64, force: bool) -> Result<()> {
         self.inner.check_failed()?;
         // What the filesystem can hold: what the pool's files take now and what is free.
-        let (_, fs_avail) = self.inner.fs_space.now();
-        let holdable = (self.inner.segment_file_bytes()
-            + self.inner.meta_bytes.load(Ordering::Relaxed))
-        .saturating_add(fs_avail);
+        let (_, fs_avail) = self.inner.space.fs().now();
+        let holdable = (self.inner.segment_file_bytes() + self.inner.space.meta_bytes())
+            .saturating_add(fs_avail);
         if capacity_bytes > holdable && !force {
             return Err(Error::InvalidArgument(format!(
                 "capacity {} is more than the filesystem under the pool can hold ({}: its \
@@ -282,18 +185,12 @@ impl Pool {
                 crate::units::format_exact(holdable)
             )));
         }
-        let _reserving = self.inner.reserve_lock.lock();
-        let needed = self.inner.used_now() + self.inner.reserved_bytes();
-        if capacity_bytes < needed {
-            return Err(Error::CannotReserve {
-                needed,
-                available: capacity_bytes,
-            });
-        }
-        self.update_pool_record(|r| r.capacity_bytes = capacity_bytes)?;
         self.inner
-            .capacity_bytes
-            .store(capacity_bytes, Ordering::Relaxed);
+            .space
+            .reserving()
+            .set_capacity(capacity_bytes, || {
+                self.update_pool_record(|r| r.capacity_bytes = capacity_bytes)
+            })?;
         self.inner.check_soft_threshold();
         Ok(())
     }
@@ -307,9 +204,7 @@ impl Pool {
             )));
         }
         self.update_pool_record(|r| r.soft_threshold_pct = pct as u64)?;
-        self.inner
-            .soft_threshold_pct
-            .store(pct as u64, Ordering::Relaxed);
+        self.inner.space.set_soft_threshold_pct(pct as u64);
         self.inner.check_soft_threshold();
         Ok(())
     }
@@ -331,7 +226,6 @@ impl Pool {
 mod tests {
     use crate::format::{BLOCK_BYTES, RECORD_HEADER_BYTES};
     use crate::{Error, Pool, PoolConfig};
-    use std::sync::atomic::Ordering;
     use std::sync::{Arc, Barrier};
 
     /// A held claim counts as used space at once, so a second claim cannot take the same
@@ -354,7 +248,7 @@ mod tests {
             rebuild.join().expect("filter rebuild");
         }
         let v = inner.volumes.read()["v"].clone();
-        let free = inner.capacity_bytes.load(Ordering::Relaxed) - inner.used_now();
+        let free = inner.space.capacity() - inner.space.used_now();
         let chunk = (RECORD_HEADER_BYTES + BLOCK_BYTES) as u64;
 
         let held = inner
@@ -365,12 +259,9 @@ mod tests {
             Err(Error::NoSpace)
         ));
         let last = inner.reserve_space(chunk, &v).expect("the rest");
-        assert_eq!(
-            inner.used_now(),
-            inner.capacity_bytes.load(Ordering::Relaxed)
-        );
+        assert_eq!(inner.space.used_now(), inner.space.capacity());
         drop((held, last));
-        assert_eq!(inner.pending_bytes.load(Ordering::Relaxed), 0);
+        assert_eq!(inner.space.pending_bytes(), 0);
 
         let writers = 8;
         let start = Arc::new(Barrier::new(writers));
@@ -396,6 +287,6 @@ mod tests {
             kept + writers as u64 * chunk > free,
             "claimed only {kept} of {free}"
         );
-        assert_eq!(inner.pending_bytes.load(Ordering::Relaxed), kept as i64);
+        assert_eq!(inner.space.pending_bytes(), kept as i64);
     }
 }

@@ -35,13 +35,14 @@ use crate::pool::{
 };
 use crate::ref_log::RefLog;
 use crate::segment::{SegmentOptions, Segments};
+use crate::space::Space;
 use crate::store::{Reader, Store};
 use parking_lot::{Condvar, Mutex, RwLock};
 use rustc_hash::FxHashSet;
 use std::any::Any;
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// What the metadata store says the pool is.
@@ -266,7 +267,18 @@ fn assemble(
             })
             .collect()
     };
-    let meta_bytes = db.disk_bytes() + journal.disk_bytes();
+    let space = Space::new(
+        crate::space::Opening {
+            capacity_bytes: record.capacity_bytes,
+            soft_threshold_pct: record.soft_threshold_pct,
+            live_chunks: record.live_chunks,
+            live_bytes: record.live_bytes,
+            meta_bytes: db.disk_bytes() + journal.disk_bytes(),
+            thick_unwritten_blocks: thick_unwritten,
+            thick_blocks,
+        },
+        fs_space,
+    );
     let inner = Arc::new(Inner {
         dir: dir.to_path_buf(),
         db,
@@ -275,7 +287,7 @@ fn assemble(
         bloom: RwLock::new(Arc::new(bloom)),
         dedup_runs: RwLock::new(Arc::new(dedup_runs)),
         layer_filters,
-        fs_space,
+        space,
         shards,
         volumes: RwLock::new(states(volumes, false)),
         snapshots: RwLock::new(states(snapshots, true)),
@@ -290,15 +302,6 @@ fn assemble(
             true => std::thread::available_parallelism().map_or(1, |n| n.get()),
             false => 1,
         },
-        capacity_bytes: AtomicU64::new(record.capacity_bytes),
-        soft_threshold_pct: AtomicU64::new(record.soft_threshold_pct),
-        live_bytes: AtomicU64::new(record.live_bytes),
-        live_chunks: AtomicU64::new(record.live_chunks),
-        pending_bytes: AtomicI64::new(0),
-        thick_unwritten_blocks: AtomicI64::new(thick_unwritten as i64),
-        thick_blocks: AtomicI64::new(thick_blocks as i64),
-        reserve_lock: Mutex::new(()),
-        meta_bytes: AtomicU64::new(meta_bytes),
         dirty_blocks: AtomicU64::new(0),
         pacer: (config.background && config.threads).then(|| {
             crate::pacer::Pacer::new(crate::pacer::Limits {
@@ -310,7 +313,6 @@ fn assemble(
         cleaner_pace: Default::default(),
         relocations: Default::default(),
         failed: Mutex::new(None),
-        soft_warned: AtomicBool::new(false),
         last_io_ms: AtomicU64::new(0),
         opened: std::time::Instant::now(),
         catalog_generation: AtomicU64::new(0),
@@ -368,7 +370,7 @@ fn replay_journal(pool: &Pool, journaled: Vec<(u64, Change)>, dir: &Path) -> Res
 fn start(pool: &Pool) {
     pool.inner.check_soft_threshold();
     pool.rebuild_filters_async();
-    if let Err(e) = pool.inner.fs_space.restore_reserve_file() {
+    if let Err(e) = pool.inner.space.fs().restore_reserve_file() {
         tracing::warn!("pool reserve file: {e}");
     }
     if pool.inner.config.background {

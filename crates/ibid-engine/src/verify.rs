@@ -12,7 +12,6 @@ use crate::meta::{self, PoolRecord};
 use crate::pool::Inner;
 use crate::store::Reader;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::Ordering;
 
 /// What the check found (all figures recomputed from the tables).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -52,13 +51,13 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     report.volumes = stacks.len() as u64;
     let (thick_unwritten, thick_blocks) =
         crate::provision::thick_totals(stacks.iter().map(|(_, r)| r));
-    let counted = inner.thick_unwritten_blocks.load(Ordering::Relaxed);
+    let counted = inner.space.thick_counts().0;
     if counted != thick_unwritten as i64 {
         return Err(fail(format!(
             "thick volumes hold {thick_unwritten} unwritten blocks, the reservation counts {counted}"
         )));
     }
-    let counted = inner.thick_blocks.load(Ordering::Relaxed);
+    let counted = inner.space.thick_counts().1;
     if counted != thick_blocks as i64 {
         return Err(fail(format!(
             "thick volumes have {thick_blocks} blocks, the overwrite headroom counts {counted}"

@@ -720,11 +720,11 @@ impl Inner {
             if !matches!(result, Err(Error::NoSpace)) {
                 break;
             }
-            let before = self.used_now();
+            let before = self.space.used_now();
             self.commit()?;
             // Overwritten chunks are freed when their reference changes are folded.
             self.fold_ref_log()?;
-            let freed = self.used_now() < before;
+            let freed = self.space.used_now() < before;
             result = op();
             if !freed {
                 break;
@@ -732,7 +732,7 @@ impl Inner {
         }
         for _ in 0..CLEANS_FOR_SPACE_MAX {
             if !matches!(result, Err(Error::NoSpace))
-                || self.free_bytes() < ROOM_FOR_CLEANING_MIN
+                || self.space.free_bytes() < ROOM_FOR_CLEANING_MIN
                 || self.garbage_bytes() == 0
                 || self.clean_one(true, None)?.is_none()
             {
@@ -740,7 +740,7 @@ impl Inner {
             }
             // The pass's move, then what it gave back, not a reading from before it.
             self.commit()?;
-            self.fs_space.refresh();
+            self.space.fs().refresh();
             result = op();
         }
         result
@@ -756,8 +756,7 @@ impl Inner {
         s.dirty.new_chunks.insert(id, rec);
         s.dirty.deltas.entry(id).or_default();
         drop(s);
-        self.pending_bytes
-            .fetch_add(rec.physical_bytes() as i64, Ordering::Relaxed);
+        self.space.adopt(rec.physical_bytes());
         self.bloom().insert(meta::fp_prefix(&rec.fingerprint));
     }
 
