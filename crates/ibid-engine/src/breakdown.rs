@@ -101,9 +101,10 @@ impl Pool {
         // Stacks change only with the commit lock held: stacks and store read under it agree.
         let (stacks, txn) = {
             let _commit = inner.commit.lock();
-            let vols = inner.volumes.read();
-            let stacks: Vec<(String, u64, Vec<Frame>, u64)> = vols
-                .values()
+            let stacks: Vec<(String, u64, Vec<Frame>, u64)> = inner
+                .catalog
+                .volumes()
+                .iter()
                 .map(|v| {
                     let m = v.map.lock();
                     (v.name.clone(), v.id, m.stack.clone(), m.size)

@@ -102,7 +102,7 @@ impl Inner {
             self.fail(&e);
             return Err(e);
         }
-        let batch = self.cut();
+        let batch = self.cut(cs);
         // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
         let orphans = self.orphans_pending.swap(false, Ordering::AcqRel);
         let asked = cs.ref_log.take_request();
@@ -192,12 +192,12 @@ impl Inner {
         }
     }
 
-    fn cut(&self) -> Batch {
+    fn cut(&self, cs: &CommitState) -> Batch {
         let _gate = self.gate.write();
         let no = self.cut.fetch_add(1, Ordering::AcqRel) + 1;
         self.dirty_blocks.store(0, Ordering::Relaxed);
         let mut volumes = Vec::new();
-        for v in self.volumes.read().values() {
+        for v in self.catalog.volumes() {
             let mut map = v.map.lock();
             if map.dirty.is_empty() && !map.record_dirty {
                 continue;
@@ -215,7 +215,7 @@ impl Inner {
             };
             volumes.push((v.clone(), overlay, record));
         }
-        let deleted: Vec<Arc<VolumeState>> = std::mem::take(&mut *self.deleted.lock());
+        let deleted = self.catalog.take_retired(cs);
         let deleted_with_overlays: Vec<Arc<VolumeState>> = deleted
             .into_iter()
             .inspect(|v| {

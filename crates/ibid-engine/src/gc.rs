@@ -94,11 +94,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             continue;
         }
         if inner.since_last_io() >= IO_QUIET
-            && inner
-                .volumes
-                .read()
-                .values()
-                .any(|v| v.map.lock().has_zeroed())
+            && inner.catalog.any_volume(|v| v.map.lock().has_zeroed())
         {
             // Zeroed ranges left to settle and no I/O: the next part at once (under load,
             // each commit the writes cause settles a part).

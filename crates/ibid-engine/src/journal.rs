@@ -669,10 +669,10 @@ impl Inner {
     /// Replays journaled changes into the dirty state (at open, before anything else runs).
     pub(crate) fn replay(&self, changes: Vec<(u64, Change)>) -> Result<()> {
         let volumes: std::collections::HashMap<u64, _> = self
-            .volumes
-            .read()
-            .values()
-            .map(|v| (v.id, v.clone()))
+            .catalog
+            .volumes()
+            .into_iter()
+            .map(|v| (v.id, v))
             .collect();
         for (_, change) in changes {
             match change {

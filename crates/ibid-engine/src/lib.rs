@@ -21,6 +21,7 @@
 pub mod allocator;
 mod bloom;
 mod breakdown;
+mod catalog;
 pub mod chunk_table;
 mod cleaner_pace;
 mod commit;

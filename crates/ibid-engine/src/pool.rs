@@ -1,6 +1,7 @@
 //! The pool: opening and creating, volume management, space accounting.
 
 use crate::bloom::Bloom;
+use crate::catalog::Catalog;
 use crate::config::PoolConfig;
 use crate::dedup_index::{RunPolicy, Runs};
 use crate::disk::Disk;
@@ -20,7 +21,7 @@ use crate::volume::Volume;
 use parking_lot::{Condvar, Mutex, RwLock};
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::any::Any;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -148,11 +149,9 @@ pub(crate) struct Inner {
     /// `space.rs`).
     pub space: Space,
     pub shards: Vec<Mutex<ShardState>>,
-    pub volumes: RwLock<BTreeMap<String, Arc<VolumeState>>>,
-    /// Snapshots by `VOLUME@SNAPSHOT`.
-    pub snapshots: RwLock<BTreeMap<String, Arc<VolumeState>>>,
-    /// Volumes and snapshots deleted but not yet removed by a commit.
-    pub deleted: Mutex<Vec<Arc<VolumeState>>>,
+    /// Live volumes and snapshots, and those removed but not yet committed away (see
+    /// `catalog.rs`).
+    pub catalog: Catalog,
     /// Writers hold it shared for a whole write; the committer takes it exclusively to cut a
     /// consistent batch. Order: gate, then stripes, then a volume map or a shard.
     pub gate: RwLock<()>,
@@ -188,8 +187,6 @@ pub(crate) struct Inner {
     pub opened: std::time::Instant,
     /// Orphan chunks may need freeing: the next commit runs even with nothing else to do.
     pub orphans_pending: AtomicBool,
-    /// Bumped whenever a volume is created or deleted.
-    pub catalog_generation: AtomicU64,
     pub background: Mutex<Option<Background>>,
     /// The filter thread (`ibid-filters`): rebuilds the dedup filter after the pool opens and
     /// whenever the pool outgrows it, and builds the layer filters after the pool opens.
@@ -456,16 +453,14 @@ impl Pool {
         validate_volume_name(name)?;
         validate_volume_size(size_bytes)?;
         self.inner.check_failed()?;
+        let adding = self.inner.catalog.adding();
         let reserving = self.inner.space.reserving();
         let blocks = crate::provision::volume_blocks(size_bytes) as i64;
         if format.is_thick() {
             reserving.check(blocks, blocks)?;
         }
         let mut cs = self.inner.commit.lock();
-        let mut vols = self.inner.volumes.write();
-        if vols.contains_key(name) {
-            return Err(Error::AlreadyExists(name.to_string()));
-        }
+        adding.check_free(&cs, name)?;
         let record = VolumeRecord {
             id: cs.record.next_volume_id,
             size: size_bytes,
@@ -488,23 +483,16 @@ impl Pool {
         if format.is_thick() {
             reserving.add(blocks, blocks);
         }
-        vols.insert(name.to_string(), state.clone());
-        self.inner
-            .catalog_generation
-            .fetch_add(1, Ordering::Relaxed);
-        drop((vols, cs, reserving));
+        drop(cs);
+        adding.insert(state.clone());
+        drop((reserving, adding));
         self.inner.check_soft_threshold();
         Ok(Volume::new(self.inner.clone(), state))
     }
 
     /// The in-memory state of the live volume `name`.
     pub(crate) fn live_state(&self, name: &str) -> Result<Arc<VolumeState>> {
-        self.inner
-            .volumes
-            .read()
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Error::NotFound(name.to_string()))
+        self.inner.catalog.volume(name)
     }
 
     /// Opens a handle on a volume.
@@ -514,13 +502,7 @@ impl Pool {
 
     /// Opens a handle on a volume by its id.
     pub fn volume_by_id(&self, id: u64) -> Result<Volume> {
-        let state = self
-            .inner
-            .volumes
-            .read()
-            .values()
-            .find(|v| v.id == id)
-            .cloned();
+        let state = self.inner.catalog.volume_by_id(id);
         let state = state.ok_or_else(|| Error::NotFound(format!("volume id {id}")))?;
         Ok(Volume::new(self.inner.clone(), state))
     }
@@ -543,9 +525,9 @@ impl Pool {
     /// COPY's target lookup) and metrics scrapes.
     pub fn list_volumes_now(&self) -> Vec<VolumeInfo> {
         self.inner
-            .volumes
-            .read()
-            .values()
+            .catalog
+            .volumes()
+            .iter()
             .map(|v| volume_info(v))
             .collect()
     }
@@ -582,52 +564,24 @@ impl Pool {
     /// through the cleaner.
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         self.inner.check_failed()?;
-        let state = {
+        {
             let _gate = self.inner.gate.write();
-            let state = self
-                .inner
-                .volumes
-                .write()
-                .remove(name)
-                .ok_or_else(|| Error::NotFound(name.to_string()))?;
-            let mut map = state.map.lock();
-            map.deleted = true;
-            if state.format().is_thick() {
-                self.inner.space.release(
-                    crate::provision::reservation_share(map.size, map.mapped_blocks),
-                    crate::provision::volume_blocks(map.size) as i64,
-                );
-            }
-            drop(map);
-            state
-        };
-        let prefix = format!("{name}@");
-        let snaps: Vec<Arc<VolumeState>> = {
-            let mut all = self.inner.snapshots.write();
-            let names: Vec<String> = all
-                .keys()
-                .filter(|k| k.starts_with(&prefix))
-                .cloned()
-                .collect();
-            names.iter().filter_map(|n| all.remove(n)).collect()
-        };
-        for snap in &snaps {
-            snap.map.lock().deleted = true;
+            self.inner.catalog.remove_volume(name, |state, map| {
+                if state.format().is_thick() {
+                    self.inner.space.release(
+                        crate::provision::reservation_share(map.size, map.mapped_blocks),
+                        crate::provision::volume_blocks(map.size) as i64,
+                    );
+                }
+            })?;
         }
-        let mut deleted = self.inner.deleted.lock();
-        deleted.push(state);
-        deleted.extend(snaps);
-        drop(deleted);
-        self.inner
-            .catalog_generation
-            .fetch_add(1, Ordering::Relaxed);
         self.inner.commit()
     }
 
-    /// A counter bumped whenever a volume is created or deleted (front ends use it to tell
-    /// initiators to rescan).
+    /// A counter bumped whenever a volume or snapshot is created or deleted (front ends use it
+    /// to tell initiators to rescan).
     pub fn catalog_generation(&self) -> u64 {
-        self.inner.catalog_generation.load(Ordering::Relaxed)
+        self.inner.catalog.generation()
     }
 
     /// Whether the pool is past its soft threshold (as of the last commit). Cheap: front ends
@@ -816,7 +770,7 @@ impl Inner {
         };
         let pending = || match only {
             Some(v) => pending_in(v),
-            None => self.volumes.read().values().any(|v| pending_in(v)),
+            None => self.catalog.any_volume(pending_in),
         };
         let mut commits = 0;
         loop {
@@ -998,8 +952,8 @@ impl Inner {
         let meta_bytes = space.meta_bytes();
         let live_chunks = space.live_chunks();
         let (mut provisioned, mut thick, mut mapped) = (0u64, 0u64, 0u64);
-        let volumes = self.volumes.read();
-        for v in volumes.values() {
+        let volumes = self.catalog.volumes();
+        for v in &volumes {
             let m = v.map.lock();
             provisioned += m.size;
             if v.format().is_thick() {

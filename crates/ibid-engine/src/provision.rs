@@ -247,7 +247,7 @@ mod tests {
         if let Some(rebuild) = inner.rebuild_thread.lock().take() {
             rebuild.join().expect("filter rebuild");
         }
-        let v = inner.volumes.read()["v"].clone();
+        let v = inner.catalog.volume("v").expect("v");
         let free = inner.space.capacity() - inner.space.used_now();
         let chunk = (RECORD_HEADER_BYTES + BLOCK_BYTES) as u64;
 

@@ -20,6 +20,7 @@
 //!    background thread.
 
 use crate::bloom::Bloom;
+use crate::catalog::Catalog;
 use crate::config::PoolConfig;
 use crate::dedup_index::Runs;
 use crate::disk::Disk;
@@ -46,7 +47,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// What the metadata store says the pool is.
-struct Catalog {
+struct StoredCatalog {
     record: PoolRecord,
     volumes: BTreeMap<String, VolumeRecord>,
     snapshots: BTreeMap<String, VolumeRecord>,
@@ -95,7 +96,7 @@ fn make_room(disk: &dyn Disk, dir: &Path) -> Result<()> {
 }
 
 /// Step 2: reads the catalog from the metadata store.
-fn read_catalog(db: &Store) -> Result<Catalog> {
+fn read_catalog(db: &Store) -> Result<StoredCatalog> {
     let txn = db.read()?;
     let raw = txn
         .get(meta::POOL, meta::POOL_KEY)?
@@ -120,7 +121,7 @@ fn read_catalog(db: &Store) -> Result<Catalog> {
     for item in txn.iter(meta::SEGMENTS)? {
         segment_ids.insert(item?.0);
     }
-    Ok(Catalog {
+    Ok(StoredCatalog {
         record,
         volumes,
         snapshots,
@@ -168,7 +169,11 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
 
 /// Step 4: the changes journaled after the last commit, with their stamps; the record's
 /// commit counter moves past every stamp a journal record can carry.
-fn read_journal(disk: &dyn Disk, dir: &Path, catalog: &mut Catalog) -> Result<Vec<(u64, Change)>> {
+fn read_journal(
+    disk: &dyn Disk,
+    dir: &Path,
+    catalog: &mut StoredCatalog,
+) -> Result<Vec<(u64, Change)>> {
     let committed = catalog.record.commits;
     let (journaled, highest_stamp) = crate::journal::read(disk, dir, committed)?;
     assert!(highest_stamp >= committed);
@@ -187,7 +192,7 @@ fn read_journal(disk: &dyn Disk, dir: &Path, catalog: &mut Catalog) -> Result<Ve
 fn open_chunk_store(
     config: &PoolConfig,
     dir: &Path,
-    catalog: &Catalog,
+    catalog: &StoredCatalog,
     journaled: &[(u64, Change)],
 ) -> Result<Segments> {
     let mut keep = catalog.segment_ids.clone();
@@ -225,9 +230,9 @@ fn assemble(
     fs_space: FsSpace,
     segments: Segments,
     journal: Journal,
-    catalog: Catalog,
+    catalog: StoredCatalog,
 ) -> Pool {
-    let Catalog {
+    let StoredCatalog {
         record,
         volumes,
         snapshots,
@@ -261,10 +266,7 @@ fn assemble(
     let states = |records: BTreeMap<String, VolumeRecord>, read_only: bool| {
         records
             .into_iter()
-            .map(|(name, r)| {
-                let state = new_volume_state(name.clone(), &r, read_only);
-                (name, Arc::new(state))
-            })
+            .map(|(name, r)| Arc::new(new_volume_state(name, &r, read_only)))
             .collect()
     };
     let space = Space::new(
@@ -289,9 +291,7 @@ fn assemble(
         layer_filters,
         space,
         shards,
-        volumes: RwLock::new(states(volumes, false)),
-        snapshots: RwLock::new(states(snapshots, true)),
-        deleted: Mutex::new(Vec::new()),
+        catalog: Catalog::new(states(volumes, false), states(snapshots, true)),
         gate: RwLock::new(()),
         cut: AtomicU64::new(record.commits),
         committed: AtomicU64::new(record.commits),
@@ -315,7 +315,6 @@ fn assemble(
         failed: Mutex::new(None),
         last_io_ms: AtomicU64::new(0),
         opened: std::time::Instant::now(),
-        catalog_generation: AtomicU64::new(0),
         orphans_pending: AtomicBool::new(true),
         background: Mutex::new(None),
         rebuild_thread: Mutex::new(None),
@@ -332,8 +331,7 @@ fn assemble(
 /// newer changes (see `commit.rs`); the next commit settles them.
 fn resume_zeroing(pool: &Pool, zeroing: BTreeMap<u64, Vec<(u64, u64)>>) {
     for (id, ranges) in zeroing {
-        let volumes = pool.inner.volumes.read();
-        let Some(v) = volumes.values().find(|v| v.id == id) else {
+        let Some(v) = pool.inner.catalog.volume_by_id(id) else {
             continue;
         };
         let mut map = v.map.lock();

@@ -215,12 +215,7 @@ impl Inner {
 
 impl Pool {
     fn snapshot_state(&self, key: &str) -> Result<Arc<VolumeState>> {
-        self.inner
-            .snapshots
-            .read()
-            .get(key)
-            .cloned()
-            .ok_or_else(|| Error::NotFound(key.to_string()))
+        self.inner.catalog.snapshot(key)
     }
 
     /// Takes a read-only point-in-time snapshot of `volume`: O(1), no data I/O, no space.
@@ -229,10 +224,9 @@ impl Pool {
         self.inner.check_failed()?;
         let key = snapshot_key(volume, snapshot);
         let v = self.live_state(volume)?;
-        if self.inner.snapshots.read().contains_key(&key) {
-            return Err(Error::AlreadyExists(key));
-        }
+        let adding = self.inner.catalog.adding();
         let state = self.inner.with_quiesced(&v, |inner, cs, map| {
+            adding.check_free(cs, &key)?;
             if map.stack.len() >= LAYERS_MAX {
                 return Err(Error::InvalidArgument(format!(
                     "{volume} has {LAYERS_MAX} layers; delete snapshots first"
@@ -270,17 +264,17 @@ impl Pool {
             Ok(Arc::new(new_volume_state(key.clone(), &snap, true)))
         })?;
         let info = snapshot_info(&key, &state);
-        self.inner.snapshots.write().insert(key, state);
+        adding.insert(state);
         Ok(info)
     }
 
     /// Lists snapshots, of one volume or of all.
     pub fn list_snapshots(&self, volume: Option<&str>) -> Vec<SnapshotInfo> {
         self.inner
-            .snapshots
-            .read()
+            .catalog
+            .snapshots()
             .iter()
-            .map(|(k, v)| snapshot_info(k, v))
+            .map(|s| snapshot_info(&s.name, s))
             .filter(|s| volume.is_none_or(|v| s.volume == v))
             .collect()
     }
@@ -296,18 +290,10 @@ impl Pool {
     pub fn delete_snapshot(&self, volume: &str, snapshot: &str) -> Result<()> {
         self.inner.check_failed()?;
         let key = snapshot_key(volume, snapshot);
-        let state = {
+        {
             let _gate = self.inner.gate.write();
-            let state = self
-                .inner
-                .snapshots
-                .write()
-                .remove(&key)
-                .ok_or_else(|| Error::NotFound(key.clone()))?;
-            state.map.lock().deleted = true;
-            state
-        };
-        self.inner.deleted.lock().push(state);
+            self.inner.catalog.remove_snapshot(&key)?;
+        }
         self.inner.commit()
     }
 
@@ -317,12 +303,11 @@ impl Pool {
     pub fn clone_volume(&self, source: &str, new_name: &str) -> Result<Volume> {
         validate_volume_name(new_name)?;
         self.inner.check_failed()?;
-        if self.inner.volumes.read().contains_key(new_name) {
-            return Err(Error::AlreadyExists(new_name.to_string()));
-        }
+        let adding = self.inner.catalog.adding();
         let record = if source.contains('@') {
             let snap = self.snapshot_state(source)?;
             let mut cs = self.inner.commit.lock();
+            adding.check_free(&cs, new_name)?;
             let map = snap.map.lock();
             let clone_top = cs.record.next_layer_id;
             let mut layers = map.stack.clone();
@@ -342,6 +327,7 @@ impl Pool {
         } else {
             let v = self.live_state(source)?;
             self.inner.with_quiesced(&v, |inner, cs, map| {
+                adding.check_free(cs, new_name)?;
                 if map.stack.len() >= LAYERS_MAX {
                     return Err(Error::InvalidArgument(format!(
                         "{source} has {LAYERS_MAX} layers"
@@ -382,13 +368,7 @@ impl Pool {
             })?
         };
         let state = Arc::new(new_volume_state(new_name.to_string(), &record, false));
-        self.inner
-            .volumes
-            .write()
-            .insert(new_name.to_string(), state.clone());
-        self.inner
-            .catalog_generation
-            .fetch_add(1, Ordering::Relaxed);
+        adding.insert(state.clone());
         Ok(Volume::new(self.inner.clone(), state))
     }
 
@@ -440,7 +420,7 @@ impl Inner {
     /// Gives up between steps (and inside a copy's walk) once `stop` is set, so that closing
     /// the pool waits for one step at most; what is left is done after the next open.
     pub(crate) fn flatten_all(&self, now: bool, stop: &AtomicBool) -> Result<u64> {
-        let volumes: Vec<Arc<VolumeState>> = self.volumes.read().values().cloned().collect();
+        let volumes = self.catalog.volumes();
         let mut merged = 0;
         let stopped = || stop.load(Ordering::Acquire);
         // All copies first: a source's frozen layers become private only once every copy of

@@ -1389,7 +1389,7 @@ async fn delete_snapshot(
             force,
         )?;
         pool.delete_snapshot(&name, &snapshot)?;
-        if let Err(e) = luns.reconcile_now(&pool) {
+        if let Err(e) = luns.refresh(&pool) {
             tracing::error!("LUN table: {e:#}");
         }
         clients.forget_export(&export);

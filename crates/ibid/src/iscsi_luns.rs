@@ -105,9 +105,10 @@ fn to_lun_error(e: Error) -> LunError {
 }
 
 impl Luns for PoolLuns {
-    /// REPORT LUNS reconciles the table first (a deleted snapshot's export goes).
+    /// REPORT LUNS reconciles the table first if the catalog changed (a deleted snapshot's
+    /// export goes).
     fn list(&self) -> Vec<LunInfo> {
-        if let Err(e) = self.map.reconcile_now(&self.pool) {
+        if let Err(e) = self.map.refresh(&self.pool) {
             tracing::error!("LUN table: {e:#}");
         }
         self.map

@@ -160,13 +160,6 @@ impl LunMap {
         self.reconcile(pool, false)
     }
 
-    /// Reconciles the table with the pool now, whatever the catalog generation says (deleting
-    /// a snapshot does not move it): mappings of what no longer exists go.
-    pub fn reconcile_now(&self, pool: &Pool) -> anyhow::Result<()> {
-        let _guard = self.saving.lock();
-        self.reconcile(pool, false)
-    }
-
     /// Gives volume `id` LUN `lun` (or, with `None`, keeps its LUN or gives it the lowest free
     /// one); for a volume just created. Refused (409 `lun_in_use`) if another export has it.
     pub fn assign(&self, pool: &Pool, id: u64, lun: Option<u64>) -> Result<u64, ApiError> {

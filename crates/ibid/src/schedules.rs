@@ -378,7 +378,7 @@ impl Runner {
             deleted = true;
         }
         if deleted {
-            if let Err(e) = self.luns.reconcile_now(&self.pool) {
+            if let Err(e) = self.luns.refresh(&self.pool) {
                 tracing::error!("LUN table: {e:#}");
             }
         }
