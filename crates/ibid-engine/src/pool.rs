@@ -120,8 +120,7 @@ pub(crate) struct ShardState {
     /// Fingerprints whose chunk died in a commit not yet visible to readers of the store.
     pub dead_fps: FxHashSet<[u8; 32]>,
     /// Fingerprints of new chunks a writer is appending without the shard lock (see
-    /// `store_new_block` and `prepare_group`): another writer of the same block waits for it
-    /// to be placed.
+    /// `prepare_group`): another writer of the same block waits for it to be placed.
     pub placing: FxHashSet<[u8; 32]>,
 }
 

@@ -262,7 +262,7 @@ impl Inner {
     }
 
     /// [`Self::prepare_block`] with the block's fingerprint already computed (`None`: the block
-    /// is all zero).
+    /// is all zero): a group of one ([`Self::prepare_group`]), every block trying compression.
     pub(super) fn prepare_fingerprinted(
         &self,
         v: &VolumeState,
@@ -271,38 +271,27 @@ impl Inner {
         stamp: u64,
         neighbours: Option<&Neighbours>,
     ) -> Result<Entry> {
-        let Some(fp) = fp else {
-            return Ok(Entry::Zero);
-        };
-        let shard = fp[0] as usize % SHARDS;
-        {
-            let mut s = self.lock_settled(shard, &fp);
-            if let Some(id) = self.find_duplicate(&s, &fp, neighbours)? {
-                *s.dirty.deltas.entry(id).or_default() += 1;
-                drop(s);
-                if let Some(n) = neighbours {
-                    n.load_if_pending(&self.db, &self.frees);
-                }
-                return Ok(Entry::Data(id));
-            }
-        }
-        compression::with_compressed(block, |compressed| {
-            self.store_new_block(v, block, compressed, fp, shard, stamp)
-        })
+        let attempts = compression::Attempts::default();
+        let mut one = self.prepare_group(v, &[block], &[fp], stamp, neighbours, &attempts);
+        one.pop().expect("a group of one has one result")
     }
 
-    /// [`Self::prepare_fingerprinted`] for a group of whole blocks (at most
-    /// [`fingerprint::LANES`], `fps` as [`fingerprints`] gives them), with the new chunks
-    /// among them placed together: one segment append and one journal append for the group,
-    /// and one shard lock per block to look it up (it is marked `placing` in the same hold
-    /// when nothing matches) and one to register it — instead of a lock of each per block.
-    /// Results in block order, ending at the first failure; the blocks after it took no
-    /// references (those they took are given back here).
+    /// The one block-placement path: turns a group of whole blocks (at most
+    /// [`fingerprint::LANES`], `fps` as [`fingerprints`] gives them; a single block is a group
+    /// of one) into map entries — zero, a reference to a live chunk with the same fingerprint,
+    /// or a new chunk (compressed if that saves space) — with the new chunks among them placed
+    /// together: one segment append and one journal append for the group, and one shard lock
+    /// per block to look it up (it is marked `placing` in the same hold when nothing matches)
+    /// and one to register it. Results in block order, ending at the first failure; the blocks
+    /// after it took no references (those they took are given back here).
     ///
-    /// No deadlock with other writers: while the group holds `placing` marks it never waits for
-    /// one. A block another writer is placing is set aside and prepared alone once the group's
-    /// own marks are cleared; a block repeating an earlier new block of the group refers to it.
-    /// `attempts`: the write's record of how its blocks compressed (which new blocks to try).
+    /// A block another writer is placing right now (two writers storing the same new block at
+    /// once) is waited for while the group holds no `placing` mark of its own, so its map entry
+    /// is journaled after the chunk it refers to. Once the group holds marks it never waits
+    /// (no deadlock between writers): such a block is set aside and prepared as a group of one
+    /// once the group's own marks are cleared. A block repeating an earlier new block of the
+    /// group refers to it. `attempts`: the write's record of how its blocks compressed (which
+    /// new blocks to try).
     pub(super) fn prepare_group(
         &self,
         v: &VolumeState,
@@ -337,11 +326,17 @@ impl Inner {
                 continue;
             }
             let shard = fp[0] as usize % SHARDS;
-            let mut s = self.shards[shard].lock();
-            if s.placing.contains(&fp) {
-                slots.push(Slot::Later);
-                continue;
-            }
+            let mut s = match marks.is_empty() {
+                true => self.lock_settled(shard, &fp),
+                false => {
+                    let s = self.shards[shard].lock();
+                    if s.placing.contains(&fp) {
+                        slots.push(Slot::Later);
+                        continue;
+                    }
+                    s
+                }
+            };
             match self.find_duplicate(&s, &fp, neighbours) {
                 Ok(Some(id)) => {
                     *s.dirty.deltas.entry(id).or_default() += 1;
@@ -439,7 +434,13 @@ impl Inner {
                     Some(e) => Err(e),
                     None => Ok(Entry::Data(ids[j])),
                 },
-                Slot::Later => self.prepare_fingerprinted(v, blocks[i], fps[i], stamp, neighbours),
+                // A group of one holds no mark while it looks: it waits, never sets aside.
+                Slot::Later => {
+                    let one = &blocks[i..=i];
+                    let mut r =
+                        self.prepare_group(v, one, &fps[i..=i], stamp, neighbours, attempts);
+                    r.pop().expect("a group of one has one result")
+                }
             };
             failed = r.is_err();
             results.push(r);
@@ -459,55 +460,6 @@ impl Inner {
             drop(s);
             std::thread::sleep(std::time::Duration::from_micros(20));
         }
-    }
-
-    /// [`Self::prepare_block`] for a block no stored chunk matched (`shard`: its fingerprint's
-    /// shard; `compressed`: its LZ4 form when that is smaller): looks again in case another writer stored the
-    /// same block meanwhile, and appends it as a new chunk.
-    ///
-    /// The shard is locked only to decide: the fingerprint is marked `placing` while the record
-    /// is appended and journaled without the lock (a segment writer or the journal may be busy,
-    /// and every writer whose block falls in the shard would wait behind them), then the chunk
-    /// is registered. A writer of the same block meanwhile waits for the registration
-    /// ([`Self::lock_settled`]), so its map entry is journaled after the chunk it refers to.
-    /// No commit cuts the batch meanwhile: the caller holds the gate.
-    pub(super) fn store_new_block(
-        &self,
-        v: &VolumeState,
-        block: &[u8],
-        compressed: Option<&[u8]>,
-        fp: [u8; 32],
-        shard: usize,
-        stamp: u64,
-    ) -> Result<Entry> {
-        let (flags, payload) = match compressed {
-            Some(c) => (RECORD_FLAG_LZ4, c),
-            None => (0, block),
-        };
-        {
-            let mut s = self.lock_settled(shard, &fp);
-            if let Some(id) = self.find_duplicate(&s, &fp, None)? {
-                *s.dirty.deltas.entry(id).or_default() += 1;
-                return Ok(Entry::Data(id));
-            }
-            s.placing.insert(fp);
-        }
-        let mark = PlacingMark {
-            inner: self,
-            shard,
-            fp,
-        };
-        let chunk = NewChunk {
-            fp,
-            shard,
-            flags,
-            payload,
-        };
-        // On an error the mark comes off as it drops.
-        let (id, rec) = self.place_chunks(v, &[chunk], stamp)?[0];
-        mark.register(id, rec, 1);
-        self.bloom().insert(meta::fp_prefix(&fp));
-        Ok(Entry::Data(id))
     }
 
     /// Appends new chunks' records to a segment, back to back through one writer, and journals
