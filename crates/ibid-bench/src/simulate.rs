@@ -27,6 +27,10 @@ pub struct SimulateArgs {
     /// seed no longer replays exactly.
     #[arg(long)]
     threads: bool,
+    /// Also run the pool's background thread (the committer and the segment cleaner);
+    /// implies `--threads`.
+    #[arg(long)]
+    background: bool,
     /// Print one line per seed.
     #[arg(long)]
     verbose: bool,
@@ -54,6 +58,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         operations: a.operations,
         cut_within_io: a.cut_within_io.max(1),
         threads: a.threads,
+        background: a.background,
     };
     let seeds = seed_range(&a.seeds)?;
     let started = Instant::now();

@@ -262,7 +262,7 @@ impl Inner {
                 self.dirty_blocks.fetch_add(1, Ordering::Relaxed);
             }
         }
-        if !applied.rest.is_empty() && self.since_last_io() >= crate::gc::IO_QUIET {
+        if !applied.rest.is_empty() && self.io_quiet() {
             // Settle the rest now, a bounded commit at a time, while nothing else runs (under
             // load the commits the writes cause settle it; see `gc.rs`).
             self.wake_background();

@@ -26,6 +26,11 @@ pub struct PoolConfig {
     pub dirty_blocks_max: u64,
     /// Interval of the background commit and cleaner, in milliseconds.
     pub background_interval_ms: u64,
+    /// How long foreground I/O must have paused, in milliseconds, before the cleaner starts a
+    /// pass while garbage is small and the background thread settles zeroed ranges and folds
+    /// the reference log (default 100; the simulator sets 0 so that they run between its
+    /// operations).
+    pub io_quiet_ms: u64,
     /// The cleaner rewrites a segment whose live fraction is below this percentage.
     pub gc_live_pct_max: u8,
     /// Run the background committer and cleaner thread (tests turn it off to step by hand).
@@ -79,6 +84,7 @@ impl Default for PoolConfig {
             dirty_blocks_throttle: 128 << 10,
             dirty_blocks_max: 512 << 10,
             background_interval_ms: 1000,
+            io_quiet_ms: crate::gc::IO_QUIET_MS,
             gc_live_pct_max: 50,
             background: true,
             meta_backend: crate::store::Backend::from_env(),

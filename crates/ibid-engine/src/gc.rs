@@ -41,22 +41,23 @@ const CLEAN_ROOM_MIN: u64 = 16 << 20;
 const QUEUED_MAX: usize = 4;
 const QUEUE_POLL: Duration = Duration::from_millis(5);
 
-/// The cleaner yields to foreground I/O: it does not start a pass within this long of the
-/// last read, write, zeroing, copy or flush.
+/// The cleaner yields to foreground I/O: by default it does not start a pass within this many
+/// milliseconds of the last read, write, zeroing, copy or flush
+/// ([`crate::PoolConfig::io_quiet_ms`]).
 ///
 /// A pass reads whole segments and writes and fsyncs up to 16 MiB of relocated records: it
 /// takes CPU and device time from the requests in flight, and a flush behind its fsync waits
 /// for its writes: flush latency and random reads right after a random-write test suffer
 /// while it runs (measurements: BENCHMARKS.md and docs/benchmarks/nbd-fio.md).
-pub(crate) const IO_QUIET: Duration = Duration::from_millis(100);
-/// Whether the cleaner should skip this wake-up: foreground I/O ran `since_io` ago, the pool
-/// is (`full`) or is not past its soft threshold, and garbage presses on the pool's room with
-/// `pressure` (`cleaner_pace.rs`). Under steady load garbage grows to
+pub(crate) const IO_QUIET_MS: u64 = 100;
+/// Whether the cleaner should skip this wake-up: foreground I/O has paused (`quiet`) or not,
+/// the pool is (`full`) or is not past its soft threshold, and garbage presses on the pool's
+/// room with `pressure` (`cleaner_pace.rs`). Under steady load garbage grows to
 /// [`cleaner_pace::CLEAN_ALWAYS_FROM`], and from there the cleaner runs whatever the load (and
 /// writers are paced to it if it falls further behind); when the load pauses it cleans
 /// everything eligible.
-fn cleaner_waits(since_io: Duration, full: bool, pressure: f64) -> bool {
-    since_io < IO_QUIET && !full && pressure < cleaner_pace::CLEAN_ALWAYS_FROM
+fn cleaner_waits(quiet: bool, full: bool, pressure: f64) -> bool {
+    !quiet && !full && pressure < cleaner_pace::CLEAN_ALWAYS_FROM
 }
 
 /// The background thread: commit, settle zeroed ranges and fold the reference log while no
@@ -93,14 +94,12 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             tracing::error!("background commit: {e}");
             continue;
         }
-        if inner.since_last_io() >= IO_QUIET
-            && inner.catalog.any_volume(|v| v.map.lock().has_zeroed())
-        {
+        if inner.io_quiet() && inner.catalog.any_volume(|v| v.map.lock().has_zeroed()) {
             // Zeroed ranges left to settle and no I/O: the next part at once (under load,
             // each commit the writes cause settles a part).
             continue;
         }
-        if inner.since_last_io() >= IO_QUIET {
+        if inner.io_quiet() {
             // No I/O: the next slice of the reference log, and the one after at once (freed
             // space shows within seconds; under load each commit folds a slice).
             match inner.fold_ref_log_with(FoldRequest::Next) {
@@ -149,7 +148,7 @@ pub(crate) fn cleaner_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: D
             return;
         }
         let full = inner.space.soft_warned();
-        if cleaner_waits(inner.since_last_io(), full, inner.update_pressure()) {
+        if cleaner_waits(inner.io_quiet(), full, inner.update_pressure()) {
             continue;
         }
         let mut cleaned = 0;
@@ -284,6 +283,11 @@ impl Inner {
         now.saturating_sub(Duration::from_millis(
             self.last_io_ms.load(Ordering::Relaxed),
         ))
+    }
+
+    /// Whether foreground I/O has paused for [`crate::PoolConfig::io_quiet_ms`].
+    pub(crate) fn io_quiet(&self) -> bool {
+        self.since_last_io() >= Duration::from_millis(self.config.io_quiet_ms)
     }
 
     /// Segment file bytes that no live record occupies.
@@ -535,26 +539,25 @@ mod tests {
     /// soft threshold and garbage presses on the pool's room less than `CLEAN_ALWAYS_FROM`.
     #[test]
     fn cleaner_yields_to_io_only_while_garbage_is_small() {
-        let ms = Duration::from_millis;
         let gib = 1u64 << 30;
         let p = |garbage, free| cleaner_pace::pressure(garbage, free, u64::MAX);
-        assert!(cleaner_waits(ms(10), false, p(0, gib)));
-        assert!(cleaner_waits(ms(99), false, p(gib / 4 - 1, gib)));
+        assert!(cleaner_waits(false, false, p(0, gib)));
+        assert!(cleaner_waits(false, false, p(gib / 4 - 1, gib)));
         // No I/O lately.
-        assert!(!cleaner_waits(IO_QUIET, false, p(0, gib)));
+        assert!(!cleaner_waits(true, false, p(0, gib)));
         // Past the soft threshold.
-        assert!(!cleaner_waits(ms(10), true, p(0, gib)));
+        assert!(!cleaner_waits(false, true, p(0, gib)));
         // Too much garbage (a quarter of the free space), or garbage and no free space.
-        assert!(!cleaner_waits(ms(10), false, p(gib / 4, gib)));
-        assert!(!cleaner_waits(ms(10), false, p(1, 0)));
+        assert!(!cleaner_waits(false, false, p(gib / 4, gib)));
+        assert!(!cleaner_waits(false, false, p(1, 0)));
         // The filesystem's room counts when it is the smaller: a quarter of it is garbage.
         assert!(!cleaner_waits(
-            ms(10),
+            false,
             false,
             cleaner_pace::pressure(gib, 100 * gib, 3 * gib)
         ));
         // An unbounded free space does not overflow.
-        assert!(cleaner_waits(ms(10), false, p(u64::MAX / 5, u64::MAX)));
-        assert!(!cleaner_waits(ms(10), false, p(u64::MAX / 3, u64::MAX)));
+        assert!(cleaner_waits(false, false, p(u64::MAX / 5, u64::MAX)));
+        assert!(!cleaner_waits(false, false, p(u64::MAX / 3, u64::MAX)));
     }
 }

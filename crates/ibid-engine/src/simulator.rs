@@ -4,6 +4,8 @@
 //!
 //! The pool runs without threads of its own ([`PoolConfig::threads`] off, no background
 //! thread), so a seed's run does the same I/O every time: a failure replays from its seed.
+//! [`SimOptions::threads`] runs the engine's threads, and [`SimOptions::background`] also its
+//! background committer and cleaner, at the price of exact replay.
 //!
 //! # What the model knows
 //! For every block of every volume, the bytes it holds now and every content it may hold
@@ -51,6 +53,9 @@ pub struct SimOptions {
     /// Run the engine's own threads ([`PoolConfig::threads`]): races between them and the
     /// foreground are exercised too, but a seed no longer replays the same I/O.
     pub threads: bool,
+    /// Also run the background thread ([`PoolConfig::background`]: the committer that commits
+    /// when writes pile up or time passes, and the segment cleaner); implies `threads`.
+    pub background: bool,
 }
 
 impl Default for SimOptions {
@@ -59,6 +64,7 @@ impl Default for SimOptions {
             operations: 300,
             cut_within_io: 400,
             threads: false,
+            background: false,
         }
     }
 }
@@ -245,8 +251,12 @@ impl Sim {
             dirty_blocks_commit: 64,
             dirty_blocks_throttle: 128,
             dirty_blocks_max: 256,
-            background: false,
-            threads: self.options.threads,
+            background: self.options.background,
+            // The committer wakes often enough to commit between the run's operations, and the
+            // cleaner and the idle work do not wait for a pause the run never makes.
+            background_interval_ms: 2,
+            io_quiet_ms: 0,
+            threads: self.options.threads || self.options.background,
             meta_backend: crate::store::Backend::Redb,
             frame_copy_blocks_min: 16,
             dedup_filter_min: 1 << 12,

@@ -309,12 +309,13 @@ impl Inner {
             /// Another writer was placing this block: prepared alone, after the group's own.
             Later,
         }
-        let mut slots: Vec<Slot> = Vec::with_capacity(blocks.len());
-        let mut marks: Vec<PlacingMark> = Vec::new();
+        let n = blocks.len();
+        let mut slots: Vec<Slot> = Vec::with_capacity(n);
+        let mut marks: Vec<PlacingMark> = Vec::with_capacity(n);
         // Repeats of each new chunk's block within the group (references to add at its
         // registration).
-        let mut repeats: Vec<i64> = Vec::new();
-        let mut new_blocks: Vec<usize> = Vec::new();
+        let mut repeats: Vec<i64> = Vec::with_capacity(n);
+        let mut new_blocks: Vec<usize> = Vec::with_capacity(n);
         for (i, fp) in fps.iter().enumerate() {
             let Some(fp) = *fp else {
                 slots.push(Slot::Done(Ok(Entry::Zero)));
