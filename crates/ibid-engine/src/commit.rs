@@ -88,7 +88,7 @@ impl Inner {
     /// Bookkeeping after a commit, outside the commit lock.
     pub(crate) fn after_commit(&self) {
         self.check_soft_threshold();
-        let bloom = self.bloom();
+        let bloom = self.dedup.filter();
         if self.space.live_chunks() > bloom.capacity() {
             self.wake_background();
         }
@@ -188,7 +188,7 @@ impl Inner {
     fn after_apply(&self, applied: &mut Applied) {
         if let Some(runs) = applied.runs.take() {
             // Before publishing: see `dedup_index.rs`.
-            *self.dedup_runs.write() = Arc::new(runs);
+            self.dedup.set_runs(runs);
         }
     }
 
@@ -284,7 +284,7 @@ impl Inner {
         }
         if !applied.died.is_empty() {
             // Before any fingerprint leaves `dead_fps`: see `neighbours.rs`.
-            self.frees.fetch_add(1, Ordering::AcqRel);
+            self.dedup.note_frees();
         }
         for (shard, fp) in &applied.died {
             self.shards[*shard].lock().dead_fps.remove(fp);
@@ -322,7 +322,7 @@ impl Inner {
         fold: &[usize],
     ) -> Result<Applied> {
         let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
-        let runs = self.dedup_runs();
+        let runs = self.dedup.runs();
         let mut index = IndexUpdate::new(&runs);
         // Sorted by chunk id: the reference count updates then read the chunk pages in key
         // order (ids grow with time, so a copy of data written together reads neighbours).

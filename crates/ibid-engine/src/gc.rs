@@ -120,7 +120,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
         if let Err(e) = inner.flatten_all(false, &stop) {
             tracing::error!("flatten volume layers: {e}");
         }
-        let bloom = inner.bloom();
+        let bloom = inner.dedup.filter();
         if inner.space.live_chunks() > bloom.capacity() {
             inner.spawn_filter_work(false);
         }

@@ -28,6 +28,7 @@ mod commit;
 mod compression;
 pub mod config;
 mod copy;
+mod dedup;
 mod dedup_index;
 mod direct_io;
 pub mod disk;

@@ -1,9 +1,9 @@
 //! The pool: opening and creating, volume management, space accounting.
 
-use crate::bloom::Bloom;
 use crate::catalog::Catalog;
 use crate::config::PoolConfig;
-use crate::dedup_index::{RunPolicy, Runs};
+use crate::dedup::Dedup;
+use crate::dedup_index::RunPolicy;
 use crate::disk::Disk;
 use crate::error::{Error, Result};
 use crate::format::{
@@ -138,10 +138,9 @@ pub(crate) struct Inner {
     pub segments: Segments,
     /// Changes since the last commit, flushed to the journal files (see `journal.rs`).
     pub journal: Journal,
-    pub bloom: RwLock<Arc<Bloom>>,
-    /// The dedup index's runs as committed (see `dedup_index.rs`): replaced by a commit that
-    /// changes them, after its transaction and before it publishes.
-    pub dedup_runs: RwLock<Arc<Runs>>,
+    /// The dedup filter, the dedup index's runs as committed and the count of commits that
+    /// freed chunks (see `dedup.rs`).
+    pub dedup: Dedup,
     /// Which blocks each layer holds entries for (see `layer_filter.rs`).
     pub layer_filters: LayerFilters,
     /// Capacity, used and reserved space, and the filesystem under the pool (see
@@ -174,9 +173,6 @@ pub(crate) struct Inner {
     /// Writes preparing whole blocks right now (see `write_range`): a large write spreads its
     /// blocks over the helper threads only while fewer writes than cores are busy.
     pub preparing: AtomicUsize,
-    /// Commits that freed chunks so far, bumped before their fingerprints leave `dead_fps`
-    /// (dedup neighbours read before an unchanged count need no re-check; `neighbours.rs`).
-    pub frees: AtomicU64,
     /// CPU cores available to the process.
     pub cores: usize,
     pub failed: Mutex<Option<String>>,
@@ -825,11 +821,6 @@ impl Inner {
         c.notify_one();
     }
 
-    /// The dedup index's runs as last committed.
-    pub(crate) fn dedup_runs(&self) -> Arc<Runs> {
-        self.dedup_runs.read().clone()
-    }
-
     /// When commits write and merge dedup index runs.
     pub(crate) fn run_policy(&self) -> RunPolicy {
         RunPolicy {
@@ -837,10 +828,6 @@ impl Inner {
             runs_max: self.config.dedup_runs_max,
             slices: self.config.dedup_merge_slices,
         }
-    }
-
-    pub(crate) fn bloom(&self) -> Arc<Bloom> {
-        self.bloom.read().clone()
     }
 
     /// Rebuilds the dedup filter, then (if `layers`) the layer filters.
@@ -896,12 +883,7 @@ impl Inner {
     /// makes sure every older chunk is in the index snapshot the scan reads.
     pub(crate) fn rebuild_bloom(&self) -> Result<()> {
         let capacity = bloom_capacity(self.space.live_chunks(), self.config.dedup_filter_min);
-        let bloom = {
-            let mut current = self.bloom.write();
-            let bloom = Arc::new(Bloom::growing_from(capacity, current.clone()));
-            *current = bloom.clone();
-            bloom
-        };
+        let bloom = self.dedup.grow_filter(capacity);
         self.commit()?;
         let t0 = std::time::Instant::now();
         let txn = self.db.read()?;
@@ -910,7 +892,7 @@ impl Inner {
             bloom.insert(meta::fps_key_prefix(key));
             filled += 1;
         })?;
-        for key in self.dedup_runs().keys() {
+        for key in self.dedup.runs().keys() {
             bloom.insert(meta::fps_key_prefix(key));
             filled += 1;
         }
@@ -991,7 +973,7 @@ impl Inner {
             } else {
                 logical as f64 / physical as f64
             },
-            dedup_filter_ram_bytes: self.bloom().ram_bytes(),
+            dedup_filter_ram_bytes: self.dedup.filter().ram_bytes(),
             layer_filter_ram_bytes: self.layer_filters.ram_bytes(),
             committed_batches: self.committed.load(Ordering::Relaxed),
         }

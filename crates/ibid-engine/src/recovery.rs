@@ -22,6 +22,7 @@
 use crate::bloom::Bloom;
 use crate::catalog::Catalog;
 use crate::config::PoolConfig;
+use crate::dedup::Dedup;
 use crate::dedup_index::Runs;
 use crate::disk::Disk;
 use crate::error::{Error, Result};
@@ -286,8 +287,7 @@ fn assemble(
         db,
         segments,
         journal,
-        bloom: RwLock::new(Arc::new(bloom)),
-        dedup_runs: RwLock::new(Arc::new(dedup_runs)),
+        dedup: Dedup::new(bloom, dedup_runs),
         layer_filters,
         space,
         shards,
@@ -297,7 +297,6 @@ fn assemble(
         committed: AtomicU64::new(record.commits),
         chunk_seq: AtomicU64::new(record.next_chunk_seq),
         preparing: AtomicUsize::new(0),
-        frees: AtomicU64::new(0),
         cores: match config.threads {
             true => std::thread::available_parallelism().map_or(1, |n| n.get()),
             false => 1,

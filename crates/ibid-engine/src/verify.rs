@@ -115,11 +115,11 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         }
     }
     let runs = Runs::load(&txn)?;
-    if runs.summary() != inner.dedup_runs().summary() {
+    if runs.summary() != inner.dedup.runs().summary() {
         return Err(fail(format!(
             "dedup index runs stored {:?}, held in memory {:?}",
             runs.summary(),
-            inner.dedup_runs().summary()
+            inner.dedup.runs().summary()
         )));
     }
     if let Some(k) = runs.dead().find(|&k| !runs.contains(k)) {

@@ -157,7 +157,7 @@ fn neighbours_read_before_a_free_are_checked_again() {
     let loaded = || {
         let near = Neighbours::for_write(16);
         near.found_in_index(chunk(0));
-        near.load_if_pending(&inner.db, &inner.frees);
+        near.load_if_pending(&inner.db, inner.dedup.frees());
         assert_eq!(near.get(&fp_gone).map(|(id, _)| id), Some(chunk(0)));
         near
     };

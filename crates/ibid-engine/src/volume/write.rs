@@ -343,7 +343,7 @@ impl Inner {
                     *s.dirty.deltas.entry(id).or_default() += 1;
                     drop(s);
                     if let Some(n) = neighbours {
-                        n.load_if_pending(&self.db, &self.frees);
+                        n.load_if_pending(&self.db, self.dedup.frees());
                     }
                     slots.push(Slot::Done(Ok(Entry::Data(id))));
                 }
@@ -398,7 +398,7 @@ impl Inner {
                 })
                 .collect();
             placed = self.place_chunks(v, &chunks, stamp);
-            let bloom = self.bloom();
+            let bloom = self.dedup.filter();
             match &placed {
                 Ok(chunks) => {
                     for ((mark, &(id, rec)), &refs) in marks.drain(..).zip(chunks).zip(&repeats) {
@@ -540,18 +540,18 @@ impl Inner {
         // progress is in `dead_fps`, checked above).
         if let Some((id, frees)) = neighbours.and_then(|n| n.get(fp)) {
             // No chunk freed since the neighbours were read: still stored (see neighbours.rs).
-            if frees == self.frees.load(Ordering::Acquire) || self.holds_chunk(id, fp)? {
+            if frees == self.dedup.frees().load(Ordering::Acquire) || self.holds_chunk(id, fp)? {
                 return Ok(Some(id));
             }
         }
-        if !self.bloom().may_contain(meta::fp_prefix(fp)) {
+        if !self.dedup.filter().may_contain(meta::fp_prefix(fp)) {
             return Ok(None);
         }
         // The index gives the chunks whose fingerprint starts like `fp`; the one whose record
         // holds all of `fp` is the duplicate (same snapshot, so it exists; the shard lock
         // keeps it alive, as for a neighbour). The runs are taken before the snapshot (see
         // `dedup_index.rs`).
-        let runs = self.dedup_runs();
+        let runs = self.dedup.runs();
         let txn = self.db.read()?;
         let mut found = first_holding(&txn, runs.candidates(meta::fp_prefix(fp)).map(Ok), fp)?;
         if found.is_none() {
@@ -710,7 +710,9 @@ impl Inner {
         s.dirty.deltas.entry(id).or_default();
         drop(s);
         self.space.adopt(rec.physical_bytes());
-        self.bloom().insert(meta::fp_prefix(&rec.fingerprint));
+        self.dedup
+            .filter()
+            .insert(meta::fp_prefix(&rec.fingerprint));
     }
 
     /// Replays journaled map entries: each data entry takes its reference again, and the
