@@ -108,6 +108,14 @@ impl Inner {
         let asked = cs.ref_log.take_request();
         let fold_only = asked != FoldRequest::None && cs.ref_log.entries() > 0;
         if batch.is_empty() && !orphans && !fold_only {
+            if batch.no >= cs.record.commits + crate::journal::EMPTY_BATCHES_MAX {
+                // The batch numbers empty commits used, made durable before the pool record
+                // lags too far for the journal's bound (`journal::EMPTY_BATCHES_MAX`).
+                if let Err(e) = self.record_batch_number(cs, batch.no) {
+                    self.fail(&e);
+                    return Err(e);
+                }
+            }
             self.publish(&batch, &Applied::default());
             self.committed.store(batch.no, Ordering::Release);
             self.journal.forget_through(batch.no);
@@ -181,6 +189,17 @@ impl Inner {
         for seg in applied.dead_segments {
             self.segments.remove(seg)?;
         }
+        Ok(())
+    }
+
+    /// Records batch number `no` as committed in the pool record (a transaction of its own).
+    fn record_batch_number(&self, cs: &mut CommitState, no: u64) -> Result<()> {
+        let mut record = cs.record.clone();
+        record.commits = no;
+        let mut txn = self.db.write()?;
+        txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
+        txn.commit()?;
+        cs.record = record;
         Ok(())
     }
 

@@ -44,7 +44,8 @@
 //! prefix of what was journaled, and a completed flush's records are all in it. Replay runs the
 //! changes through the normal write path (reference counts are recomputed, not journaled) and
 //! one commit makes them durable. The commit counter then resumes past every stamp a record can
-//! carry (the highest replayed, and at least [`BATCHES_IN_FLIGHT`] past the last commit): a
+//! carry (the highest replayed, and at least [`BATCHES_IN_FLIGHT`] + [`EMPTY_BATCHES_MAX`]
+//! past the recorded commit number, which empty commits may leave behind): a
 //! record that outlived a power cut further into a file, behind one that did not (the pages of
 //! an interrupted write may reach the disk in any order), can then never be taken for part of
 //! a later batch.
@@ -70,15 +71,25 @@ pub const JOURNAL_FILE_BYTES_MAX: u64 = 128 << 20;
 /// New data a flush carries inline at most; above it, the flush syncs the segments instead.
 pub const INLINE_BYTES_MAX: u64 = 1 << 20;
 /// Batches whose changes may be journaled and not committed at any time: the one a commit is
-/// applying and the next (writers stamp `cut + 1`; commits are serialized). Records in the
-/// journal files never carry a stamp past `committed + BATCHES_IN_FLIGHT`.
+/// applying and the next (writers stamp `cut + 1`; commits are serialized).
 pub const BATCHES_IN_FLIGHT: u64 = 2;
+
+/// Batch numbers an empty commit may use without recording them: an empty batch changes
+/// nothing in the store, so its number is made durable only when the pool record lags this
+/// far behind (`commit.rs`). Records in the journal files therefore never carry a stamp past
+/// the recorded commit number plus `BATCHES_IN_FLIGHT + EMPTY_BATCHES_MAX` (less one).
+pub const EMPTY_BATCHES_MAX: u64 = 64;
 
 /// The batch number to resume from at open, given the last committed batch and the highest
 /// stamp of a file's first record: past every stamp a record in the files can carry, not only
 /// past the highest one read (see the module doc).
 pub(crate) fn resume_after(committed: u64, highest_stamp: u64) -> u64 {
-    highest_stamp.max(committed + BATCHES_IN_FLIGHT)
+    highest_stamp.max(stamps_bound(committed))
+}
+
+/// The highest stamp a journal record can carry when the pool record says `committed`.
+pub(crate) fn stamps_bound(committed: u64) -> u64 {
+    committed + BATCHES_IN_FLIGHT + EMPTY_BATCHES_MAX
 }
 
 const KIND_CHUNK: u8 = 1;
@@ -815,10 +826,12 @@ mod tests {
     #[test]
     fn batches_resume_past_every_stamp_the_files_can_hold() {
         // Nothing replayed, or only the batch the crash interrupted the commit of: a record of
-        // the next batch may still lie further into its file.
-        assert_eq!(resume_after(5, 5), 7);
-        assert_eq!(resume_after(5, 6), 7);
-        assert_eq!(resume_after(5, 7), 7);
+        // the next batch, numbered past unrecorded empty ones, may still lie further into its
+        // file.
+        let bound = 5 + BATCHES_IN_FLIGHT + EMPTY_BATCHES_MAX;
+        assert_eq!(resume_after(5, 5), bound);
+        assert_eq!(resume_after(5, 7), bound);
+        assert_eq!(resume_after(5, bound), bound);
     }
 
     #[test]

@@ -179,7 +179,7 @@ fn read_journal(
     let (journaled, highest_stamp) = crate::journal::read(disk, dir, committed)?;
     assert!(highest_stamp >= committed);
     debug_assert!(
-        highest_stamp <= committed + crate::journal::BATCHES_IN_FLIGHT,
+        highest_stamp <= crate::journal::stamps_bound(committed),
         "a journal record of batch {highest_stamp} after commit {committed}"
     );
     // Batches resume past the last one that can have journaled (not only the last one

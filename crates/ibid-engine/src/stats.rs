@@ -60,8 +60,9 @@ pub struct PoolStats {
     pub dedup_filter_ram_bytes: u64,
     /// RAM of the filters that say which blocks each map layer holds.
     pub layer_filter_ram_bytes: u64,
-    /// The number of the last committed batch: metadata commits so far, plus the numbers
-    /// each open skips past batches a crash may have left in the journal.
+    /// The number of the last committed batch: metadata commits so far (empty ones included),
+    /// plus the numbers each open skips past batches a crash may have left in the journal (up
+    /// to 66).
     pub committed_batches: u64,
 }
 
