@@ -111,7 +111,7 @@ impl Inner {
             if batch.no >= cs.record.commits + crate::journal::EMPTY_BATCHES_MAX {
                 // The batch numbers empty commits used, made durable before the pool record
                 // lags too far for the journal's bound (`journal::EMPTY_BATCHES_MAX`).
-                if let Err(e) = self.record_batch_number(cs, batch.no) {
+                if let Err(e) = self.update_pool_record(cs, |r| r.commits = batch.no) {
                     self.fail(&e);
                     return Err(e);
                 }
@@ -192,10 +192,15 @@ impl Inner {
         Ok(())
     }
 
-    /// Records batch number `no` as committed in the pool record (a transaction of its own).
-    fn record_batch_number(&self, cs: &mut CommitState, no: u64) -> Result<()> {
+    /// Changes the committed pool record in a transaction of its own (call with the commit
+    /// lock held: `cs` is its content).
+    pub(crate) fn update_pool_record(
+        &self,
+        cs: &mut CommitState,
+        change: impl FnOnce(&mut meta::PoolRecord),
+    ) -> Result<()> {
         let mut record = cs.record.clone();
-        record.commits = no;
+        change(&mut record);
         let mut txn = self.db.write()?;
         txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
         txn.commit()?;

@@ -212,13 +212,7 @@ impl Pool {
     /// Changes the committed pool record in its own transaction.
     fn update_pool_record(&self, change: impl FnOnce(&mut meta::PoolRecord)) -> Result<()> {
         let mut cs = self.inner.commit.lock();
-        let mut record = cs.record.clone();
-        change(&mut record);
-        let mut txn = self.inner.db.write()?;
-        txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
-        txn.commit()?;
-        cs.record = record;
-        Ok(())
+        self.inner.update_pool_record(&mut cs, change)
     }
 }
 

@@ -269,15 +269,20 @@ impl Space {
     /// Whether used and reserved space is past the soft threshold, or the filesystem is low,
     /// with the filesystem available `fs_avail`.
     pub(crate) fn past_soft_threshold(&self, fs_avail: u64) -> bool {
-        let used = self.live_bytes() + self.meta_bytes() + self.reserved_bytes();
+        let used = self.committed_or_reserved();
         past_threshold(used, self.capacity(), self.soft_threshold_pct()) || self.fs.is_low(fs_avail)
+    }
+
+    /// What the soft threshold is measured against: committed use and reservations.
+    fn committed_or_reserved(&self) -> u64 {
+        self.live_bytes() + self.meta_bytes() + self.reserved_bytes()
     }
 
     /// Logs the soft threshold crossing of pool `dir` once, and its clearing; cheap (atomics
     /// only), run after every commit.
     pub(crate) fn check_soft_threshold(&self, dir: &Path) {
         let capacity = self.capacity();
-        let used = self.live_bytes() + self.meta_bytes() + self.reserved_bytes();
+        let used = self.committed_or_reserved();
         let pct = self.soft_threshold_pct();
         let fs_low = self.fs.low();
         if past_threshold(used, capacity, pct) || fs_low {

@@ -52,16 +52,7 @@ fn power_cuts_lose_nothing_durable_with_the_engine_threads_running() {
         cut_within_io: 100,
         ..SimOptions::default()
     };
-    let mut cuts = 0;
-    let mut failures = Vec::new();
-    for seed in 1000..1016 {
-        match simulator::run(seed, &options) {
-            Ok(out) => cuts += out.power_cuts,
-            Err(f) => failures.push(f.to_string()),
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-    assert!(cuts >= 16 * 5, "only {cuts} power cuts in 16 seeds");
+    run_racing(1000..1016, &options);
 }
 
 /// With the pool's background thread running too — the committer waking every 2 ms and the
@@ -75,10 +66,17 @@ fn power_cuts_lose_nothing_durable_with_the_background_committer_and_cleaner_run
         cut_within_io: 100,
         ..SimOptions::default()
     };
+    run_racing(2000..2016, &options);
+}
+
+/// Runs 16 `seeds` in a racing mode (not replayable): none may fail, and each must have cut
+/// the power a few times.
+fn run_racing(seeds: std::ops::Range<u64>, options: &SimOptions) {
+    assert_eq!(seeds.end - seeds.start, 16);
     let mut cuts = 0;
     let mut failures = Vec::new();
-    for seed in 2000..2016 {
-        match simulator::run(seed, &options) {
+    for seed in seeds {
+        match simulator::run(seed, options) {
             Ok(out) => cuts += out.power_cuts,
             Err(f) => failures.push(f.to_string()),
         }
