@@ -34,8 +34,11 @@ use crate::pool::{CommitState, Inner, VolumeMap, VolumeState};
 use crate::ref_log::by_slice;
 use crate::store::{ReadTxn, Reader};
 use crate::volume::resolve_stored;
+use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most frames a range copy lets a stack reach; past it, copies share block references
@@ -46,114 +49,397 @@ pub(crate) const MATERIALIZE_DELAY: Duration = Duration::from_secs(5);
 /// Blocks examined per step when counting or materializing (bounds memory).
 const WALK_WINDOW_BLOCKS: u64 = 1 << 20;
 
+/// Most copies applied together in one catalog transaction.
+const BATCH_COPIES_MAX: usize = 64;
+
+/// What makes concurrent range copies behave as if applied one after the other.
+///
+/// Copies by frames alone hold [`Copies::framing`] (shared) and queue here; one at a time
+/// leads: it takes the commit lock and applies its own copy and the waiting ones that do not
+/// conflict with it together (see [`Inner::copy_by_frames`]), and the others wait for it. Every
+/// other copy (bytes copied as data at unaligned edges, block references shared) reads its
+/// source and writes its destination in several steps, so it holds [`Copies::exclusive`]
+/// for the whole copy.
+#[derive(Default)]
+pub(crate) struct Copies {
+    queue: Mutex<Queued>,
+    /// Signalled when a batch is applied.
+    finished: Condvar,
+    order: RwLock<()>,
+}
+
+#[derive(Default)]
+struct Queued {
+    next_id: u64,
+    waiting: Vec<CopyRequest>,
+    done: FxHashMap<u64, Result<bool>>,
+    /// A copy is applying a batch: the others wait for [`Copies::finished`].
+    leading: bool,
+}
+
+/// One range copy by frames: blocks `[sb, sb + n)` of `src` to `[db, db + n)` of `dst`.
+struct CopyRequest {
+    id: u64,
+    src: Arc<VolumeState>,
+    sb: u64,
+    dst: Arc<VolumeState>,
+    db: u64,
+    n: u64,
+}
+
+impl CopyRequest {
+    /// Whether applying `self` and `other` together could differ from applying them one
+    /// after the other: one's destination window meets the other's source or destination.
+    /// Copies that do not conflict commute, and each sees its source as before both.
+    fn conflicts(&self, other: &CopyRequest) -> bool {
+        let meets =
+            |a: &Arc<VolumeState>, a0: u64, b: &Arc<VolumeState>, b0: u64, n: u64, m: u64| {
+                Arc::ptr_eq(a, b) && a0 < b0 + m && b0 < a0 + n
+            };
+        meets(&self.dst, self.db, &other.dst, other.db, self.n, other.n)
+            || meets(&self.dst, self.db, &other.src, other.sb, self.n, other.n)
+            || meets(&self.src, self.sb, &other.dst, other.db, self.n, other.n)
+    }
+
+    /// Whether the copy reads or writes the volume or snapshot called `name`.
+    fn involves(&self, name: &str) -> bool {
+        self.src.name == name || self.dst.name == name
+    }
+}
+
+impl Copies {
+    /// Held by a copy made by frames alone, for the whole copy.
+    pub(crate) fn framing(&self) -> RwLockReadGuard<'_, ()> {
+        self.order.read()
+    }
+
+    /// Held by any other copy, for the whole copy: no other copy runs meanwhile.
+    pub(crate) fn exclusive(&self) -> RwLockWriteGuard<'_, ()> {
+        self.order.write()
+    }
+
+    /// Queues a copy; returns its id.
+    fn enqueue(
+        &self,
+        src: &Arc<VolumeState>,
+        sb: u64,
+        dst: &Arc<VolumeState>,
+        db: u64,
+        n: u64,
+    ) -> u64 {
+        let mut q = self.queue.lock();
+        let id = q.next_id;
+        q.next_id += 1;
+        q.waiting.push(CopyRequest {
+            id,
+            src: src.clone(),
+            sb,
+            dst: dst.clone(),
+            db,
+            n,
+        });
+        id
+    }
+
+    /// Waits until copy `id` has been applied in another copy's batch, or until no batch is
+    /// being applied: then the caller leads.
+    fn await_turn(&self, id: u64) -> Turn<'_> {
+        let mut q = self.queue.lock();
+        loop {
+            if let Some(done) = q.done.remove(&id) {
+                return Turn::Done(done);
+            }
+            if !q.leading {
+                q.leading = true;
+                return Turn::Lead(Leading(self));
+            }
+            self.finished.wait(&mut q);
+        }
+    }
+
+    /// Takes copy `id` and, in arrival order, each waiting copy that conflicts with none taken
+    /// before it, up to [`BATCH_COPIES_MAX`]; `id` first. Call leading, with the commit lock
+    /// held (copies queued while it was awaited join).
+    fn take_batch(&self, id: u64) -> Vec<CopyRequest> {
+        let mut q = self.queue.lock();
+        let at = q
+            .waiting
+            .iter()
+            .position(|c| c.id == id)
+            .expect("a copy not done is waiting");
+        let mut batch = vec![q.waiting.remove(at)];
+        let mut i = 0;
+        while i < q.waiting.len() && batch.len() < BATCH_COPIES_MAX {
+            if batch.iter().any(|c| c.conflicts(&q.waiting[i])) {
+                i += 1;
+            } else {
+                batch.push(q.waiting.remove(i));
+            }
+        }
+        batch
+    }
+
+    /// Records outcomes for the copies that wait for them.
+    fn finish(&self, outcomes: Vec<(u64, Result<bool>)>) {
+        self.queue.lock().done.extend(outcomes);
+    }
+}
+
+/// What a queued copy does next.
+enum Turn<'a> {
+    /// Another copy's batch applied it: its outcome.
+    Done(Result<bool>),
+    /// Apply a batch.
+    Lead(Leading<'a>),
+}
+
+/// The right to apply a batch; given up (and the waiting copies woken) when dropped, even by
+/// a panic.
+struct Leading<'a>(&'a Copies);
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        self.0.queue.lock().leading = false;
+        self.0.finished.notify_all();
+    }
+}
+
 impl Inner {
     /// Makes blocks `[db, db + n)` of `dst` show what blocks `[sb, sb + n)` of `src` show now.
-    /// Returns `false`, having changed only `src`'s stack (its top frozen), when `dst`'s stack
-    /// has no room for the frames.
+    /// Returns `false`, having changed at most `src`'s stack (its top frozen), when `dst`'s
+    /// stack has no room for the frames.
     ///
-    /// Holds the commit lock throughout, so the frozen layers the copy shows cannot change
-    /// (flattening and making copies permanent need that lock). Writers are stopped (the
-    /// gate held exclusively) only while `src`'s top is frozen and while the catalog
-    /// transaction is prepared — not while the source range's mapped blocks are counted.
+    /// Copies arriving while another applies a batch wait in [`Copies`]; the next to lead
+    /// takes the commit lock and applies its own and the waiting ones that do not conflict
+    /// with it ([`CopyRequest::conflicts`]) together ([`Inner::copy_batch`]): one quiesce and
+    /// one catalog transaction for all, so copies in flight cost less than one at a time.
     pub(crate) fn copy_by_frames(
         &self,
-        src: &VolumeState,
+        src: &Arc<VolumeState>,
         sb: u64,
-        dst: &VolumeState,
+        dst: &Arc<VolumeState>,
         db: u64,
         n: u64,
     ) -> Result<bool> {
-        let same = std::ptr::eq(src, dst);
-        let volumes: Vec<&VolumeState> = if same { vec![src] } else { vec![src, dst] };
+        let id = self.copies.enqueue(src, sb, dst, db, n);
+        let leading = match self.copies.await_turn(id) {
+            Turn::Done(done) => return done,
+            Turn::Lead(leading) => leading,
+        };
         let mut cs = self.commit.lock();
-        // 1. What the copy shows: src's frozen frames, as of now.
-        let embedded = self.with_quiesced_in(&mut cs, &[src], |inner, cs, maps| {
-            inner.freeze_for_copy(cs, src, &mut maps[0])
-        })?;
-        // 2. Blocks the copy maps (a range scan of frozen layers; writers go on).
-        let after = count_data(&self.db.read()?, &self.layer_filters, &embedded, sb, sb + n)?;
-        // 3. The catalog transaction.
-        let done = self.with_quiesced_in(&mut cs, &volumes, |inner, cs, maps| {
-            if !maps[0].stack.starts_with(&embedded) {
-                return Err(Error::Corrupt(format!(
-                    "{}: frozen frames changed under a range copy holding the commit lock",
-                    src.name
-                )));
+        let batch = self.copies.take_batch(id);
+        debug_assert_eq!(batch[0].id, id, "a batch starts with its leader's copy");
+        let results = self.copy_batch(&mut cs, &batch);
+        let now = Instant::now();
+        let mut mine = None;
+        let mut others = Vec::with_capacity(batch.len() - 1);
+        for (request, result) in batch.iter().zip(results) {
+            if matches!(result, Ok(true)) {
+                *request.dst.frames_copied_at.lock() = Some(now);
             }
-            let txn = inner.db.read()?;
-            let group = group_for(&embedded, sb, db, n);
-            let dst_map_index = if same { 0 } else { 1 };
-            let dst_old_stack = maps[dst_map_index].stack.clone();
-            let mut dst_stack = dst_old_stack.clone();
-            let dst_top = dst_stack.pop().expect("a stack has a layer");
-            place_group(&mut dst_stack, &group);
-            if dst_stack.len() + 1 > COPY_FRAMES_MAX.max(dst_old_stack.len()) {
-                return Ok(false);
+            if request.id == id {
+                mine = Some(result);
+            } else {
+                others.push((request.id, result));
             }
-            dst_stack.push(dst_top);
-            // Layers the new stack shows in more frames (+) or fewer (joined groups: -).
-            let layer_changes = layer_ref_changes(&dst_old_stack, &dst_stack);
-            let mut shown = Vec::new();
-            let mut unshown = Vec::new();
-            for (&layer, &n) in &layer_changes {
-                let list = if n > 0 { &mut shown } else { &mut unshown };
-                list.extend(std::iter::repeat_n(layer, n.unsigned_abs() as usize));
-            }
+        }
+        self.copies.finish(others);
+        drop(cs);
+        drop(leading);
+        mine.expect("the leader's copy is in its batch")
+    }
 
-            // The destination's mapped-block count: what the window showed, what it shows now.
-            let before = count_data(&txn, &inner.layer_filters, &dst_old_stack, db, db + n)?;
-            // Entries of dst's top layer in the window are overwritten by the copy.
-            let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
-            let mut overwritten = Vec::new();
-            for item in txn.range(
-                meta::MAP,
-                format::map_key(dst_top.layer, db)..format::map_key(dst_top.layer, db + n),
-            )? {
-                let (k, id) = item?;
-                overwritten.push(k);
-                if id != format::ZERO_TOMBSTONE {
-                    *deltas.entry(id).or_default() -= 1;
+    /// Applies `batch` (no two conflicting), giving each copy its result in order. A copy
+    /// whose volume was deleted meanwhile fails alone; another error fails them all.
+    fn copy_batch(&self, cs: &mut CommitState, batch: &[CopyRequest]) -> Vec<Result<bool>> {
+        let mut results: Vec<Option<Result<bool>>> = batch.iter().map(|_| None).collect();
+        loop {
+            let live: Vec<&CopyRequest> = batch
+                .iter()
+                .zip(&results)
+                .filter(|(_, r)| r.is_none())
+                .map(|(c, _)| c)
+                .collect();
+            if live.is_empty() {
+                break;
+            }
+            match self.copy_together(cs, &live) {
+                Ok(done) => {
+                    let mut done = done.into_iter();
+                    for r in results.iter_mut().filter(|r| r.is_none()) {
+                        *r = Some(Ok(done.next().expect("one outcome per copy")));
+                    }
+                    break;
+                }
+                Err(Error::NotFound(name)) if live.iter().any(|c| c.involves(&name)) => {
+                    for (c, r) in batch.iter().zip(results.iter_mut()) {
+                        if r.is_none() && c.involves(&name) {
+                            *r = Some(Err(Error::NotFound(name.clone())));
+                        }
+                    }
+                }
+                Err(e) => {
+                    for r in results.iter_mut().filter(|r| r.is_none()) {
+                        *r = Some(Err(e.duplicate()));
+                    }
+                    break;
                 }
             }
-            drop(txn);
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every copy has an outcome"))
+            .collect()
+    }
 
-            let mapped = (maps[dst_map_index].mapped_blocks + after)
-                .checked_sub(before)
-                .ok_or_else(|| {
+    /// The copies of `batch`, applied: whether each was (`false`: no room in its
+    /// destination's stack). Holds the commit lock throughout, so the frozen layers the copies
+    /// show cannot change (flattening and making copies permanent need that lock). Writers are
+    /// stopped (the gate held exclusively) only while sources' tops are frozen and while the
+    /// catalog transaction is prepared — not while the source ranges' mapped blocks are
+    /// counted.
+    fn copy_together(&self, cs: &mut CommitState, batch: &[&CopyRequest]) -> Result<Vec<bool>> {
+        // The volumes involved, each once: sources first.
+        let mut volumes: Vec<&Arc<VolumeState>> = Vec::new();
+        for v in batch
+            .iter()
+            .map(|c| &c.src)
+            .chain(batch.iter().map(|c| &c.dst))
+        {
+            if !volumes.iter().any(|w| Arc::ptr_eq(w, v)) {
+                volumes.push(v);
+            }
+        }
+        let index = |v: &Arc<VolumeState>| {
+            volumes
+                .iter()
+                .position(|w| Arc::ptr_eq(w, v))
+                .expect("listed above")
+        };
+        let sources = volumes
+            .iter()
+            .take_while(|v| batch.iter().any(|c| Arc::ptr_eq(&c.src, v)))
+            .count();
+        let plain: Vec<&VolumeState> = volumes.iter().map(|v| v.as_ref()).collect();
+        // 1. What each source shows: its frozen frames, as of now.
+        let embedded = self.with_quiesced_in(cs, &plain[..sources], |inner, cs, maps| {
+            (0..sources)
+                .map(|i| inner.freeze_for_copy(cs, plain[i], &mut maps[i]))
+                .collect::<Result<Vec<_>>>()
+        })?;
+        // 2. Blocks each copy maps (range scans of frozen layers; writers go on).
+        let txn = self.db.read()?;
+        let after = batch
+            .iter()
+            .map(|c| {
+                count_data(
+                    &txn,
+                    &self.layer_filters,
+                    &embedded[index(&c.src)],
+                    c.sb,
+                    c.sb + c.n,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        drop(txn);
+        // 3. The catalog transaction.
+        self.with_quiesced_in(cs, &plain, |inner, cs, maps| {
+            for (i, frames) in embedded.iter().enumerate() {
+                if !maps[i].stack.starts_with(frames) {
+                    return Err(Error::Corrupt(format!(
+                        "{}: frozen frames changed under a range copy holding the commit lock",
+                        plain[i].name
+                    )));
+                }
+            }
+            let txn = inner.db.read()?;
+            // Each volume's stack and mapped-block count as the copies change them.
+            let mut stacks: Vec<Vec<Frame>> = maps.iter().map(|m| m.stack.clone()).collect();
+            let mut mapped: Vec<u64> = maps.iter().map(|m| m.mapped_blocks).collect();
+            let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
+            let mut overwritten = Vec::new();
+            let mut done = Vec::with_capacity(batch.len());
+            for (c, &after) in batch.iter().zip(&after) {
+                let d = index(&c.dst);
+                let old = &stacks[d];
+                let group = group_for(&embedded[index(&c.src)], c.sb, c.db, c.n);
+                let mut stack = old.clone();
+                let top = stack.pop().expect("a stack has a layer");
+                place_group(&mut stack, &group);
+                if stack.len() + 1 > COPY_FRAMES_MAX.max(old.len()) {
+                    done.push(false);
+                    continue;
+                }
+                stack.push(top);
+                // The destination's mapped-block count: what the window showed, what it
+                // shows now. (The copies' windows are disjoint: the committed state read
+                // here is what each window showed before its copy.)
+                let before = count_data(&txn, &inner.layer_filters, old, c.db, c.db + c.n)?;
+                // Entries of dst's top layer in the window are overwritten by the copy.
+                for item in txn.range(
+                    meta::MAP,
+                    format::map_key(top.layer, c.db)..format::map_key(top.layer, c.db + c.n),
+                )? {
+                    let (k, id) = item?;
+                    overwritten.push(k);
+                    if id != format::ZERO_TOMBSTONE {
+                        *deltas.entry(id).or_default() -= 1;
+                    }
+                }
+                mapped[d] = (mapped[d] + after).checked_sub(before).ok_or_else(|| {
                     Error::Corrupt(format!(
                         "{}: {before} mapped blocks in the copy's window, {} in the volume",
-                        dst.name, maps[dst_map_index].mapped_blocks
+                        c.dst.name, mapped[d]
                     ))
                 })?;
-            let mut dst_record = inner.record_of(dst, &maps[dst_map_index], dst_stack.clone());
-            dst_record.mapped_blocks = mapped;
-            inner.write_catalog_with(
-                cs,
-                &[(&dst.name, &dst_record)],
-                &[],
-                &shown,
-                &[],
-                0,
-                |txn, ref_log| {
-                    for k in &overwritten {
-                        txn.remove(meta::MAP, k);
-                    }
-                    drop_layer_refs(txn, &inner.layer_filters, unshown, &mut deltas)?;
-                    ref_log.append(txn, &by_slice(&deltas));
-                    Ok(())
-                },
-            )?;
-            let dst_map = &mut maps[dst_map_index];
-            inner.note_mapped_change(dst, mapped as i64 - dst_map.mapped_blocks as i64);
-            dst_map.mapped_blocks = mapped;
-            dst_map.stack = dst_stack;
-            Ok(true)
-        })?;
-        drop(cs);
-        if done {
-            *dst.frames_copied_at.lock() = Some(Instant::now());
-        }
-        Ok(done)
+                stacks[d] = stack;
+                done.push(true);
+            }
+            drop(txn);
+            let changed: Vec<usize> = (0..plain.len())
+                .filter(|&i| stacks[i] != maps[i].stack)
+                .collect();
+            if changed.is_empty() {
+                return Ok(done);
+            }
+            // Layers the new stacks show in more frames (+) or fewer (joined groups: -).
+            let mut shown = Vec::new();
+            let mut unshown = Vec::new();
+            for &i in &changed {
+                for (&layer, &n) in &layer_ref_changes(&maps[i].stack, &stacks[i]) {
+                    let list = if n > 0 { &mut shown } else { &mut unshown };
+                    list.extend(std::iter::repeat_n(layer, n.unsigned_abs() as usize));
+                }
+            }
+            let records: Vec<format::VolumeRecord> = changed
+                .iter()
+                .map(|&i| {
+                    let mut r = inner.record_of(plain[i], &maps[i], stacks[i].clone());
+                    r.mapped_blocks = mapped[i];
+                    r
+                })
+                .collect();
+            let named: Vec<(&str, &format::VolumeRecord)> = changed
+                .iter()
+                .zip(&records)
+                .map(|(&i, r)| (plain[i].name.as_str(), r))
+                .collect();
+            inner.write_catalog_with(cs, &named, &[], &shown, &[], 0, |txn, ref_log| {
+                for k in &overwritten {
+                    txn.remove(meta::MAP, k);
+                }
+                drop_layer_refs(txn, &inner.layer_filters, unshown, &mut deltas)?;
+                ref_log.append(txn, &by_slice(&deltas));
+                Ok(())
+            })?;
+            for i in changed {
+                let map = &mut maps[i];
+                inner.note_mapped_change(plain[i], mapped[i] as i64 - map.mapped_blocks as i64);
+                map.mapped_blocks = mapped[i];
+                map.stack = std::mem::take(&mut stacks[i]);
+            }
+            Ok(done)
+        })
     }
 
     /// The frames a copy from `src` shows: its stack with the top frozen, as a snapshot

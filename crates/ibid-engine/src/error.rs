@@ -100,6 +100,35 @@ fn already_exists(name: &str) -> String {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// The same error again, for a second caller waiting on the operation that failed (an
+    /// I/O error keeps its kind and message, not its source).
+    pub(crate) fn duplicate(&self) -> Error {
+        match self {
+            Error::NoSpace => Error::NoSpace,
+            Error::CannotReserve { needed, available } => Error::CannotReserve {
+                needed: *needed,
+                available: *available,
+            },
+            Error::NotFound(s) => Error::NotFound(s.clone()),
+            Error::AlreadyExists(s) => Error::AlreadyExists(s.clone()),
+            Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
+            Error::OutOfRange { offset, len, size } => Error::OutOfRange {
+                offset: *offset,
+                len: *len,
+                size: *size,
+            },
+            Error::ReadOnly(s) => Error::ReadOnly(s.clone()),
+            Error::Corrupt(s) => Error::Corrupt(s.clone()),
+            Error::Io { context, source } => Error::Io {
+                context: context.clone(),
+                source: io::Error::new(source.kind(), source.to_string()),
+            },
+            Error::Metadata(s) => Error::Metadata(s.clone()),
+            Error::Failed(s) => Error::Failed(s.clone()),
+            Error::Locked(s) => Error::Locked(s.clone()),
+        }
+    }
+
     /// Wraps an I/O error with what the engine was doing.
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         Error::Io {

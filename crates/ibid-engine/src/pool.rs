@@ -186,6 +186,9 @@ pub(crate) struct Inner {
     /// The filter thread (`ibid-filters`): rebuilds the dedup filter after the pool opens and
     /// whenever the pool outgrows it, and builds the layer filters after the pool opens.
     pub rebuild_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Range copies in flight: their order, and those waiting to be applied together (see
+    /// `copy.rs`).
+    pub copies: crate::copy::Copies,
     pub wake: (Mutex<bool>, Condvar),
     pub(crate) _lock_file: Box<dyn Any + Send + Sync>,
 }

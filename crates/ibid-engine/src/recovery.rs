@@ -317,6 +317,7 @@ fn assemble(
         orphans_pending: AtomicBool::new(true),
         background: Mutex::new(None),
         rebuild_thread: Mutex::new(None),
+        copies: crate::copy::Copies::default(),
         wake: (Mutex::new(false), Condvar::new()),
         commit: Mutex::new(CommitState { record, ref_log }),
         gc_lock: Mutex::new(()),

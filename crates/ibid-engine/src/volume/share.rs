@@ -60,9 +60,9 @@ impl Inner {
     /// Copies a range between (or within) volumes of this pool; see [`Volume::copy_from`].
     pub(super) fn copy_range(
         &self,
-        src: &VolumeState,
+        src: &Arc<VolumeState>,
         src_off: u64,
-        dst: &VolumeState,
+        dst: &Arc<VolumeState>,
         dst_off: u64,
         len: u64,
     ) -> Result<CopyReport> {
@@ -70,6 +70,20 @@ impl Inner {
         if len == 0 {
             return Ok(report);
         }
+        // Whole blocks and long enough: by frames alone, unless the destination's stack has no
+        // room (see `copy.rs`: such copies run beside each other).
+        if src_off.is_multiple_of(BLOCK)
+            && dst_off.is_multiple_of(BLOCK)
+            && len.is_multiple_of(BLOCK)
+            && len / BLOCK >= self.config.frame_copy_blocks_min
+        {
+            let _framing = self.copies.framing();
+            if self.copy_by_frames(src, src_off / BLOCK, dst, dst_off / BLOCK, len / BLOCK)? {
+                report.shared_bytes = len;
+                return Ok(report);
+            }
+        }
+        let _exclusive = self.copies.exclusive();
         if src_off % BLOCK != dst_off % BLOCK {
             self.copy_data(src, src_off, dst, dst_off, len)?;
             report.data_bytes = len;
@@ -104,7 +118,7 @@ impl Inner {
             });
         }
         // memmove order: copying forward within one volume, do the far end first.
-        if std::ptr::eq(src, dst) && dst_off > src_off {
+        if Arc::ptr_eq(src, dst) && dst_off > src_off {
             pieces.reverse();
         }
         for piece in pieces {
