@@ -15,8 +15,9 @@
 //! Lock order: `adding`, then the commit lock and the gate (held by callers), then `volumes`,
 //! `snapshots`, `retired`, and last a volume's map.
 
+use crate::commit_state::CommitState;
 use crate::error::{Error, Result};
-use crate::pool::{CommitState, VolumeMap, VolumeState};
+use crate::volume_state::{VolumeMap, VolumeState};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -25,7 +25,7 @@
 use crate::error::{Error, Result};
 use crate::format::{ChunkRecord, CHUNK_RECORD_BYTES};
 use crate::meta;
-use crate::pool::SHARD_BITS;
+use crate::shard::SHARD_BITS;
 use crate::store::{ReadTxn, Reader, WriteTxn};
 use rustc_hash::FxHashMap;
 

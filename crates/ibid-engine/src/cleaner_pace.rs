@@ -129,7 +129,7 @@ impl CleanerPace {
 
     /// Takes the next slot for a write of `bytes` new bytes and returns how long its writer
     /// should wait for it: zero under [`PACE_FROM`] or while the cleaner is not working, at
-    /// most [`DELAY_MAX`].
+    /// most [`crate::pacer::DELAY_MAX`].
     pub(crate) fn pace(&self, bytes: u64, now: Instant) -> Duration {
         let p = self.pressure();
         if p < PACE_FROM {

@@ -18,16 +18,19 @@
 //! pool: it must be reopened, which recovers the last committed state.
 
 use crate::chunk_table;
+use crate::commit_state::CommitState;
 use crate::dedup_index::{IndexUpdate, Runs};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkRecord, Frame, SegmentUsage, VolumeRecord};
+use crate::inner::Inner;
+use crate::journal::FlushOutcome;
 use crate::layer_filter::LayerFilters;
 use crate::meta;
-use crate::pool::{
-    CommitState, Entry, Inner, Overlay, ShardBatch, VolumeState, SHARDS, SHARD_BITS,
-};
+use crate::overlay::{Entry, Overlay};
 use crate::ref_log::{self, FoldRequest, RefLog};
+use crate::shard::{ShardBatch, SHARDS, SHARD_BITS};
 use crate::store::{Reader, WriteTxn};
+use crate::volume_state::VolumeState;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -74,6 +77,22 @@ struct Applied {
 }
 
 impl Inner {
+    /// Makes every write acknowledged so far durable: a journal flush, or a commit when the
+    /// journal cannot take it.
+    pub(crate) fn flush(&self) -> Result<()> {
+        self.check_failed()?;
+        self.note_io();
+        match self.journal.flush(&self.segments, &self.committed) {
+            Ok(FlushOutcome::Done) => Ok(()),
+            Ok(FlushOutcome::NeedsCommit) => self.commit(),
+            Err(e) => {
+                // Changes may have left the pending list without reaching the disk.
+                self.fail(&e);
+                Err(e)
+            }
+        }
+    }
+
     /// Commits every change made so far. Concurrent callers queue; each returns after a commit
     /// that started after it was called.
     pub(crate) fn commit(&self) -> Result<()> {

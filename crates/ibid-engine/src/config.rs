@@ -1,5 +1,15 @@
 //! Pool configuration.
 
+/// The cleaner yields to foreground I/O: by default it does not start a pass within this many
+/// milliseconds of the last read, write, zeroing, copy or flush
+/// ([`crate::PoolConfig::io_quiet_ms`]).
+///
+/// A pass reads whole segments and writes and fsyncs up to 16 MiB of relocated records: it
+/// takes CPU and device time from the requests in flight, and a flush behind its fsync waits
+/// for its writes: flush latency and random reads right after a random-write test suffer
+/// while it runs (measurements: BENCHMARKS.md and docs/benchmarks/nbd-fio.md); see `gc.rs`.
+pub(crate) const IO_QUIET_MS: u64 = 100;
+
 /// Settings given when a pool is created or opened.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
@@ -42,7 +52,7 @@ pub struct PoolConfig {
     /// into the page cache and no dirty pages for a sync to write back.
     pub direct_io: bool,
     /// Whole 4 KiB blocks from which a range copy adds frames to the destination's stack (cost
-    /// independent of the length) instead of sharing each block's reference (see `copy.rs`).
+    /// independent of the length) instead of sharing each block's reference (see `copy/`).
     pub frame_copy_blocks_min: u64,
     /// Fingerprints the dedup filter is sized for at least (10 bits each: the default, 1 Mi,
     /// is 1.25 MiB of RAM and covers 4 GiB of unique data). Below it a growing pool never
@@ -84,7 +94,7 @@ impl Default for PoolConfig {
             dirty_blocks_throttle: 128 << 10,
             dirty_blocks_max: 512 << 10,
             background_interval_ms: 1000,
-            io_quiet_ms: crate::gc::IO_QUIET_MS,
+            io_quiet_ms: IO_QUIET_MS,
             gc_live_pct_max: 50,
             background: true,
             meta_backend: crate::store::Backend::from_env(),

@@ -3,7 +3,7 @@
 //!
 //! The cleaner picks the sealed, fully committed segment with the smallest live fraction,
 //! copies its live records to the cleaner's own segment, makes them durable, and queues the
-//! move ([`Relocations`]); the next commit, before its batch, points the chunks at their new
+//! move ([`crate::relocations::Relocations`]); the next commit, before its batch, points the chunks at their new
 //! places and forgets the old segments in one transaction for every queued move, and deletes
 //! their files afterwards. Writers and readers are never stopped: the copy runs without locks,
 //! the cleaner never waits for the commit lock, and the transaction only moves chunks still
@@ -18,11 +18,12 @@
 use crate::cleaner_pace;
 use crate::error::Result;
 use crate::format::{self, ChunkRecord, SegmentUsage, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES};
+use crate::inner::Inner;
 use crate::meta;
-use crate::pool::{Inner, DATA_WRITERS};
 use crate::ref_log::FoldRequest;
+use crate::relocations::Relocation;
+use crate::segment::DATA_WRITERS;
 use crate::store::Reader;
-use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -41,15 +42,6 @@ const CLEAN_ROOM_MIN: u64 = 16 << 20;
 const QUEUED_MAX: usize = 4;
 const QUEUE_POLL: Duration = Duration::from_millis(5);
 
-/// The cleaner yields to foreground I/O: by default it does not start a pass within this many
-/// milliseconds of the last read, write, zeroing, copy or flush
-/// ([`crate::PoolConfig::io_quiet_ms`]).
-///
-/// A pass reads whole segments and writes and fsyncs up to 16 MiB of relocated records: it
-/// takes CPU and device time from the requests in flight, and a flush behind its fsync waits
-/// for its writes: flush latency and random reads right after a random-write test suffer
-/// while it runs (measurements: BENCHMARKS.md and docs/benchmarks/nbd-fio.md).
-pub(crate) const IO_QUIET_MS: u64 = 100;
 /// Whether the cleaner should skip this wake-up: foreground I/O has paused (`quiet`) or not,
 /// the pool is (`full`) or is not past its soft threshold, and garbage presses on the pool's
 /// room with `pressure` (`cleaner_pace.rs`). Under steady load garbage grows to
@@ -187,83 +179,6 @@ pub(crate) fn cleaner_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: D
         // A full round: more may qualify (the pool is idle, or garbage still presses), so the
         // next round at once; `cleaner_waits` decides again whether it may run.
         busy = cleaned == CLEAN_PER_WAKE_MAX;
-    }
-}
-
-/// Segments whose live records the cleaner has copied and made durable, waiting for the next
-/// commit to point their chunks at the copies ([`Inner::apply_relocations`]).
-#[derive(Debug, Default)]
-pub(crate) struct Relocations {
-    state: Mutex<RelocationState>,
-}
-
-#[derive(Debug, Default)]
-struct RelocationState {
-    queued: Vec<Relocation>,
-    /// Segments queued ones moved records into, not yet applied, with how many relocations
-    /// did: not to be cleaned (their usage rows do not count the copies yet).
-    targets: HashMap<u64, usize>,
-    /// Segments queued or being applied.
-    sources: HashSet<u64>,
-}
-
-/// One cleaned segment: the moves of its live records, `(chunk id, old offset, new segment,
-/// new offset)`.
-#[derive(Debug)]
-pub(crate) struct Relocation {
-    segment: u64,
-    moved: Vec<(u64, u32, u64, u32)>,
-}
-
-impl Relocations {
-    fn push(&self, r: Relocation) {
-        let mut s = self.state.lock();
-        for t in r.targets() {
-            *s.targets.entry(t).or_default() += 1;
-        }
-        s.sources.insert(r.segment);
-        s.queued.push(r);
-    }
-
-    /// The queued relocations, for a commit to apply; their segments stay excluded from
-    /// cleaning until [`Relocations::applied`].
-    fn take(&self) -> Vec<Relocation> {
-        std::mem::take(&mut self.state.lock().queued)
-    }
-
-    /// `done` are durable: their segments may be cleaned again (the copies' segments) or are
-    /// gone (the sources).
-    fn applied(&self, done: &[Relocation]) {
-        let mut s = self.state.lock();
-        for r in done {
-            s.sources.remove(&r.segment);
-            for t in r.targets() {
-                if let Some(n) = s.targets.get_mut(&t) {
-                    *n -= 1;
-                    if *n == 0 {
-                        s.targets.remove(&t);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Relocations waiting for a commit.
-    pub(crate) fn queued(&self) -> usize {
-        self.state.lock().queued.len()
-    }
-
-    /// The segments that must not be cleaned now (queued, or holding queued copies).
-    fn busy(&self) -> HashSet<u64> {
-        let s = self.state.lock();
-        s.targets.keys().chain(&s.sources).copied().collect()
-    }
-}
-
-impl Relocation {
-    /// The segments its records were copied into, each once.
-    fn targets(&self) -> HashSet<u64> {
-        self.moved.iter().map(|m| m.2).collect()
     }
 }
 

@@ -53,11 +53,12 @@
 use crate::direct_io::{AlignedBuf, PAGE_BYTES};
 use crate::disk::{Disk, DiskFile, OpenMode};
 use crate::error::{Error, Result};
-use crate::format::{self, ChunkRecord, RECORD_HEADER_BYTES};
-use crate::pool::{Entry, Inner};
+use crate::format::{ChunkRecord, RECORD_HEADER_BYTES};
+use crate::overlay::Entry;
+use crate::segment::Segments;
 use parking_lot::Mutex;
 use std::path::Path;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Magic at the start of every journal record ("IBJL").
@@ -542,7 +543,7 @@ impl Journal {
     /// Makes every change appended before the call durable: writes the pending changes to the
     /// journal files and fdatasyncs them. Concurrent callers queue, and a caller whose changes
     /// an earlier flush already covered returns at once (group commit).
-    pub(crate) fn flush(&self, inner: &Inner) -> Result<FlushOutcome> {
+    pub(crate) fn flush(&self, segments: &Segments, committed: &AtomicU64) -> Result<FlushOutcome> {
         let target = self.pending.lock().appended;
         let mut files = self.files.lock();
         if files.durable >= target {
@@ -553,7 +554,7 @@ impl Journal {
             p.new_bytes = 0;
             (std::mem::take(&mut p.changes), p.appended)
         };
-        let committed = inner.committed.load(Ordering::Acquire);
+        let committed = committed.load(Ordering::Acquire);
         let live: Vec<&(u64, Change)> = changes.iter().filter(|(s, _)| *s > committed).collect();
         let new_bytes = chunk_bytes(live.iter().copied());
         // Small flushes carry the new chunks' data inline (one fdatasync); a flush whose
@@ -563,9 +564,9 @@ impl Journal {
         let mut out = None;
         for inline in [new_bytes <= INLINE_BYTES_MAX, false] {
             if !inline {
-                inner.segments.sync()?;
+                segments.sync()?;
             }
-            let batches = encode_batches(inner, &live, inline)?;
+            let batches = encode_batches(segments, committed, &live, inline)?;
             let fits = batches.iter().all(|(stamp, bytes)| {
                 let f = &files.files[(*stamp % 2) as usize];
                 let start = if f.stamp == *stamp { f.len } else { 0 };
@@ -622,7 +623,8 @@ impl Journal {
 /// data inline when `inline` (the copy kept since the append, else read back from the
 /// segment).
 fn encode_batches(
-    inner: &Inner,
+    segments: &Segments,
+    committed: u64,
     live: &[&(u64, Change)],
     inline: bool,
 ) -> Result<Vec<(u64, Vec<u8>)>> {
@@ -639,13 +641,10 @@ fn encode_batches(
                 inline: Some(payload),
             } if inline => encode_chunk(buf, *stamp, *id, rec, Some(payload)),
             Change::Chunk { id, rec, .. } if inline => {
-                let Some(record) =
-                    inner
-                        .segments
-                        .read_record(rec.segment, rec.offset, rec.stored_len)?
+                let Some(record) = segments.read_record(rec.segment, rec.offset, rec.stored_len)?
                 else {
                     // Its segment is gone: only a commit of its batch can have freed it.
-                    if inner.committed.load(Ordering::Acquire) >= *stamp {
+                    if committed >= *stamp {
                         continue;
                     }
                     return Err(Error::Corrupt(format!(
@@ -658,83 +657,6 @@ fn encode_batches(
         }
     }
     Ok(out)
-}
-
-impl Inner {
-    /// Makes every write acknowledged so far durable: a journal flush, or a commit when the
-    /// journal cannot take it.
-    pub(crate) fn flush(&self) -> Result<()> {
-        self.check_failed()?;
-        self.note_io();
-        match self.journal.flush(self) {
-            Ok(FlushOutcome::Done) => Ok(()),
-            Ok(FlushOutcome::NeedsCommit) => self.commit(),
-            Err(e) => {
-                // Changes may have left the pending list without reaching the disk.
-                self.fail(&e);
-                Err(e)
-            }
-        }
-    }
-
-    /// Replays journaled changes into the dirty state (at open, before anything else runs).
-    pub(crate) fn replay(&self, changes: Vec<(u64, Change)>) -> Result<()> {
-        let volumes: std::collections::HashMap<u64, _> = self
-            .catalog
-            .volumes()
-            .into_iter()
-            .map(|v| (v.id, v))
-            .collect();
-        for (_, change) in changes {
-            match change {
-                Change::Chunk {
-                    id,
-                    mut rec,
-                    inline,
-                } => {
-                    match inline {
-                        Some(payload) => {
-                            let stamp = self.cut.load(Ordering::Acquire) + 1;
-                            let placed = self.segments.append(0, id, rec.flags, &payload, stamp)?;
-                            if placed.crc != rec.crc {
-                                return Err(Error::Corrupt(format!(
-                                    "journal: chunk {id:#x} payload does not match its checksum"
-                                )));
-                            }
-                            rec.segment = placed.segment;
-                            rec.offset = placed.offset;
-                        }
-                        None => {
-                            let ok = self
-                                .segments
-                                .read_record(rec.segment, rec.offset, rec.stored_len)?
-                                .is_some_and(|r| format::record_crc_ok(&r, rec.crc));
-                            if !ok {
-                                return Err(Error::Corrupt(format!(
-                                    "journal: chunk {id:#x} is not in segment {:016x} at {}",
-                                    rec.segment, rec.offset
-                                )));
-                            }
-                        }
-                    }
-                    self.adopt_chunk(id, rec);
-                }
-                Change::Install { volume, entries } => {
-                    let Some(v) = volumes.get(&volume) else {
-                        continue;
-                    };
-                    self.replay_install(v, entries)?;
-                }
-                Change::Zero { volume, b0, b1 } => {
-                    let Some(v) = volumes.get(&volume) else {
-                        continue;
-                    };
-                    self.zero_blocks(v, b0, b1)?;
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]

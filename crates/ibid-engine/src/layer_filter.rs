@@ -8,7 +8,7 @@
 //!
 //! - every path that adds entries to a layer adds their blocks to its filter *before* the
 //!   transaction that adds them commits (`commit.rs` for a volume's writes, `snapshot.rs`
-//!   for flattening, `copy.rs` for making a range copy permanent);
+//!   for flattening, `copy/` for making a range copy permanent);
 //! - removed entries stay in the filter (harmless: the lookup probes and finds nothing);
 //! - only a *ready* filter excludes anything. A layer with no filter, or whose filter is
 //!   still being built, is always probed. A filter is ready when it was created with its
@@ -39,7 +39,7 @@ pub(crate) struct LayerFilters {
 }
 
 impl LayerFilters {
-    /// Filters for existing layers, all pending until [`LayerFilters::build`] scans them.
+    /// Filters for existing layers, all pending until [`LayerFilters::complete`] gives each its scan.
     /// Must be called before anything can commit to these layers.
     pub(crate) fn pending(layers: impl IntoIterator<Item = u64>) -> LayerFilters {
         let map = layers

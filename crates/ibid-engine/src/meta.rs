@@ -54,10 +54,10 @@ pub const FPS_RUNS: Def<u64, [u8]> = Def::new(Table::FpsRuns);
 pub const FPS_DEAD: Def<u128, ()> = Def::new(Table::FpsDead);
 /// The dedup index's gone rows: commit number → the keys (in a run or in [`FPS`]) of the
 /// chunks that died in that commit, ascending, packed as 16-byte big-endian integers; applied
-/// and deleted by the next merge (see [`crate::dedup_index`]).
+/// and deleted by the next merge (see `dedup_index.rs`).
 pub const FPS_GONE: Def<u64, [u8]> = Def::new(Table::FpsGone);
 /// Reference-count changes to committed chunks not yet folded into their records: slice and
-/// row number → packed (chunk id, delta) entries (see [`crate::ref_log`], the only module that
+/// row number → packed (chunk id, delta) entries (see `ref_log.rs`, the only module that
 /// reads or writes it).
 pub const CHUNK_DELTAS: Def<u64, [u8]> = Def::new(Table::ChunkDeltas);
 /// Segment usage: id → (total, live) bytes.
@@ -98,31 +98,7 @@ pub fn decode_ranges(b: &[u8]) -> Result<Vec<(u64, u64)>> {
     Ok(ranges)
 }
 
-/// The first 8 bytes of a fingerprint, as the dedup index and filter key it.
-pub fn fp_prefix(fp: &[u8; 32]) -> u64 {
-    u64::from_be_bytes(fp[..8].try_into().expect("8 bytes"))
-}
-
-/// The dedup index key of chunk `id`, whose fingerprint is `fp`.
-pub fn fps_key(fp: &[u8; 32], id: u64) -> u128 {
-    ((fp_prefix(fp) as u128) << 64) | id as u128
-}
-
-/// The chunk id of a dedup index key.
-pub fn fps_key_chunk(key: u128) -> u64 {
-    key as u64
-}
-
-/// The fingerprint prefix of a dedup index key.
-pub fn fps_key_prefix(key: u128) -> u64 {
-    (key >> 64) as u64
-}
-
-/// The dedup index keys of every chunk whose fingerprint starts like `fp`'s.
-pub fn fps_range(fp: &[u8; 32]) -> std::ops::RangeInclusive<u128> {
-    let high = (fp_prefix(fp) as u128) << 64;
-    high..=high | u64::MAX as u128
-}
+pub use crate::dedup_key::{fp_prefix, fps_key, fps_key_chunk, fps_key_prefix, fps_range};
 
 /// Key of the pool record in [`POOL`].
 pub const POOL_KEY: &str = "pool";

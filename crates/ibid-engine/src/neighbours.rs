@@ -12,7 +12,7 @@
 //! proves X is still stored (the scan read it with that fingerprint; fingerprints never
 //! change).
 
-use crate::pool::SHARD_BITS;
+use crate::shard::SHARD_BITS;
 use crate::store::Store;
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -16,11 +16,13 @@
 //! 7. [`resume_zeroing`] then [`replay_journal`]: zeroed ranges the last commit did not
 //!    settle, then the journal's newer changes, committed at once (a failed replay fails the
 //!    pool, so that dropping it commits nothing partial).
-//! 8. [`start`]: the soft-threshold alarm, the filters' rebuild, the reserve file and the
-//!    background thread.
+//!
+//! Then `Pool` starts what runs once the pool is consistent (`Pool::start`): the
+//! soft-threshold alarm, the filters' rebuild, the reserve file and the background threads.
 
 use crate::bloom::Bloom;
 use crate::catalog::Catalog;
+use crate::commit_state::CommitState;
 use crate::config::PoolConfig;
 use crate::dedup::Dedup;
 use crate::dedup_index::Runs;
@@ -28,17 +30,17 @@ use crate::disk::Disk;
 use crate::error::{Error, Result};
 use crate::format::{self, VolumeRecord};
 use crate::fs_space::FsSpace;
+use crate::inner::{bloom_capacity, name_prepare_threads, Inner};
 use crate::journal::{Change, Journal};
 use crate::layer_filter::LayerFilters;
 use crate::meta::{self, PoolRecord};
-use crate::pool::{
-    bloom_capacity, name_prepare_threads, new_volume_state, CommitState, Inner, Pool, ShardBatch,
-    ShardState, DATA_WRITERS, SHARDS,
-};
 use crate::ref_log::RefLog;
+use crate::segment::DATA_WRITERS;
 use crate::segment::{SegmentOptions, Segments};
+use crate::shard::{ShardBatch, ShardState, SHARDS};
 use crate::space::Space;
 use crate::store::{Reader, Store};
+use crate::volume_state::new_volume_state;
 use parking_lot::{Condvar, Mutex, RwLock};
 use rustc_hash::FxHashSet;
 use std::any::Any;
@@ -65,7 +67,7 @@ pub(crate) fn open(
     dir: &Path,
     config: PoolConfig,
     lock: Box<dyn Any + Send + Sync>,
-) -> Result<Pool> {
+) -> Result<Arc<Inner>> {
     make_room(&*config.disk, dir)?;
     let fs_space = FsSpace::new(config.disk.clone(), dir)?;
     let db = Store::open_on(&*config.disk, dir)?;
@@ -77,11 +79,10 @@ pub(crate) fn open(
     let segments = open_chunk_store(&config, dir, &catalog, &journaled)?;
     let journal = Journal::open(&*config.disk, dir, config.direct_io)?;
     let zeroing = std::mem::take(&mut catalog.zeroing);
-    let pool = assemble(dir, config, lock, db, fs_space, segments, journal, catalog);
-    resume_zeroing(&pool, zeroing);
-    replay_journal(&pool, journaled, dir)?;
-    start(&pool);
-    Ok(pool)
+    let inner = assemble(dir, config, lock, db, fs_space, segments, journal, catalog);
+    resume_zeroing(&inner, zeroing);
+    replay_journal(&inner, journaled, dir)?;
+    Ok(inner)
 }
 
 /// Step 1: releases the reserve file if the filesystem has less than its size available.
@@ -232,7 +233,7 @@ fn assemble(
     segments: Segments,
     journal: Journal,
     catalog: StoredCatalog,
-) -> Pool {
+) -> Arc<Inner> {
     let StoredCatalog {
         record,
         volumes,
@@ -282,7 +283,7 @@ fn assemble(
         },
         fs_space,
     );
-    let inner = Arc::new(Inner {
+    Arc::new(Inner {
         dir: dir.to_path_buf(),
         db,
         segments,
@@ -317,44 +318,39 @@ fn assemble(
         orphans_pending: AtomicBool::new(true),
         background: Mutex::new(None),
         rebuild_thread: Mutex::new(None),
-        copies: crate::copy::Copies::default(),
+        copies: crate::copy::batch::Copies::default(),
         wake: (Mutex::new(false), Condvar::new()),
         commit: Mutex::new(CommitState { record, ref_log }),
         gc_lock: Mutex::new(()),
         config,
         _lock_file: lock,
-    });
-    Pool { inner }
+    })
 }
 
 /// Step 7a: zeroed ranges the last commit did not finish settling, before the journal's
 /// newer changes (see `commit.rs`); the next commit settles them.
-fn resume_zeroing(pool: &Pool, zeroing: BTreeMap<u64, Vec<(u64, u64)>>) {
+fn resume_zeroing(inner: &Inner, zeroing: BTreeMap<u64, Vec<(u64, u64)>>) {
     for (id, ranges) in zeroing {
-        let Some(v) = pool.inner.catalog.volume_by_id(id) else {
+        let Some(v) = inner.catalog.volume_by_id(id) else {
             continue;
         };
         let mut map = v.map.lock();
         for (b0, b1) in ranges {
             map.dirty.zero_under(b0, b1);
         }
-        pool.inner.dirty_blocks.fetch_add(1, Ordering::Relaxed);
+        inner.dirty_blocks.fetch_add(1, Ordering::Relaxed);
     }
 }
 
 /// Step 7b: replays the journaled changes and commits them.
-fn replay_journal(pool: &Pool, journaled: Vec<(u64, Change)>, dir: &Path) -> Result<()> {
+fn replay_journal(inner: &Inner, journaled: Vec<(u64, Change)>, dir: &Path) -> Result<()> {
     if journaled.is_empty() {
         return Ok(());
     }
     let replayed = journaled.len();
-    if let Err(e) = pool
-        .inner
-        .replay(journaled)
-        .and_then(|()| pool.inner.commit())
-    {
+    if let Err(e) = inner.replay(journaled).and_then(|()| inner.commit()) {
         // Fail the pool so that dropping it does not commit a partial replay.
-        pool.inner.fail(&e);
+        inner.fail(&e);
         return Err(e);
     }
     tracing::info!(
@@ -364,14 +360,63 @@ fn replay_journal(pool: &Pool, journaled: Vec<(u64, Change)>, dir: &Path) -> Res
     Ok(())
 }
 
-/// Step 8: what runs once the pool is consistent.
-fn start(pool: &Pool) {
-    pool.inner.check_soft_threshold();
-    pool.rebuild_filters_async();
-    if let Err(e) = pool.inner.space.fs().restore_reserve_file() {
-        tracing::warn!("pool reserve file: {e}");
-    }
-    if pool.inner.config.background {
-        pool.start_background();
+impl Inner {
+    /// Replays journaled changes into the dirty state (at open, before anything else runs).
+    pub(crate) fn replay(&self, changes: Vec<(u64, Change)>) -> Result<()> {
+        let volumes: std::collections::HashMap<u64, _> = self
+            .catalog
+            .volumes()
+            .into_iter()
+            .map(|v| (v.id, v))
+            .collect();
+        for (_, change) in changes {
+            match change {
+                Change::Chunk {
+                    id,
+                    mut rec,
+                    inline,
+                } => {
+                    match inline {
+                        Some(payload) => {
+                            let stamp = self.cut.load(Ordering::Acquire) + 1;
+                            let placed = self.segments.append(0, id, rec.flags, &payload, stamp)?;
+                            if placed.crc != rec.crc {
+                                return Err(Error::Corrupt(format!(
+                                    "journal: chunk {id:#x} payload does not match its checksum"
+                                )));
+                            }
+                            rec.segment = placed.segment;
+                            rec.offset = placed.offset;
+                        }
+                        None => {
+                            let ok = self
+                                .segments
+                                .read_record(rec.segment, rec.offset, rec.stored_len)?
+                                .is_some_and(|r| format::record_crc_ok(&r, rec.crc));
+                            if !ok {
+                                return Err(Error::Corrupt(format!(
+                                    "journal: chunk {id:#x} is not in segment {:016x} at {}",
+                                    rec.segment, rec.offset
+                                )));
+                            }
+                        }
+                    }
+                    self.adopt_chunk(id, rec);
+                }
+                Change::Install { volume, entries } => {
+                    let Some(v) = volumes.get(&volume) else {
+                        continue;
+                    };
+                    self.replay_install(v, entries)?;
+                }
+                Change::Zero { volume, b0, b1 } => {
+                    let Some(v) = volumes.get(&volume) else {
+                        continue;
+                    };
+                    self.zero_blocks(v, b0, b1)?;
+                }
+            }
+        }
+        Ok(())
     }
 }

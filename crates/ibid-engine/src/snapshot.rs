@@ -11,15 +11,16 @@
 //! operation commits, then takes the gate exclusively (no write in flight) and checks the
 //! volume has no dirty entries, retrying if a write slipped in between.
 
+use crate::commit_state::CommitState;
 use crate::error::{Error, Result};
 use crate::format::{self, Frame, VolumeFormat, VolumeRecord, LAYERS_MAX};
+use crate::inner::Inner;
 use crate::meta;
-use crate::pool::{
-    new_volume_state, validate_volume_name, CommitState, Inner, Pool, VolumeMap, VolumeState,
-};
+use crate::pool::{validate_volume_name, Pool};
 use crate::ref_log::RefLog;
 use crate::store::{Reader, WriteTxn};
 use crate::volume::Volume;
+use crate::volume_state::{new_volume_state, VolumeMap, VolumeState};
 use parking_lot::MutexGuard;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -95,7 +96,7 @@ impl Inner {
         while tries < QUIESCE_TRIES_MAX {
             self.commit_with(cs)?;
             // Zeroed ranges take several commits to settle: those do not count as tries.
-            if settling < crate::pool::SETTLE_COMMITS_MAX
+            if settling < crate::inner::SETTLE_COMMITS_MAX
                 && volumes.iter().any(|v| v.map.lock().has_zeroed())
             {
                 settling += 1;
@@ -414,7 +415,7 @@ impl Inner {
     /// Flattens every live volume's stack: a frozen layer that no other stack includes (its
     /// snapshots and clones are gone) is merged into the layer above it, so reads stay shallow
     /// and the data the upper layer hides is released. Returns the number of merges.
-    /// First, a volume's range-copy frames are made permanent (`copy.rs`) when it has had no
+    /// First, a volume's range-copy frames are made permanent (`copy/`) when it has had no
     /// range copy for a while, or at once with `now`.
     ///
     /// Gives up between steps (and inside a copy's walk) once `stop` is set, so that closing
@@ -447,7 +448,7 @@ impl Inner {
 
     /// The lowest frozen layer of `stack` that only this stack includes, shown by a plain
     /// frame with a plain frame above it (windowed frames are made permanent first, see
-    /// `copy.rs`).
+    /// `copy/`).
     fn private_frozen_layer(&self, stack: &[Frame]) -> Result<Option<usize>> {
         if stack.len() < 2 {
             return Ok(None);

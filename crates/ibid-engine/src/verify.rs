@@ -8,8 +8,8 @@
 use crate::dedup_index::Runs;
 use crate::error::{Error, Result};
 use crate::format::{self, SegmentUsage, VolumeRecord, BLOCK_BYTES};
+use crate::inner::Inner;
 use crate::meta::{self, PoolRecord};
-use crate::pool::Inner;
 use crate::store::Reader;
 use std::collections::{BTreeMap, HashMap};
 

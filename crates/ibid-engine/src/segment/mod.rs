@@ -38,6 +38,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
+/// Parallel segment append streams for new data (the cleaner has one more of its own).
+pub const DATA_WRITERS: usize = 4;
 /// Bytes a writer buffers before it writes them to its segment file. 4 MiB rather than 1: a
 /// slow disk takes larger writes faster (measurements: docs/benchmarks/nbd-fio.md), at up to
 /// 12 MiB of memory per writer (the buffer, its spare and the write in flight).

@@ -59,7 +59,7 @@ impl FjallStore {
     }
 
     /// Rewrites every `fps` entry keyed by a whole fingerprint (format versions 1 and 2: a
-    /// 32-byte key, the chunk id as value) as a prefix key ([`crate::meta::fps_key`]): one
+    /// 32-byte key, the chunk id as value) as a prefix key ([`crate::dedup_key::fps_key`]): one
     /// durable batch, so a crash leaves either form whole.
     fn migrate_index(&self) -> Result<()> {
         let ks = self.keyspace(Table::Fps);
@@ -74,7 +74,7 @@ impl FjallStore {
             b.remove(ks, &*k);
             b.insert(
                 ks,
-                Codec::encode(&crate::meta::fps_key(&fp, id)),
+                Codec::encode(&crate::dedup_key::fps_key(&fp, id)),
                 Codec::encode(&()),
             );
             moved += 1;
@@ -187,7 +187,7 @@ mod tests {
             let ks = store.keyspace(Table::Fps);
             let mut b = store.db.batch().durability(Some(PersistMode::SyncData));
             b.insert(ks, old.0.as_slice(), Codec::encode(&old.1));
-            let key = meta::fps_key(&current.0, current.1);
+            let key = crate::dedup_key::fps_key(&current.0, current.1);
             b.insert(ks, Codec::encode(&key), Codec::encode(&()));
             b.commit()?;
         }
@@ -201,8 +201,8 @@ mod tests {
             assert_eq!(
                 keys,
                 vec![
-                    meta::fps_key(&old.0, old.1),
-                    meta::fps_key(&current.0, current.1)
+                    crate::dedup_key::fps_key(&old.0, old.1),
+                    crate::dedup_key::fps_key(&current.0, current.1)
                 ]
             );
         }

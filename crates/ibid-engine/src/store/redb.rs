@@ -17,7 +17,6 @@
 use super::{Batch, KvIter, MetaStore, Snapshot, Table, TableOps, TABLES};
 use crate::disk::{Disk, DiskFile, OpenMode};
 use crate::error::{Error, Result};
-use crate::meta;
 use ::redb::{
     Database, Key, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable,
     TableDefinition, TableHandle, Value,
@@ -277,7 +276,7 @@ where
                 .as_ref()
                 .try_into()
                 .map_err(|_| bad("dedup index key", key.as_ref()))?;
-            to.insert(meta::fps_key(fp, v.value()), ())?;
+            to.insert(crate::dedup_key::fps_key(fp, v.value()), ())?;
             moved += 1;
         }
         Ok(moved)
@@ -486,6 +485,7 @@ fn bound<K: Conv>(b: Bound<&[u8]>) -> Result<Bound<K::SelfType<'_>>> {
 mod tests {
     use super::*;
     use crate::format;
+    use crate::meta;
     use crate::store::Store;
 
     /// The dedup index as a store reads it: (chunk id, fingerprint prefix) pairs, sorted.
@@ -493,7 +493,7 @@ mod tests {
         let mut got: Vec<(u64, u64)> = store
             .read()?
             .iter(meta::FPS)?
-            .map(|e| e.map(|(k, ())| (meta::fps_key_chunk(k), (k >> 64) as u64)))
+            .map(|e| e.map(|(k, ())| (crate::dedup_key::fps_key_chunk(k), (k >> 64) as u64)))
             .collect::<Result<_>>()?;
         got.sort();
         Ok(got)
@@ -519,8 +519,8 @@ mod tests {
         for _ in 0..2 {
             let store = Store::open(dir.path())?;
             let expected = vec![
-                (1, meta::fp_prefix(&[9; 32])),
-                (2, meta::fp_prefix(&[3; 32])),
+                (1, crate::dedup_key::fp_prefix(&[9; 32])),
+                (2, crate::dedup_key::fp_prefix(&[3; 32])),
             ];
             assert_eq!(index_entries(&store)?, expected);
         }
@@ -535,12 +535,16 @@ mod tests {
         drop(db);
         let store = Store::open(dir.path())?;
         let mut txn = store.write()?;
-        txn.insert(meta::FPS, &meta::fps_key(&fps[2].0, fps[2].1), &());
+        txn.insert(
+            meta::FPS,
+            &crate::dedup_key::fps_key(&fps[2].0, fps[2].1),
+            &(),
+        );
         txn.commit()?;
         let under: Vec<u64> = store
             .read()?
             .range(meta::FPS, meta::fps_range(&[3u8; 32]))?
-            .map(|e| e.map(|(k, ())| meta::fps_key_chunk(k)))
+            .map(|e| e.map(|(k, ())| crate::dedup_key::fps_key_chunk(k)))
             .collect::<Result<_>>()?;
         assert_eq!(under, vec![2, 5]);
         Ok(())
@@ -583,7 +587,7 @@ mod tests {
             drop(r);
             let mut expected: Vec<(u64, u64)> = fps
                 .iter()
-                .map(|(fp, id)| (*id, meta::fp_prefix(fp)))
+                .map(|(fp, id)| (*id, crate::dedup_key::fp_prefix(fp)))
                 .collect();
             expected.sort();
             assert_eq!(index_entries(&store)?, expected);

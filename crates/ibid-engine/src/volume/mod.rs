@@ -1,5 +1,5 @@
 //! A volume handle: block I/O, zeroing, block status. The handle's API is here; the paths
-//! behind it are in [`read`], [`write`] (block preparation, placement, installation and
+//! behind it are in [`read`], [`write`](mod@write) (block preparation, placement, installation and
 //! reference counting), [`zero`] and [`share`] (range copies and compare-and-write).
 //!
 //! Offsets and lengths are bytes, multiples of 512. Inside, the engine works in 4 KiB blocks:
@@ -10,17 +10,19 @@ use crate::compression;
 use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::format::{self, Frame, BLOCK_BYTES, RECORD_FLAG_LZ4, RECORD_HEADER_BYTES, SECTOR_BYTES};
+use crate::inner::Inner;
 use crate::journal::Change;
 use crate::layer_filter::LayerFilters;
 use crate::meta;
 use crate::neighbours::Neighbours;
-use crate::pool::{
-    Entry, Inner, ShardState, VolumeMap, VolumeState, DATA_WRITERS, SHARDS, SHARD_BITS, STRIPES,
-};
+use crate::overlay::Entry;
 use crate::segment::NewRecord;
+use crate::segment::DATA_WRITERS;
+use crate::shard::{ShardState, SHARDS, SHARD_BITS};
 use crate::stack::{Found, Resolved};
 use crate::stats::VolumeSpace;
 use crate::store::{ReadTxn, Reader};
+use crate::volume_state::{VolumeMap, VolumeState, STRIPES};
 use parking_lot::MutexGuard;
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
@@ -380,7 +382,7 @@ impl Volume {
     /// the same alignment within a 4 KiB block, whole blocks are shared: nothing is read or
     /// written and no space is added (the SCSI EXTENDED COPY case). From
     /// [`crate::PoolConfig::frame_copy_blocks_min`] blocks on, the cost does not depend on the
-    /// length (the source's frozen layers are put in this volume's stack, see `copy.rs`);
+    /// length (the source's frozen layers are put in this volume's stack, see `copy/`);
     /// shorter copies share each block's reference. Partial blocks at the edges, and ranges
     /// whose alignments differ, are copied as data.
     pub fn copy_from(

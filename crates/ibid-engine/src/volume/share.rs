@@ -71,7 +71,7 @@ impl Inner {
             return Ok(report);
         }
         // Whole blocks and long enough: by frames alone, unless the destination's stack has no
-        // room (see `copy.rs`: such copies run beside each other).
+        // room (see `copy/`: such copies run beside each other).
         if src_off.is_multiple_of(BLOCK)
             && dst_off.is_multiple_of(BLOCK)
             && len.is_multiple_of(BLOCK)

@@ -93,7 +93,7 @@ fn stepped_pool_with_a_volume(dir: &std::path::Path) -> (Pool, super::Volume) {
 }
 
 /// `find_duplicate` of `fp` with `near` as the write's neighbours, its shard locked.
-fn find_with(inner: &crate::pool::Inner, fp: &[u8; 32], near: &Neighbours) -> Option<u64> {
+fn find_with(inner: &crate::inner::Inner, fp: &[u8; 32], near: &Neighbours) -> Option<u64> {
     let s = inner.shards[fp[0] as usize % SHARDS].lock();
     inner.find_duplicate(&s, fp, Some(near)).expect("lookup")
 }

@@ -25,17 +25,20 @@
 //! to the mapped blocks, but it runs off the copy's path; it keeps stacks shallow and lets the
 //! source flatten its own layers again.
 
+pub(crate) mod batch;
+
 use crate::commit::drop_layer_refs;
+use crate::commit_state::CommitState;
 use crate::error::{Error, Result};
 use crate::format::{self, Frame, FLOOR_LAYER};
+use crate::inner::Inner;
 use crate::layer_filter::LayerFilters;
 use crate::meta;
-use crate::pool::{CommitState, Inner, VolumeMap, VolumeState};
 use crate::ref_log::by_slice;
 use crate::store::{ReadTxn, Reader};
 use crate::volume::resolve_stored;
-use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use rustc_hash::FxHashMap;
+use crate::volume_state::{VolumeMap, VolumeState};
+use batch::{CopyRequest, Turn};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -49,167 +52,12 @@ pub(crate) const MATERIALIZE_DELAY: Duration = Duration::from_secs(5);
 /// Blocks examined per step when counting or materializing (bounds memory).
 const WALK_WINDOW_BLOCKS: u64 = 1 << 20;
 
-/// Most copies applied together in one catalog transaction.
-const BATCH_COPIES_MAX: usize = 64;
-
-/// What makes concurrent range copies behave as if applied one after the other.
-///
-/// Copies by frames alone hold [`Copies::framing`] (shared) and queue here; one at a time
-/// leads: it takes the commit lock and applies its own copy and the waiting ones that do not
-/// conflict with it together (see [`Inner::copy_by_frames`]), and the others wait for it. Every
-/// other copy (bytes copied as data at unaligned edges, block references shared) reads its
-/// source and writes its destination in several steps, so it holds [`Copies::exclusive`]
-/// for the whole copy.
-#[derive(Default)]
-pub(crate) struct Copies {
-    queue: Mutex<Queued>,
-    /// Signalled when a batch is applied.
-    finished: Condvar,
-    order: RwLock<()>,
-}
-
-#[derive(Default)]
-struct Queued {
-    next_id: u64,
-    waiting: Vec<CopyRequest>,
-    done: FxHashMap<u64, Result<bool>>,
-    /// A copy is applying a batch: the others wait for [`Copies::finished`].
-    leading: bool,
-}
-
-/// One range copy by frames: blocks `[sb, sb + n)` of `src` to `[db, db + n)` of `dst`.
-struct CopyRequest {
-    id: u64,
-    src: Arc<VolumeState>,
-    sb: u64,
-    dst: Arc<VolumeState>,
-    db: u64,
-    n: u64,
-}
-
-impl CopyRequest {
-    /// Whether applying `self` and `other` together could differ from applying them one
-    /// after the other: one's destination window meets the other's source or destination.
-    /// Copies that do not conflict commute, and each sees its source as before both.
-    fn conflicts(&self, other: &CopyRequest) -> bool {
-        let meets =
-            |a: &Arc<VolumeState>, a0: u64, b: &Arc<VolumeState>, b0: u64, n: u64, m: u64| {
-                Arc::ptr_eq(a, b) && a0 < b0 + m && b0 < a0 + n
-            };
-        meets(&self.dst, self.db, &other.dst, other.db, self.n, other.n)
-            || meets(&self.dst, self.db, &other.src, other.sb, self.n, other.n)
-            || meets(&self.src, self.sb, &other.dst, other.db, self.n, other.n)
-    }
-
-    /// Whether the copy reads or writes the volume or snapshot called `name`.
-    fn involves(&self, name: &str) -> bool {
-        self.src.name == name || self.dst.name == name
-    }
-}
-
-impl Copies {
-    /// Held by a copy made by frames alone, for the whole copy.
-    pub(crate) fn framing(&self) -> RwLockReadGuard<'_, ()> {
-        self.order.read()
-    }
-
-    /// Held by any other copy, for the whole copy: no other copy runs meanwhile.
-    pub(crate) fn exclusive(&self) -> RwLockWriteGuard<'_, ()> {
-        self.order.write()
-    }
-
-    /// Queues a copy; returns its id.
-    fn enqueue(
-        &self,
-        src: &Arc<VolumeState>,
-        sb: u64,
-        dst: &Arc<VolumeState>,
-        db: u64,
-        n: u64,
-    ) -> u64 {
-        let mut q = self.queue.lock();
-        let id = q.next_id;
-        q.next_id += 1;
-        q.waiting.push(CopyRequest {
-            id,
-            src: src.clone(),
-            sb,
-            dst: dst.clone(),
-            db,
-            n,
-        });
-        id
-    }
-
-    /// Waits until copy `id` has been applied in another copy's batch, or until no batch is
-    /// being applied: then the caller leads.
-    fn await_turn(&self, id: u64) -> Turn<'_> {
-        let mut q = self.queue.lock();
-        loop {
-            if let Some(done) = q.done.remove(&id) {
-                return Turn::Done(done);
-            }
-            if !q.leading {
-                q.leading = true;
-                return Turn::Lead(Leading(self));
-            }
-            self.finished.wait(&mut q);
-        }
-    }
-
-    /// Takes copy `id` and, in arrival order, each waiting copy that conflicts with none taken
-    /// before it, up to [`BATCH_COPIES_MAX`]; `id` first. Call leading, with the commit lock
-    /// held (copies queued while it was awaited join).
-    fn take_batch(&self, id: u64) -> Vec<CopyRequest> {
-        let mut q = self.queue.lock();
-        let at = q
-            .waiting
-            .iter()
-            .position(|c| c.id == id)
-            .expect("a copy not done is waiting");
-        let mut batch = vec![q.waiting.remove(at)];
-        let mut i = 0;
-        while i < q.waiting.len() && batch.len() < BATCH_COPIES_MAX {
-            if batch.iter().any(|c| c.conflicts(&q.waiting[i])) {
-                i += 1;
-            } else {
-                batch.push(q.waiting.remove(i));
-            }
-        }
-        batch
-    }
-
-    /// Records outcomes for the copies that wait for them.
-    fn finish(&self, outcomes: Vec<(u64, Result<bool>)>) {
-        self.queue.lock().done.extend(outcomes);
-    }
-}
-
-/// What a queued copy does next.
-enum Turn<'a> {
-    /// Another copy's batch applied it: its outcome.
-    Done(Result<bool>),
-    /// Apply a batch.
-    Lead(Leading<'a>),
-}
-
-/// The right to apply a batch; given up (and the waiting copies woken) when dropped, even by
-/// a panic.
-struct Leading<'a>(&'a Copies);
-
-impl Drop for Leading<'_> {
-    fn drop(&mut self) {
-        self.0.queue.lock().leading = false;
-        self.0.finished.notify_all();
-    }
-}
-
 impl Inner {
     /// Makes blocks `[db, db + n)` of `dst` show what blocks `[sb, sb + n)` of `src` show now.
     /// Returns `false`, having changed at most `src`'s stack (its top frozen), when `dst`'s
     /// stack has no room for the frames.
     ///
-    /// Copies arriving while another applies a batch wait in [`Copies`]; the next to lead
+    /// Copies arriving while another applies a batch wait in [`batch::Copies`]; the next to lead
     /// takes the commit lock and applies its own and the waiting ones that do not conflict
     /// with it ([`CopyRequest::conflicts`]) together ([`Inner::copy_batch`]): one quiesce and
     /// one catalog transaction for all, so copies in flight cost less than one at a time.
