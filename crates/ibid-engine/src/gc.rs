@@ -121,10 +121,8 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
 
 /// The cleaner's thread: a round of up to [`CLEAN_PER_WAKE_MAX`] segments every `interval`,
 /// and the next round at once while the last one found a full round of work. It runs beside
-/// the commits, whose next one applies its moves: on the background thread only 4 passes of
-/// ~100 ms fit between commits of ~1 s under random overwrites, and on its own thread with a
-/// transaction of its own each pass waited for the commit in progress (BENCHMARKS.md, "The
-/// cleaner's pace"). Woken early only to stop.
+/// the commits, whose next one applies its moves, so that neither waits for the other
+/// (BENCHMARKS.md, "The cleaner's pace"). Woken early only to stop.
 pub(crate) fn cleaner_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: Duration) {
     let mut busy = false;
     loop {

@@ -60,10 +60,8 @@ pub struct ServeOptions {
 /// bytes between sockets and buffers, hand requests on and run the small NBD writes that
 /// will not wait (the blocking backend calls run on the NBD workers and, for iSCSI and the
 /// API, on tokio's blocking pool), so a few keep up with many connections; each extra one costs wake-ups, as the scheduler wakes idle
-/// threads to steal every task it queues. On 2 cores one thread instead of two: NBD 4 KiB
-/// random reads at QD32 +7–18 % (4 alternating pairs) with less CPU per read, QD1 write
-/// latency p50 50 → 25 µs, random and 1 MiB sequential writes unchanged
-/// (docs/benchmarks/nbd-fio.md, session 15).
+/// threads to steal every task it queues (on 2 cores, one thread serves 4 KiB random reads
+/// and QD1 writes better than two: docs/benchmarks/nbd-fio.md).
 pub fn io_threads_default() -> usize {
     std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).max(1))
 }
