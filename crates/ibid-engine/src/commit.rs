@@ -82,7 +82,7 @@ impl Inner {
     pub(crate) fn flush(&self) -> Result<()> {
         self.check_failed()?;
         self.note_io();
-        match self.journal.flush(&self.segments, &self.committed) {
+        match self.journal.flush(&self.segments, &self.batches) {
             Ok(FlushOutcome::Done) => Ok(()),
             Ok(FlushOutcome::NeedsCommit) => self.commit(),
             Err(e) => {
@@ -123,7 +123,7 @@ impl Inner {
         }
         let batch = self.cut(cs);
         // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
-        let orphans = self.orphans_pending.swap(false, Ordering::AcqRel);
+        let orphans = self.batches.take_orphans();
         let asked = cs.ref_log.take_request();
         let fold_only = asked != FoldRequest::None && cs.ref_log.entries() > 0;
         if batch.is_empty() && !orphans && !fold_only {
@@ -136,7 +136,7 @@ impl Inner {
                 }
             }
             self.publish(&batch, &Applied::default());
-            self.committed.store(batch.no, Ordering::Release);
+            self.batches.committed_through(batch.no);
             self.journal.forget_through(batch.no);
             return Ok(());
         }
@@ -185,7 +185,7 @@ impl Inner {
             self.db.disk_bytes() + self.journal.disk_bytes(),
         );
         self.publish(&batch, &applied);
-        self.committed.store(batch.no, Ordering::Release);
+        self.batches.committed_through(batch.no);
         self.journal.forget_through(batch.no);
         let entries = batch.volumes.iter().map(|(_, o, _)| o.len()).sum::<usize>();
         if let Some(pacer) = &self.pacer {
@@ -237,8 +237,7 @@ impl Inner {
 
     fn cut(&self, cs: &CommitState) -> Batch {
         let _gate = self.gate.write();
-        let no = self.cut.fetch_add(1, Ordering::AcqRel) + 1;
-        self.dirty_blocks.store(0, Ordering::Relaxed);
+        let no = self.batches.cut();
         let mut volumes = Vec::new();
         for v in self.catalog.volumes() {
             let mut map = v.map.lock();
@@ -302,7 +301,7 @@ impl Inner {
                 for &(b0, b1) in rest {
                     map.dirty.zero_under(b0, b1);
                 }
-                self.dirty_blocks.fetch_add(1, Ordering::Relaxed);
+                self.batches.add_dirty(1);
             }
         }
         if !applied.rest.is_empty() && self.io_quiet() {

@@ -259,7 +259,7 @@ impl Inner {
         only: Option<&HashSet<u64>>,
     ) -> Result<Option<Cleaned>> {
         let _gc = self.gc_lock.lock();
-        let committed = self.committed.load(Ordering::Acquire);
+        let committed = self.batches.committed();
         // Passes queue only under `gc_lock`: the set can only shrink meanwhile.
         let busy = self.relocations.busy();
         // Each candidate's live bytes (none without a usage row): one pass over the usage

@@ -5,7 +5,7 @@
 //! `copy/`, `gc.rs`, `snapshot.rs`, ...).
 
 use crate::catalog::Catalog;
-use crate::commit_state::CommitState;
+use crate::commit_state::{Batches, CommitState};
 use crate::config::PoolConfig;
 use crate::dedup::Dedup;
 use crate::dedup_index::RunPolicy;
@@ -58,14 +58,12 @@ pub(crate) struct Inner {
     /// consistent batch. Order: gate, then stripes, then a volume map or a shard.
     pub gate: RwLock<()>,
     pub commit: Mutex<CommitState>,
+    /// The batch numbering: cut, committed, blocks changed since the cut (see
+    /// `commit_state.rs`).
+    pub batches: Batches,
     /// Cleaning passes are serialized.
     pub gc_lock: Mutex<()>,
-    /// Batches cut so far; writers stamp new records with `cut + 1`.
-    pub cut: AtomicU64,
-    /// Batches durably committed.
-    pub committed: AtomicU64,
     pub chunk_seq: AtomicU64,
-    pub dirty_blocks: AtomicU64,
     /// Paces writers to the commits' rate once the backlog grows (see `pacer.rs`); `None`
     /// without a background committer.
     pub pacer: Option<crate::pacer::Pacer>,
@@ -84,8 +82,6 @@ pub(crate) struct Inner {
     /// since `opened` (the cleaner yields to them; see `gc.rs`).
     pub last_io_ms: AtomicU64,
     pub opened: std::time::Instant,
-    /// Orphan chunks may need freeing: the next commit runs even with nothing else to do.
-    pub orphans_pending: AtomicBool,
     pub background: Mutex<Option<Background>>,
     /// The filter thread (`ibid-filters`): rebuilds the dedup filter after the pool opens and
     /// whenever the pool outgrows it, and builds the layer filters after the pool opens.
@@ -371,7 +367,7 @@ impl Inner {
             },
             dedup_filter_ram_bytes: self.dedup.filter().ram_bytes(),
             layer_filter_ram_bytes: self.layer_filters.ram_bytes(),
-            committed_batches: self.committed.load(Ordering::Relaxed),
+            committed_batches: self.batches.committed(),
         }
     }
 

@@ -50,6 +50,7 @@
 //! an interrupted write may reach the disk in any order), can then never be taken for part of
 //! a later batch.
 
+use crate::commit_state::Batches;
 use crate::direct_io::{AlignedBuf, PAGE_BYTES};
 use crate::disk::{Disk, DiskFile, OpenMode};
 use crate::error::{Error, Result};
@@ -58,7 +59,6 @@ use crate::overlay::Entry;
 use crate::segment::Segments;
 use parking_lot::Mutex;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Magic at the start of every journal record ("IBJL").
@@ -543,7 +543,7 @@ impl Journal {
     /// Makes every change appended before the call durable: writes the pending changes to the
     /// journal files and fdatasyncs them. Concurrent callers queue, and a caller whose changes
     /// an earlier flush already covered returns at once (group commit).
-    pub(crate) fn flush(&self, segments: &Segments, committed: &AtomicU64) -> Result<FlushOutcome> {
+    pub(crate) fn flush(&self, segments: &Segments, batches: &Batches) -> Result<FlushOutcome> {
         let target = self.pending.lock().appended;
         let mut files = self.files.lock();
         if files.durable >= target {
@@ -554,7 +554,7 @@ impl Journal {
             p.new_bytes = 0;
             (std::mem::take(&mut p.changes), p.appended)
         };
-        let committed = committed.load(Ordering::Acquire);
+        let committed = batches.committed();
         let live: Vec<&(u64, Change)> = changes.iter().filter(|(s, _)| *s > committed).collect();
         let new_bytes = chunk_bytes(live.iter().copied());
         // Small flushes carry the new chunks' data inline (one fdatasync); a flush whose

@@ -436,7 +436,7 @@ impl Pool {
             let _gate = self.inner.gate.write();
             self.inner
                 .segments
-                .seal_writers(DATA_WRITERS, self.inner.cut.load(Ordering::Acquire) + 1)?;
+                .seal_writers(DATA_WRITERS, self.inner.batches.stamp())?;
         }
         self.inner.flatten_all(true, &AtomicBool::new(false))?;
         self.sync()?;
@@ -444,7 +444,7 @@ impl Pool {
         // concurrent writers seal become eligible as soon as a commit runs, and overwrites keep
         // putting dead bytes in them: a loop over "whatever qualifies" has no end while
         // writes and background commits go on.
-        let committed = self.inner.committed.load(Ordering::Acquire);
+        let committed = self.inner.batches.committed();
         let mut remaining: HashSet<u64> = self
             .inner
             .segments

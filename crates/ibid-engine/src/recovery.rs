@@ -22,7 +22,7 @@
 
 use crate::bloom::Bloom;
 use crate::catalog::Catalog;
-use crate::commit_state::CommitState;
+use crate::commit_state::{Batches, CommitState};
 use crate::config::PoolConfig;
 use crate::dedup::Dedup;
 use crate::dedup_index::Runs;
@@ -46,7 +46,7 @@ use rustc_hash::FxHashSet;
 use std::any::Any;
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
 /// What the metadata store says the pool is.
@@ -294,15 +294,13 @@ fn assemble(
         shards,
         catalog: Catalog::new(states(volumes, false), states(snapshots, true)),
         gate: RwLock::new(()),
-        cut: AtomicU64::new(record.commits),
-        committed: AtomicU64::new(record.commits),
+        batches: Batches::resume(record.commits),
         chunk_seq: AtomicU64::new(record.next_chunk_seq),
         preparing: AtomicUsize::new(0),
         cores: match config.threads {
             true => std::thread::available_parallelism().map_or(1, |n| n.get()),
             false => 1,
         },
-        dirty_blocks: AtomicU64::new(0),
         pacer: (config.background && config.threads).then(|| {
             crate::pacer::Pacer::new(crate::pacer::Limits {
                 commit: config.dirty_blocks_commit,
@@ -315,7 +313,6 @@ fn assemble(
         failed: Mutex::new(None),
         last_io_ms: AtomicU64::new(0),
         opened: std::time::Instant::now(),
-        orphans_pending: AtomicBool::new(true),
         background: Mutex::new(None),
         rebuild_thread: Mutex::new(None),
         copies: crate::copy::batch::Copies::default(),
@@ -338,7 +335,7 @@ fn resume_zeroing(inner: &Inner, zeroing: BTreeMap<u64, Vec<(u64, u64)>>) {
         for (b0, b1) in ranges {
             map.dirty.zero_under(b0, b1);
         }
-        inner.dirty_blocks.fetch_add(1, Ordering::Relaxed);
+        inner.batches.add_dirty(1);
     }
 }
 
@@ -378,7 +375,7 @@ impl Inner {
                 } => {
                     match inline {
                         Some(payload) => {
-                            let stamp = self.cut.load(Ordering::Acquire) + 1;
+                            let stamp = self.batches.stamp();
                             let placed = self.segments.append(0, id, rec.flags, &payload, stamp)?;
                             if placed.crc != rec.crc {
                                 return Err(Error::Corrupt(format!(

@@ -199,7 +199,7 @@ impl Volume {
     }
 
     fn backlog_is_quick(&self, blocks: u64) -> bool {
-        let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed) + blocks;
+        let dirty = self.inner.batches.dirty() + blocks;
         dirty < self.inner.config.dirty_blocks_throttle
             && !self.inner.pacer.as_ref().is_some_and(|p| p.paces(dirty))
             && !self.inner.cleaner_pace.paces(std::time::Instant::now())
@@ -266,7 +266,7 @@ impl Volume {
         } else {
             std::time::Duration::ZERO
         };
-        let dirty = self.inner.dirty_blocks.load(Ordering::Relaxed);
+        let dirty = self.inner.batches.dirty();
         let max = self.inner.config.dirty_blocks_max;
         if dirty >= max {
             let t0 = std::time::Instant::now();

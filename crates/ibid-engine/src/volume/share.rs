@@ -39,7 +39,7 @@ impl Inner {
             return Ok(Some(i as u64));
         }
         window.copy_from_slice(new);
-        let stamp = self.cut.load(Ordering::Acquire) + 1;
+        let stamp = self.batches.stamp();
         let mut prepared = Vec::with_capacity((b1 - b0) as usize);
         for (i, block) in current.chunks(BLOCK_BYTES).enumerate() {
             match self.prepare_block(v, block, stamp, None) {

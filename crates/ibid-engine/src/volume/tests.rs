@@ -246,12 +246,7 @@ fn zeroing_committed_data_records_one_range() {
         .map(|s| s.lock().dirty.deltas.len())
         .sum();
     assert_eq!(deltas, 0, "reference changes before the commit");
-    assert_eq!(
-        vol.inner
-            .dirty_blocks
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    assert_eq!(vol.inner.batches.dirty(), 1);
     assert_eq!(vol.mapped_blocks(), 0);
     pool.sync().expect("commit");
     assert_eq!(pool.stats().unique_chunks, 0);

@@ -154,7 +154,7 @@ impl Inner {
                 stripes.iter().map(|&s| v.stripes[s].lock()).collect();
             for &b in &partial {
                 let block = self.patched_block(v, b, offset, data)?;
-                let stamp = self.cut.load(Ordering::Acquire) + 1;
+                let stamp = self.batches.stamp();
                 let entry = self.prepare_block(v, &block, stamp, None)?;
                 self.install(v, b, b + 1, vec![Prepared { block: b, entry }], true)?;
             }
@@ -163,7 +163,7 @@ impl Inner {
         if f0 >= f1 {
             return Ok(());
         }
-        let stamp = self.cut.load(Ordering::Acquire) + 1;
+        let stamp = self.batches.stamp();
         // Small writes look every block up in the index: a neighbourhood scan would cost more
         // than it could spare them.
         let neighbours = (f1 - f0 >= PARALLEL_BLOCKS_MIN).then(|| Neighbours::for_write(f1 - f0));
@@ -642,7 +642,7 @@ impl Inner {
         self.note_mapped_change(v, mapped - map.mapped_blocks as i64);
         map.mapped_blocks = mapped as u64;
         // The caller holds the gate, so no cut moves the stamp meanwhile.
-        let stamp = self.cut.load(Ordering::Acquire) + 1;
+        let stamp = self.batches.stamp();
         self.journal.append(
             stamp,
             Change::Install {
@@ -651,7 +651,7 @@ impl Inner {
             },
         );
         drop(map);
-        self.dirty_blocks.fetch_add(added, Ordering::Relaxed);
+        self.batches.add_dirty(added);
         self.release(&released);
         Ok(())
     }

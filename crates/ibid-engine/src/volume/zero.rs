@@ -36,7 +36,7 @@ impl Inner {
         map.mapped_blocks -= unmapped;
         self.note_mapped_change(v, -(unmapped as i64));
         // The caller holds the gate, so no cut moves the stamp meanwhile.
-        let stamp = self.cut.load(Ordering::Acquire) + 1;
+        let stamp = self.batches.stamp();
         self.journal.append(
             stamp,
             Change::Zero {
@@ -46,7 +46,7 @@ impl Inner {
             },
         );
         drop(map);
-        self.dirty_blocks.fetch_add(1, Ordering::Relaxed);
+        self.batches.add_dirty(1);
         self.release(&released);
         if v.format().is_thick() {
             // Its reservation grows back only when the range's blocks are counted: soon.
