@@ -59,12 +59,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
     loop {
         {
             let Some(inner) = weak.upgrade() else { return };
-            let (m, c) = &inner.wake;
-            let mut woken = m.lock();
-            if !*woken && !stop.load(Ordering::Acquire) {
-                c.wait_for(&mut woken, interval);
-            }
-            *woken = false;
+            inner.threads.wait(interval, &stop);
         }
         if stop.load(Ordering::Acquire) {
             return;
@@ -192,10 +187,7 @@ pub(crate) struct Cleaned {
 impl Inner {
     /// How long ago the last foreground request ran (since the pool opened, if none has).
     pub(crate) fn since_last_io(&self) -> Duration {
-        let now = self.opened.elapsed();
-        now.saturating_sub(Duration::from_millis(
-            self.last_io_ms.load(Ordering::Relaxed),
-        ))
+        self.health.since_last_io()
     }
 
     /// Whether foreground I/O has paused for [`crate::PoolConfig::io_quiet_ms`].

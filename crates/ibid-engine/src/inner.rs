@@ -4,6 +4,7 @@
 //! statistics). The operations extend it in their own files (`commit.rs`, `volume/`,
 //! `copy/`, `gc.rs`, `snapshot.rs`, ...).
 
+use crate::background::{Health, Threads};
 use crate::catalog::Catalog;
 use crate::commit_state::{Batches, CommitState};
 use crate::config::PoolConfig;
@@ -23,12 +24,11 @@ use crate::space::SpaceClaim;
 use crate::stats::PoolStats;
 use crate::store::Store;
 use crate::volume_state::VolumeState;
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 use std::any::Any;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 /// Most commits [`Inner::settle_zeroed`] runs (each settles at least
 /// `PoolConfig::zero_settle_entries_max` entries or windows).
@@ -77,37 +77,23 @@ pub(crate) struct Inner {
     pub preparing: AtomicUsize,
     /// CPU cores available to the process.
     pub cores: usize,
-    pub failed: Mutex<Option<String>>,
-    /// When a foreground request (read, write, zeroing, copy, flush) last ran, in milliseconds
-    /// since `opened` (the cleaner yields to them; see `gc.rs`).
-    pub last_io_ms: AtomicU64,
-    pub opened: std::time::Instant,
-    pub background: Mutex<Option<Background>>,
-    /// The filter thread (`ibid-filters`): rebuilds the dedup filter after the pool opens and
-    /// whenever the pool outgrows it, and builds the layer filters after the pool opens.
-    pub rebuild_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Whether the pool has failed, and when foreground I/O last ran (the cleaner yields to
+    /// it; see `background.rs`).
+    pub health: Health,
+    /// The committer's, cleaner's and filter threads, and the committer's wake-up (see
+    /// `background.rs`).
+    pub threads: Threads,
     /// Range copies in flight: their order, and those waiting to be applied together (see
     /// `copy/`).
     pub copies: crate::copy::batch::Copies,
-    pub wake: (Mutex<bool>, Condvar),
     pub(crate) _lock_file: Box<dyn Any + Send + Sync>,
-}
-
-/// The pool's background threads (started and stopped by `Pool`).
-pub(crate) struct Background {
-    /// Set to make both threads return.
-    pub stop: Arc<AtomicBool>,
-    /// The committer's thread (`gc::background_loop`).
-    pub thread: JoinHandle<()>,
-    /// The segment cleaner's thread (`gc::cleaner_loop`).
-    pub cleaner: JoinHandle<()>,
 }
 
 impl Drop for Inner {
     /// A pool dropped without [`crate::Pool::close`] still commits what it can: dropping the last
     /// handle should not behave like a crash.
     fn drop(&mut self) {
-        if self.failed.lock().is_none() {
+        if self.health.failure().is_none() {
             if let Err(e) = self.commit() {
                 tracing::error!("final commit of pool {}: {e}", self.dir.display());
             }
@@ -196,21 +182,19 @@ impl Inner {
     }
 
     pub(crate) fn check_failed(&self) -> Result<()> {
-        match &*self.failed.lock() {
-            Some(why) => Err(Error::Failed(why.clone())),
+        match self.health.failure() {
+            Some(why) => Err(Error::Failed(why)),
             None => Ok(()),
         }
     }
 
     pub(crate) fn fail(&self, e: &Error) {
         tracing::error!("pool {} failed: {e}", self.dir.display());
-        self.failed.lock().get_or_insert_with(|| e.to_string());
+        self.health.fail(|| e.to_string());
     }
 
     pub(crate) fn wake_background(&self) {
-        let (m, c) = &self.wake;
-        *m.lock() = true;
-        c.notify_one();
+        self.threads.wake();
     }
 
     /// When commits write and merge dedup index runs.
@@ -243,7 +227,7 @@ impl Inner {
             Self::filter_work(self, layers);
             return true;
         }
-        let mut slot = self.rebuild_thread.lock();
+        let mut slot = self.threads.filters();
         if slot.as_ref().is_some_and(|t| !t.is_finished()) {
             return false;
         }
@@ -373,8 +357,7 @@ impl Inner {
 
     /// Notes that a foreground request runs now (see `last_io_ms`).
     pub(crate) fn note_io(&self) {
-        self.last_io_ms
-            .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.health.note_io();
     }
 
     /// Bytes of all segment files ([`Segments::total_bytes`]: a counter, so the background
@@ -430,9 +413,7 @@ mod tests {
         let inner = pool.inner.clone();
         // The filter rebuild started at creation commits when done, and a commit updates the
         // metadata's size: let it finish, so that the free space stays put below.
-        if let Some(rebuild) = inner.rebuild_thread.lock().take() {
-            rebuild.join().expect("filter rebuild");
-        }
+        inner.threads.join_filters();
         let v = inner.catalog.volume("v").expect("v");
         let free = inner.space.capacity() - inner.space.used_now();
         let chunk = (RECORD_HEADER_BYTES + BLOCK_BYTES) as u64;

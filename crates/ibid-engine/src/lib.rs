@@ -19,6 +19,7 @@
 
 #[cfg(feature = "mimalloc")]
 pub mod allocator;
+mod background;
 mod bloom;
 mod breakdown;
 mod catalog;

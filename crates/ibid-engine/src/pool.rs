@@ -1,10 +1,11 @@
 //! The pool: opening and creating, volume management, space accounting.
 
+use crate::background::Background;
 use crate::config::PoolConfig;
 use crate::disk::Disk;
 use crate::error::{Error, Result};
 use crate::format::{Frame, VolumeFormat, VolumeRecord, SECTOR_BYTES, VOLUME_BYTES_MAX};
-use crate::inner::{Background, Inner};
+use crate::inner::Inner;
 use crate::meta::{self, PoolRecord};
 use crate::segment::DATA_WRITERS;
 use crate::stats::PoolStats;
@@ -14,7 +15,7 @@ use crate::volume_state::{new_volume_state, volume_info, VolumeInfo, VolumeState
 use std::any::Any;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -181,7 +182,7 @@ impl Pool {
             .name("ibid-cleaner".into())
             .spawn(move || crate::gc::cleaner_loop(weak, stop2, interval))
             .expect("spawn cleaner thread");
-        *self.inner.background.lock() = Some(Background {
+        self.inner.threads.started(Background {
             stop,
             thread,
             cleaner,
@@ -206,16 +207,8 @@ impl Pool {
     }
 
     fn stop_background(&self) {
-        if let Some(bg) = self.inner.background.lock().take() {
-            bg.stop.store(true, Ordering::Release);
-            self.inner.wake_background();
-            bg.cleaner.thread().unpark();
-            let _ = bg.thread.join();
-            let _ = bg.cleaner.join();
-        }
-        if let Some(t) = self.inner.rebuild_thread.lock().take() {
-            let _ = t.join();
-        }
+        self.inner.threads.stop();
+        self.inner.threads.join_filters();
     }
 
     /// One commit, which may leave part of a large zeroed range to later ones (for tests;
@@ -245,10 +238,7 @@ impl Pool {
     #[doc(hidden)]
     pub fn simulate_crash(self) {
         self.stop_background();
-        self.inner
-            .failed
-            .lock()
-            .get_or_insert_with(|| "simulated crash".into());
+        self.inner.health.fail(|| "simulated crash".into());
     }
 
     /// Creates a thin volume of `size_bytes` (a multiple of 512, at most 1 PiB).
@@ -420,10 +410,7 @@ impl Pool {
     /// layer filters) are ready; that rebuild commits once (for tests and benchmarks).
     #[doc(hidden)]
     pub fn wait_filters_built(&self) {
-        let thread = self.inner.rebuild_thread.lock().take();
-        if let Some(t) = thread {
-            let _ = t.join();
-        }
+        self.inner.threads.join_filters();
     }
 
     /// Cleans every segment that holds dead bytes when it is called, open ones included (for

@@ -20,6 +20,7 @@
 //! Then `Pool` starts what runs once the pool is consistent (`Pool::start`): the
 //! soft-threshold alarm, the filters' rebuild, the reserve file and the background threads.
 
+use crate::background::{Health, Threads};
 use crate::bloom::Bloom;
 use crate::catalog::Catalog;
 use crate::commit_state::{Batches, CommitState};
@@ -41,7 +42,7 @@ use crate::shard::{ShardBatch, ShardState, SHARDS};
 use crate::space::Space;
 use crate::store::{Reader, Store};
 use crate::volume_state::new_volume_state;
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 use rustc_hash::FxHashSet;
 use std::any::Any;
 use std::collections::{BTreeMap, HashSet};
@@ -310,13 +311,9 @@ fn assemble(
         }),
         cleaner_pace: Default::default(),
         relocations: Default::default(),
-        failed: Mutex::new(None),
-        last_io_ms: AtomicU64::new(0),
-        opened: std::time::Instant::now(),
-        background: Mutex::new(None),
-        rebuild_thread: Mutex::new(None),
+        health: Health::new(),
+        threads: Threads::default(),
         copies: crate::copy::batch::Copies::default(),
-        wake: (Mutex::new(false), Condvar::new()),
         commit: Mutex::new(CommitState { record, ref_log }),
         gc_lock: Mutex::new(()),
         config,
