@@ -511,6 +511,8 @@ impl Inner {
             );
         }
         ref_log.append(txn, &by_slice);
+        // The chunks left without a reference, with their records.
+        let mut unreferenced = Vec::with_capacity(zero_refs.len());
         for (id, known) in zero_refs {
             let stored = known.is_none();
             let rec = match known {
@@ -523,20 +525,39 @@ impl Inner {
                 }
                 continue;
             }
-            let shard = (id & ((1 << SHARD_BITS) - 1)) as usize;
-            debug_assert!(shard < SHARDS);
+            unreferenced.push((id, rec, stored));
+        }
+        // Which of them die: each shard locked once for all of its chunks. A chunk that a
+        // newer, uncommitted write references again is kept (with no reference) until that
+        // commits; one that dies has its fingerprint marked dead under the same lock.
+        let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); SHARDS];
+        for (i, &(id, _, _)) in unreferenced.iter().enumerate() {
+            by_shard[(id & ((1 << SHARD_BITS) - 1)) as usize].push(i);
+        }
+        let mut kept = vec![false; unreferenced.len()];
+        for (shard, chunks_of) in by_shard.iter().enumerate() {
+            if chunks_of.is_empty() {
+                continue;
+            }
             let mut s = self.shards[shard].lock();
-            if s.dirty.deltas.get(&id).is_some_and(|&d| d != 0) {
-                // A newer, uncommitted write references it again: keep it (with no
-                // reference) until that commits.
+            for &i in chunks_of {
+                let (id, rec, _) = &unreferenced[i];
+                if s.dirty.deltas.get(id).is_some_and(|&d| d != 0) {
+                    kept[i] = true;
+                } else {
+                    s.dead_fps.insert(rec.fingerprint);
+                }
+            }
+        }
+        for ((id, rec, stored), kept) in unreferenced.into_iter().zip(kept) {
+            let shard = (id & ((1 << SHARD_BITS) - 1)) as usize;
+            if kept {
                 if !stored {
                     chunks.put(txn, id, rec)?;
                 }
                 txn.insert(meta::ORPHANS, &id, &());
                 continue;
             }
-            s.dead_fps.insert(rec.fingerprint);
-            drop(s);
             if orphan_ids.contains(&id) {
                 txn.remove(meta::ORPHANS, &id);
             }
