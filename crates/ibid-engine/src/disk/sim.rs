@@ -13,7 +13,8 @@
 //! (write, size change, sync, create, remove) fails with EIO instead of happening, and so does
 //! everything after it until [`SimDisk::power_cut`]. [`SimDisk::inject`] fails one chosen
 //! operation with a chosen errno (EIO, ENOSPC) and leaves the disk running;
-//! [`SimDisk::set_latency`] makes chosen operations slow.
+//! [`SimDisk::set_latency`] makes chosen operations slow and [`SimDisk::pause`] holds them
+//! until resumed.
 //!
 //! All randomness comes from the seed given to [`SimDisk::new`]: the same seed and the same
 //! sequence of operations leave the same bytes.
@@ -101,6 +102,9 @@ pub struct SimStats {
     /// A digest of every mutating operation (kind, path, offset, length), in order: equal for
     /// two runs that did the same I/O.
     pub digest: u64,
+    /// Most operations that were ever inside their latency or pause at once (how many a
+    /// slow device had in flight together).
+    pub peak_in_flight: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -147,6 +151,10 @@ struct State {
     faults: Vec<(Fault, u64)>,
     /// Extra time taken by operations of a kind on paths containing a substring.
     latency: Vec<(FaultOp, String, std::time::Duration)>,
+    /// Operations of a kind on paths containing a substring wait until resumed.
+    paused: Vec<(FaultOp, String)>,
+    /// Operations between their start and the end of their latency or pause, now.
+    in_flight: u64,
     locked: BTreeSet<PathBuf>,
     capacity: u64,
     stats: SimStats,
@@ -243,11 +251,34 @@ fn hash_path(path: &Path) -> u64 {
         })
 }
 
+/// A pause of some operations (see [`SimDisk::pause`]); they resume when it is dropped.
+#[derive(Debug)]
+pub struct Paused {
+    disk: SimDisk,
+    op: FaultOp,
+    path_contains: String,
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        let mut st = self.disk.state.lock();
+        if let Some(i) =
+            (st.paused.iter()).position(|(o, p)| *o == self.op && *p == self.path_contains)
+        {
+            st.paused.remove(i);
+        }
+        drop(st);
+        self.disk.resumed.notify_all();
+    }
+}
+
 /// A pool directory in memory that can lose power (see the module's doc). Clones share the
 /// same disk.
 #[derive(Debug, Clone, Default)]
 pub struct SimDisk {
     state: Arc<Mutex<State>>,
+    /// Signalled when a pause ends.
+    resumed: Arc<parking_lot::Condvar>,
 }
 
 impl SimDisk {
@@ -260,6 +291,7 @@ impl SimDisk {
         };
         SimDisk {
             state: Arc::new(Mutex::new(state)),
+            resumed: Arc::default(),
         }
     }
 
@@ -300,16 +332,49 @@ impl SimDisk {
         }
     }
 
-    /// Sleeps for the latency set for `op` on `path`, if any (outside the disk's lock).
+    /// Makes every operation of kind `op` on a path containing `path_contains` wait, from
+    /// now until the returned guard is dropped (a device that stalls; for tests of what runs
+    /// while a write or sync is held up).
+    pub fn pause(&self, op: FaultOp, path_contains: &str) -> Paused {
+        self.state
+            .lock()
+            .paused
+            .push((op, path_contains.to_string()));
+        Paused {
+            disk: self.clone(),
+            op,
+            path_contains: path_contains.to_string(),
+        }
+    }
+
+    /// Ends every pause (their guards then end nothing).
+    pub fn resume_all(&self) {
+        self.state.lock().paused.clear();
+        self.resumed.notify_all();
+    }
+
+    /// Waits while `op` on `path` is paused, then sleeps for its latency, if any; both outside
+    /// the disk's lock, counted in flight.
     fn wait(&self, op: FaultOp, path: &Path) {
         let p = path.to_string_lossy();
-        let delay: std::time::Duration = (self.state.lock().latency.iter())
-            .filter(|(o, sub, _)| *o == op && p.contains(sub.as_str()))
+        let matches = |o: &FaultOp, sub: &str| *o == op && p.contains(sub);
+        let mut st = self.state.lock();
+        let delay: std::time::Duration = (st.latency.iter())
+            .filter(|(o, sub, _)| matches(o, sub))
             .map(|(_, _, d)| *d)
             .sum();
-        if !delay.is_zero() {
-            std::thread::sleep(delay);
+        let paused = |st: &State| st.paused.iter().any(|(o, sub)| matches(o, sub));
+        if delay.is_zero() && !paused(&st) {
+            return;
         }
+        st.in_flight += 1;
+        st.stats.peak_in_flight = st.stats.peak_in_flight.max(st.in_flight);
+        while paused(&st) {
+            self.resumed.wait(&mut st);
+        }
+        drop(st);
+        std::thread::sleep(delay);
+        self.state.lock().in_flight -= 1;
     }
 
     /// What the disk has seen so far.

@@ -214,12 +214,6 @@ pub struct Segments {
     sealed_sync: Option<mpsc::Sender<(u64, Arc<SegmentFile>)>>,
     /// The sync thread, joined on drop.
     sync_thread: Option<JoinHandle<()>>,
-    /// Held by tests to keep the I/O threads from writing.
-    #[cfg(test)]
-    io_hold: Arc<Mutex<()>>,
-    /// Counts the I/O threads' writes in progress (tests only).
-    #[cfg(test)]
-    io_probe: Arc<IoProbe>,
 }
 
 /// The state [`Segments`] shares with its sync thread.
@@ -235,9 +229,6 @@ struct Shared {
     /// that fsynced the same file meanwhile may have been told of no error (the kernel reports
     /// a failed writeback once), so it takes this before it checks `failed`.
     syncing: Mutex<()>,
-    /// Set by tests to make the sync thread's fsyncs fail.
-    #[cfg(test)]
-    fail_syncs: AtomicBool,
 }
 
 impl Shared {
@@ -266,14 +257,6 @@ impl Drop for Segments {
 fn sync_thread(sealed: mpsc::Receiver<(u64, Arc<SegmentFile>)>, shared: Arc<Shared>) {
     for (id, file) in sealed {
         let _syncing = shared.syncing.lock();
-        #[cfg(test)]
-        if shared.fail_syncs.load(Ordering::Acquire) {
-            shared.fail(
-                &format!("sync segment {id:016x}"),
-                &std::io::Error::other("injected"),
-            );
-            continue;
-        }
         match file.file.sync_data() {
             // Nothing writes to a sealed segment any more: it stays durable.
             Ok(()) => drop(shared.unsynced.lock().remove(&id)),
@@ -282,39 +265,12 @@ fn sync_thread(sealed: mpsc::Receiver<(u64, Arc<SegmentFile>)>, shared: Arc<Shar
     }
 }
 
-/// What tests see of the I/O threads' writes.
-#[cfg(test)]
-#[derive(Default)]
-struct IoProbe {
-    /// Writes in progress.
-    busy: AtomicU64,
-    /// The most writes seen in progress at once.
-    peak: AtomicU64,
-    /// Each write first sleeps this long (so that writes in flight overlap visibly).
-    delay_ms: AtomicU64,
-}
-
 /// A segment I/O thread: takes jobs from the queue it shares with the others and writes
 /// their pages until the channel closes. (The lock is held only while waiting for a job.)
-fn io_thread(
-    jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
-    #[cfg(test)] hold: Arc<Mutex<()>>,
-    #[cfg(test)] probe: Arc<IoProbe>,
-) {
+fn io_thread(jobs: Arc<Mutex<mpsc::Receiver<Job>>>) {
     loop {
         let Ok(job) = jobs.lock().recv() else { return };
-        #[cfg(test)]
-        drop(hold.lock());
-        #[cfg(test)]
-        {
-            let now = probe.busy.fetch_add(1, Ordering::AcqRel) + 1;
-            probe.peak.fetch_max(now, Ordering::AcqRel);
-            let delay = probe.delay_ms.load(Ordering::Acquire);
-            std::thread::sleep(std::time::Duration::from_millis(delay));
-        }
         job.flight.write_to(&*job.target);
-        #[cfg(test)]
-        probe.busy.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -395,25 +351,6 @@ fn copy_overlap(out: &mut [u8], out_at: u64, src_at: u64, src: &[u8]) {
 }
 
 impl Segments {
-    /// Opens `dir` on the real filesystem, with threads (for tests).
-    #[cfg(test)]
-    fn open(
-        dir: &Path,
-        writers: usize,
-        segment_bytes_max: u64,
-        next_id: u64,
-        direct_io: bool,
-    ) -> Result<(Self, Vec<u64>)> {
-        let options = SegmentOptions {
-            writers,
-            segment_bytes_max,
-            next_id,
-            direct_io,
-            threads: true,
-        };
-        Self::open_on(crate::disk::fs(), dir, options)
-    }
-
     /// Opens the segment directory `dir` on `disk`. Returns the ids of the segment files
     /// found.
     pub fn open_on(
@@ -469,28 +406,14 @@ impl Segments {
             .collect();
         let (io, jobs) = mpsc::channel();
         let jobs = Arc::new(Mutex::new(jobs));
-        #[cfg(test)]
-        let io_hold = Arc::new(Mutex::new(()));
-        #[cfg(test)]
-        let io_probe = Arc::new(IoProbe::default());
         // One thread per writer: each writer has at most one write in flight. Without
         // threads, the writer writes its full buffer itself.
         let io_threads = (0..if threads { writers.len() } else { 0 })
             .map(|_| {
                 let jobs = jobs.clone();
-                #[cfg(test)]
-                let (hold, probe) = (io_hold.clone(), io_probe.clone());
                 std::thread::Builder::new()
                     .name("ibid-segment-io".into())
-                    .spawn(move || {
-                        io_thread(
-                            jobs,
-                            #[cfg(test)]
-                            hold,
-                            #[cfg(test)]
-                            probe,
-                        )
-                    })
+                    .spawn(move || io_thread(jobs))
                     .map_err(|e| Error::io("start a segment I/O thread", e))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -499,8 +422,6 @@ impl Segments {
             failed: Mutex::new(None),
             failed_any: AtomicBool::new(false),
             syncing: Mutex::new(()),
-            #[cfg(test)]
-            fail_syncs: AtomicBool::new(false),
         });
         let (sealed_sync, sealed) = mpsc::channel();
         let for_thread = shared.clone();
@@ -515,12 +436,8 @@ impl Segments {
             false => None,
         };
         let segs = Segments {
-            #[cfg(test)]
-            io_hold,
             io: threads.then_some(io),
             io_threads,
-            #[cfg(test)]
-            io_probe,
             shared,
             sealed_sync: threads.then_some(sealed_sync),
             sync_thread,

@@ -2,6 +2,44 @@
 //! failed writes and syncs.
 
 use super::*;
+use crate::disk::{Fault, FaultOp, SimDisk};
+
+/// Opens `dir` on `disk`, with threads.
+fn open_on(
+    disk: Arc<dyn crate::disk::Disk>,
+    dir: &Path,
+    writers: usize,
+    segment_bytes_max: u64,
+    next_id: u64,
+    direct_io: bool,
+) -> Result<(Segments, Vec<u64>)> {
+    let options = SegmentOptions {
+        writers,
+        segment_bytes_max,
+        next_id,
+        direct_io,
+        threads: true,
+    };
+    Segments::open_on(disk, dir, options)
+}
+
+/// Opens `dir` on the real filesystem, with threads.
+fn open(
+    dir: &Path,
+    writers: usize,
+    segment_bytes_max: u64,
+    next_id: u64,
+    direct_io: bool,
+) -> Result<(Segments, Vec<u64>)> {
+    open_on(
+        crate::disk::fs(),
+        dir,
+        writers,
+        segment_bytes_max,
+        next_id,
+        direct_io,
+    )
+}
 
 fn payload(i: u64, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
@@ -32,6 +70,24 @@ fn fill_past_a_flight(segs: &Segments, w: usize) -> Vec<(Placement, Vec<u8>)> {
     unreachable!()
 }
 
+/// [`fill_past_a_flight`] while `disk`'s segment writes are paused. An appender that wrote
+/// its full buffer itself would wait at the pause: after 10 s the disk is resumed and the
+/// test fails instead of hanging.
+fn fill_while_paused(disk: &SimDisk, segs: &Segments, w: usize) -> Vec<(Placement, Vec<u8>)> {
+    std::thread::scope(|sc| {
+        let fill = sc.spawn(|| fill_past_a_flight(segs, w));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !fill.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        if !fill.is_finished() {
+            disk.resume_all();
+            panic!("the appender wrote its full buffer itself");
+        }
+        fill.join().unwrap()
+    })
+}
+
 fn read_back(segs: &Segments, placed: &[(Placement, Vec<u8>)]) -> Result<()> {
     for (i, (at, p)) in placed.iter().enumerate() {
         let rec = segs
@@ -59,7 +115,7 @@ fn sizes_on_disk(dir: &Path) -> u64 {
 fn total_bytes_counts_what_the_files_hold() {
     for direct in [true, false] {
         let dir = tempfile::tempdir().unwrap();
-        let (segs, _) = Segments::open(dir.path(), 3, 3 << 20, 1, direct).unwrap();
+        let (segs, _) = open(dir.path(), 3, 3 << 20, 1, direct).unwrap();
         assert_eq!(segs.total_bytes(), 0);
         let mut appended = 0;
         let mut segments = std::collections::BTreeSet::new();
@@ -100,7 +156,7 @@ fn total_bytes_counts_what_the_files_hold() {
         assert_eq!(segs.total_bytes(), appended - removed);
         assert_eq!(sizes_on_disk(dir.path()), appended - removed);
         drop(segs);
-        let (segs, _) = Segments::open(dir.path(), 3, 3 << 20, 1, direct).unwrap();
+        let (segs, _) = open(dir.path(), 3, 3 << 20, 1, direct).unwrap();
         assert_eq!(segs.total_bytes(), appended - removed);
     }
 }
@@ -111,7 +167,7 @@ fn total_bytes_counts_what_the_files_hold() {
 #[test]
 fn appends_of_a_batch_go_back_to_back_through_a_free_writer() {
     let dir = tempfile::tempdir().unwrap();
-    let (segs, _) = Segments::open(dir.path(), 3, 1 << 20, 1, true).unwrap();
+    let (segs, _) = open(dir.path(), 3, 1 << 20, 1, true).unwrap();
     let payloads: Vec<Vec<u8>> = (0..5)
         .map(|i| payload(i, 1000 + 700 * i as usize))
         .collect();
@@ -170,7 +226,7 @@ fn appends_of_a_batch_go_back_to_back_through_a_free_writer() {
 #[test]
 fn a_write_inside_a_file_does_not_shrink_the_count() {
     let dir = tempfile::tempdir().unwrap();
-    let (segs, _) = Segments::open(dir.path(), 2, 1 << 20, 1, true).unwrap();
+    let (segs, _) = open(dir.path(), 2, 1 << 20, 1, true).unwrap();
     let at = segs.append(0, 1, 0, &payload(1, 3000), 1).unwrap();
     segs.sync().unwrap();
     let total = segs.total_bytes();
@@ -190,10 +246,11 @@ fn a_write_inside_a_file_does_not_shrink_the_count() {
 #[test]
 fn full_buffers_are_written_in_the_background() {
     for direct in [true, false] {
-        let dir = tempfile::tempdir().unwrap();
-        let (segs, _) = Segments::open(dir.path(), 2, 32 << 20, 1, direct).unwrap();
-        let held = segs.io_hold.lock();
-        let placed = fill_past_a_flight(&segs, 0);
+        let disk = SimDisk::new(1, 1 << 30);
+        let dir = Path::new("/pool/segments");
+        let (segs, _) = open_on(Arc::new(disk.clone()), dir, 2, 32 << 20, 1, direct).unwrap();
+        let held = disk.pause(FaultOp::Write, ".seg");
+        let placed = fill_while_paused(&disk, &segs, 0);
         let id = placed[0].0.segment;
         assert_eq!(
             segs.file_bytes(id),
@@ -218,7 +275,7 @@ fn full_buffers_are_written_in_the_background() {
         read_back(&segs, &placed).unwrap();
         segs.seal_writers(1, 1).unwrap();
         drop(segs);
-        let (segs, _) = Segments::open(dir.path(), 2, 32 << 20, 1, direct).unwrap();
+        let (segs, _) = open_on(Arc::new(disk), dir, 2, 32 << 20, 1, direct).unwrap();
         read_back(&segs, &placed).unwrap();
     }
 }
@@ -226,20 +283,25 @@ fn full_buffers_are_written_in_the_background() {
 /// Two writers' full buffers are written at the same time, not one after the other.
 #[test]
 fn writers_flights_are_written_side_by_side() {
-    let dir = tempfile::tempdir().unwrap();
-    let (segs, _) = Segments::open(dir.path(), 3, 32 << 20, 1, true).unwrap();
-    segs.io_probe.delay_ms.store(300, Ordering::Release);
-    // Both flights wait at the hold, so however slow the filling, they start together.
-    let held = segs.io_hold.lock();
-    let first = fill_past_a_flight(&segs, 0);
-    let second = fill_past_a_flight(&segs, 1);
-    drop(held);
-    segs.sync().unwrap();
+    let disk = SimDisk::new(1, 1 << 30);
+    let dir = Path::new("/pool/segments");
+    let (segs, _) = open_on(Arc::new(disk.clone()), dir, 3, 32 << 20, 1, true).unwrap();
+    // The device stalls: each flight's write waits at the pause. Written side by side, both
+    // are there at once; written one after the other, the second never starts.
+    let held = disk.pause(FaultOp::Write, ".seg");
+    let first = fill_while_paused(&disk, &segs, 0);
+    let second = fill_while_paused(&disk, &segs, 1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while disk.stats().peak_in_flight < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     assert_eq!(
-        segs.io_probe.peak.load(Ordering::Acquire),
+        disk.stats().peak_in_flight,
         2,
         "the two flights were not written at once"
     );
+    drop(held);
+    segs.sync().unwrap();
     read_back(&segs, &first).unwrap();
     read_back(&segs, &second).unwrap();
 }
@@ -249,18 +311,18 @@ fn writers_flights_are_written_side_by_side() {
 #[test]
 fn sealed_segments_are_synced_in_the_background() {
     let dir = tempfile::tempdir().unwrap();
-    let (segs, _) = Segments::open(dir.path(), 2, 64 << 10, 1, false).unwrap();
+    let (segs, _) = open(dir.path(), 2, 64 << 10, 1, false).unwrap();
     let placed: Vec<_> = (0..40u64)
         .map(|i| {
             let p = payload(i, 4000);
             (segs.append(0, i, 0, &p, 1).unwrap(), p)
         })
         .collect();
-    let open = placed.last().unwrap().0.segment;
+    let open_id = placed.last().unwrap().0.segment;
     let sealed: Vec<u64> = placed
         .iter()
         .map(|(at, _)| at.segment)
-        .filter(|&id| id != open)
+        .filter(|&id| id != open_id)
         .collect();
     assert!(
         sealed.len() > 20,
@@ -278,7 +340,7 @@ fn sealed_segments_are_synced_in_the_background() {
         if !sealed.iter().any(|id| unsynced.contains(id)) {
             assert_eq!(
                 unsynced,
-                vec![open],
+                vec![open_id],
                 "only the open segment is left to sync"
             );
             break;
@@ -292,7 +354,7 @@ fn sealed_segments_are_synced_in_the_background() {
     segs.sync().unwrap();
     assert!(segs.shared.unsynced.lock().is_empty());
     drop(segs);
-    let (segs, _) = Segments::open(dir.path(), 2, 64 << 10, 1, false).unwrap();
+    let (segs, _) = open(dir.path(), 2, 64 << 10, 1, false).unwrap();
     read_back(&segs, &placed).unwrap();
 }
 
@@ -300,9 +362,23 @@ fn sealed_segments_are_synced_in_the_background() {
 /// later append.
 #[test]
 fn a_failed_background_sync_fails_later_syncs_and_appends() {
-    let dir = tempfile::tempdir().unwrap();
-    let (segs, _) = Segments::open(dir.path(), 2, 64 << 10, 1, false).unwrap();
-    segs.shared.fail_syncs.store(true, Ordering::Release);
+    let disk = SimDisk::new(1, 1 << 30);
+    let (segs, _) = open_on(
+        Arc::new(disk.clone()),
+        Path::new("/pool/segments"),
+        2,
+        64 << 10,
+        1,
+        false,
+    )
+    .unwrap();
+    // The next fsync of a segment file fails: the sync thread's, of the first sealed one.
+    disk.inject(Fault {
+        op: FaultOp::Sync,
+        path_contains: ".seg".into(),
+        nth: 1,
+        errno: libc::EIO,
+    });
     let mut i = 0;
     while !segs.shared.failed_any.load(Ordering::Acquire) {
         // Each record seals a segment now and then; the sync thread then fails.
@@ -321,7 +397,7 @@ fn a_failed_background_sync_fails_later_syncs_and_appends() {
     // (The check after a sync's own fsyncs, for a failure recorded while they ran, is a race
     // this test does not reach: here the failure is already recorded.)
     let err = segs.sync().unwrap_err();
-    assert!(err.to_string().contains("injected"), "{err}");
+    assert!(err.to_string().contains("sync segment"), "{err}");
     assert!(segs.sync().is_err(), "the failure was forgotten");
     assert!(segs.append(1, 99_999, 0, &payload(1, 100), 1).is_err());
 }
@@ -366,7 +442,7 @@ fn a_failed_background_write_fails_later_syncs_and_appends() {
 fn records_survive_padded_syncs_and_rewrites() {
     for direct in [true, false] {
         let dir = tempfile::tempdir().unwrap();
-        let (segs, found) = Segments::open(dir.path(), 2, 4 << 20, 1, direct).unwrap();
+        let (segs, found) = open(dir.path(), 2, 4 << 20, 1, direct).unwrap();
         assert!(found.is_empty());
         let mut placed = Vec::new();
         // Odd sizes so records straddle pages; about 12 MiB in all, synced every ~1.6 MiB,
@@ -405,7 +481,7 @@ fn records_survive_padded_syncs_and_rewrites() {
         check(&segs);
         segs.seal_writers(1, 1).unwrap();
         drop(segs);
-        let (segs, found) = Segments::open(dir.path(), 2, 4 << 20, 1, direct).unwrap();
+        let (segs, found) = open(dir.path(), 2, 4 << 20, 1, direct).unwrap();
         assert_eq!(found.len(), 3);
         check(&segs);
         for id in found {
