@@ -5,9 +5,9 @@
 //! forever; every outcome is a reply or a clean refusal.
 
 use crate::export::Export;
+use crate::handshake::Context;
 use crate::handshake::{self, Next, State};
 use crate::memory::{MemoryExport, MemoryExports};
-use crate::server::Context;
 use crate::transmission;
 use crate::wire::{self, ReplyMode};
 use std::sync::Arc;

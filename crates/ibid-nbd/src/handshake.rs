@@ -6,14 +6,24 @@
 //! a bad magic or unknown client flags end the connection; a malformed option body is answered
 //! `NBD_REP_ERR_INVALID` and haggling goes on, as the spec asks.
 
+use crate::export::Exports;
 use crate::export::{Export, BLOCK_SIZE_MIN, BLOCK_SIZE_PREFERRED, PAYLOAD_LEN_MAX};
-use crate::server::Context;
 use crate::transmission::{ConnError, Session};
 use crate::wire::{self, ClientOption, InfoRequest, MetaRequest, ReplyMode};
 use crate::BoxStream;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
 use tracing::debug;
+
+/// What every connection shares (the server makes it; the handshake and transmission read it).
+pub(crate) struct Context {
+    pub exports: Arc<dyn Exports>,
+    pub tls: Option<crate::tls::Acceptor>,
+    pub tls_required: bool,
+    /// Becomes `true` when the server shuts down.
+    pub stop: watch::Receiver<bool>,
+}
 
 /// Most options one handshake may send before the server hangs up.
 pub const OPTIONS_PER_HANDSHAKE_MAX: u32 = 1024;

@@ -1,7 +1,7 @@
 //! The accept loop: one task per connection, a bound on connections, graceful shutdown.
 
 use crate::export::Exports;
-use crate::handshake;
+use crate::handshake::{self, Context};
 use crate::tls::{TlsConfig, TlsConfigError};
 use crate::transmission;
 use crate::workers::{Workers, WORKERS_DEFAULT};
@@ -66,15 +66,6 @@ pub enum ServeError {
     /// The worker threads could not be started.
     #[error("start NBD worker threads: {0}")]
     Workers(std::io::Error),
-}
-
-/// What every connection shares.
-pub(crate) struct Context {
-    pub exports: Arc<dyn Exports>,
-    pub tls: Option<crate::tls::Acceptor>,
-    pub tls_required: bool,
-    /// Becomes `true` when the server shuts down.
-    pub stop: watch::Receiver<bool>,
 }
 
 /// Serves `exports` on `listener` forever (see [`serve_until`]).

@@ -4,8 +4,8 @@
 
 use super::cdb::{self, Op};
 use super::{
-    alloc_trunc, Ctx, Nexus, Response, Target, BLOCK_SIZE, GRANULARITY_BLOCKS, LBPPB_EXPONENT,
-    MAX_CAW_BLOCKS, MAX_TRANSFER_BLOCKS, MAX_UNMAP_BLOCKS, MAX_UNMAP_DESCRIPTORS,
+    alloc_trunc, naa_designator, Ctx, Nexus, Response, Target, BLOCK_SIZE, GRANULARITY_BLOCKS,
+    LBPPB_EXPONENT, MAX_CAW_BLOCKS, MAX_TRANSFER_BLOCKS, MAX_UNMAP_BLOCKS, MAX_UNMAP_DESCRIPTORS,
     MAX_WRITE_SAME_BLOCKS,
 };
 use crate::pdu::lun_to_wire;
@@ -92,13 +92,6 @@ fn standard_inquiry(ctx: &Ctx) -> Vec<u8> {
 /// Unit serial number: hex of the LUN's stable id.
 fn serial(ctx: &Ctx) -> String {
     crate::login::hex(&ctx.dev.id())
-}
-
-/// The NAA IEEE Registered Extended designator (NAA 6) derived from the LUN id.
-pub fn naa_designator(id: &[u8; 16]) -> [u8; 16] {
-    let mut d = *id;
-    d[0] = 0x60 | (d[0] & 0x0f);
-    d
 }
 
 fn designator(out: &mut Vec<u8>, proto_codeset: u8, piv_assoc_type: u8, value: &[u8]) {

@@ -111,6 +111,14 @@ pub fn lun_error_sense(e: &LunError) -> Sense {
     }
 }
 
+/// The NAA IEEE Registered Extended designator (NAA 6) derived from the LUN id: the LUN's
+/// identity in the Device Identification VPD page and in EXTENDED COPY's target descriptors.
+pub fn naa_designator(id: &[u8; 16]) -> [u8; 16] {
+    let mut d = *id;
+    d[0] = 0x60 | (d[0] & 0x0f);
+    d
+}
+
 /// Truncate `v` to the allocation length `alloc`.
 pub fn alloc_trunc(mut v: Vec<u8>, alloc: u32) -> Vec<u8> {
     v.truncate(alloc as usize);

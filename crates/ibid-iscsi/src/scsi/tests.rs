@@ -71,7 +71,7 @@ fn xcopy_between_luns() {
         let mut td = vec![0u8; 32];
         td[0] = 0xe4;
         td[4..8].copy_from_slice(&[1, 3, 0, 16]);
-        td[8..24].copy_from_slice(&info::naa_designator(&dev.id()));
+        td[8..24].copy_from_slice(&naa_designator(&dev.id()));
         td[30] = 2;
         p.extend_from_slice(&td);
     }

@@ -17,9 +17,7 @@
 //! becomes one [`crate::backend::Luns::copy_range`] call (metadata only in
 //! the engine).
 
-use super::{
-    alloc_trunc, info::naa_designator, lun_error_sense, param_list, Ctx, Response, BLOCK_SIZE,
-};
+use super::{alloc_trunc, lun_error_sense, naa_designator, param_list, Ctx, Response, BLOCK_SIZE};
 use crate::sense::{Sense, KEY_COPY_ABORTED, KEY_ILLEGAL_REQUEST};
 
 /// Parameter list header length.
