@@ -39,7 +39,8 @@ pub(crate) struct LayerFilters {
 }
 
 impl LayerFilters {
-    /// Filters for existing layers, all pending until [`LayerFilters::complete`] gives each its scan.
+    /// Filters for existing layers, all pending until [`LayerFilters::complete`] gives each
+    /// its scan.
     /// Must be called before anything can commit to these layers.
     pub(crate) fn pending(layers: impl IntoIterator<Item = u64>) -> LayerFilters {
         let map = layers

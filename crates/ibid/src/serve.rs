@@ -59,9 +59,10 @@ pub struct ServeOptions {
 /// The async runtime's default size: a quarter of the cores, at least one. Its threads move
 /// bytes between sockets and buffers, hand requests on and run the small NBD writes that
 /// will not wait (the blocking backend calls run on the NBD workers and, for iSCSI and the
-/// API, on tokio's blocking pool), so a few keep up with many connections; each extra one costs wake-ups, as the scheduler wakes idle
-/// threads to steal every task it queues (on 2 cores, one thread serves 4 KiB random reads
-/// and QD1 writes better than two: docs/benchmarks/nbd-fio.md).
+/// API, on tokio's blocking pool), so a few keep up with many connections; each extra one
+/// costs wake-ups, as the scheduler wakes idle threads to steal every task it queues (on 2
+/// cores, one thread serves 4 KiB random reads and QD1 writes better than two:
+/// docs/benchmarks/nbd-fio.md).
 pub fn io_threads_default() -> usize {
     std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).max(1))
 }

@@ -14,15 +14,16 @@ const BATCH_COPIES_MAX: usize = 64;
 ///
 /// Copies by frames alone hold [`Copies::framing`] (shared) and queue here; one at a time
 /// leads: it takes the commit lock and applies its own copy and the waiting ones that do not
-/// conflict with it together (see [`crate::inner::Inner::copy_by_frames`]), and the others wait for it. Every
-/// other copy (bytes copied as data at unaligned edges, block references shared) reads its
-/// source and writes its destination in several steps, so it holds [`Copies::exclusive`]
-/// for the whole copy.
+/// conflict with it together (see [`crate::inner::Inner::copy_by_frames`]), and the others
+/// wait for it. Every other copy (bytes copied as data at unaligned edges, block references
+/// shared) reads its source and writes its destination in several steps, so it holds
+/// [`Copies::exclusive`] for the whole copy.
 #[derive(Default)]
 pub(crate) struct Copies {
     queue: Mutex<Queued>,
     /// Signalled when a batch is applied.
     finished: Condvar,
+    /// Shared by copies by frames, exclusive for every other copy.
     order: RwLock<()>,
 }
 

@@ -657,12 +657,12 @@ impl Inner {
     }
 
     /// Runs `op`; if it fails for lack of space, commits and folds the reference log (space
-    /// freed by overwrites, zeroing and deletes is only counted back then) and runs it once more, and
-    /// again (up to [`RETRIES_AFTER_COMMIT_MAX`] times) while each commit freed space. If the
-    /// pool still has room and only the filesystem refuses (garbage fills it: the cleaner fell
-    /// behind the writes despite pacing, or has no thread), the writer cleans segments itself
-    /// and runs `op` again after each, up to [`CLEANS_FOR_SPACE_MAX`]: a write waits for space
-    /// the pool has instead of failing.
+    /// freed by overwrites, zeroing and deletes is only counted back then) and runs it once
+    /// more, and again (up to [`RETRIES_AFTER_COMMIT_MAX`] times) while each commit freed
+    /// space. If the pool still has room and only the filesystem refuses (garbage fills it: the
+    /// cleaner fell behind the writes despite pacing, or has no thread), the writer cleans
+    /// segments itself and runs `op` again after each, up to [`CLEANS_FOR_SPACE_MAX`]: a write
+    /// waits for space the pool has instead of failing.
     /// `op` must be safe to repeat after a partial run (a plain write is).
     pub(crate) fn retry_after_commit<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
         let mut result = op();
