@@ -640,7 +640,10 @@ fn render_pool(page: &mut Page, pool: &Pool) {
     page.family(
         "ibid_pool_commits_total",
         "counter",
-        "Metadata commits since the pool was opened.",
+        concat!(
+            "Number of the last committed metadata batch: commits since the pool was created, ",
+            "plus up to 66 numbers skipped at each open."
+        ),
     );
     page.sample("ibid_pool_commits_total", &[], s.committed_batches);
 }
