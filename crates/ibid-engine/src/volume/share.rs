@@ -71,12 +71,13 @@ impl Inner {
             return Ok(report);
         }
         // Whole blocks and long enough: by frames alone, unless the destination's stack has no
-        // room (see `copy/`: such copies run beside each other).
-        if src_off.is_multiple_of(BLOCK)
+        // room (see `copy/`: such copies run beside each other). Tried once: below, a copy
+        // whose frames did not fit shares block references.
+        let frames_tried = src_off.is_multiple_of(BLOCK)
             && dst_off.is_multiple_of(BLOCK)
             && len.is_multiple_of(BLOCK)
-            && len / BLOCK >= self.config.frame_copy_blocks_min
-        {
+            && len / BLOCK >= self.config.frame_copy_blocks_min;
+        if frames_tried {
             let _framing = self.copies.framing();
             if self.copy_by_frames(src, src_off / BLOCK, dst, dst_off / BLOCK, len / BLOCK)? {
                 report.shared_bytes = len;
@@ -133,7 +134,8 @@ impl Inner {
                     dst: d,
                     blocks,
                 } => {
-                    let framed = blocks >= self.config.frame_copy_blocks_min
+                    let framed = !frames_tried
+                        && blocks >= self.config.frame_copy_blocks_min
                         && self.copy_by_frames(src, s, dst, d, blocks)?;
                     if !framed {
                         self.share_windows(src, s, dst, d, blocks)?;
