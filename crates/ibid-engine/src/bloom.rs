@@ -6,6 +6,13 @@
 //! it is rebuilt after open) just means every lookup goes to the store. A filter that grows is
 //! rebuilt beside the one it replaces, which answers for the older fingerprints until the new
 //! one is complete, so growing never sends every lookup to the store.
+//!
+//! A Bloom filter cannot forget: the fingerprints of chunks that died stay in it. A pool whose
+//! data is rewritten keeps its live chunk count while its filter fills with the dead, and the
+//! false positives (each a lookup in the runs and the store) grew pass after pass — from ~1 %
+//! to ~64 % of unique writes after eight rewrites of the same 2 GiB (BENCHMARKS.md, "The
+//! dedup filter forgets nothing"). So a filter counts what it was given, and one given more
+//! than it was sized for is rebuilt like one outgrown ([`Bloom::needs_rebuild`]).
 
 use parking_lot::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,11 +23,21 @@ pub const BITS_PER_ENTRY: u64 = 10;
 /// Number of probes per key.
 pub const HASHES: u32 = 7;
 
+/// How many times its capacity in fingerprints a filter is given before it is rebuilt for
+/// the fingerprints it dropped. A rebuild scans the whole index (~0.5 µs per live chunk), a
+/// false positive costs a lookup in the runs and the store (~4.5 µs, 2 GiB of live data);
+/// at 1× a pool rewriting its data rescanned its index every half pass for false positives
+/// below 1 %, at 2× they reach 14 % just before the rebuild (`(1 − e^(−7·2/10))^7`) and average
+/// ~5 %, and the scans come a third as often: the least total of the two by those costs.
+pub const SATURATION: u64 = 2;
+
 /// A fixed-size Bloom filter keyed by BLAKE3 fingerprints (already uniformly distributed).
 pub struct Bloom {
     words: Vec<AtomicU64>,
     bits: u64,
     capacity: u64,
+    /// Fingerprints inserted so far (live or since dead: the filter holds them all).
+    inserted: AtomicU64,
     ready: AtomicBool,
     /// While not ready: the filter this one replaces, which holds every fingerprint inserted
     /// before this one was installed. Dropped when this one is ready.
@@ -37,6 +54,7 @@ impl Bloom {
             words,
             bits,
             capacity,
+            inserted: AtomicU64::new(0),
             ready: AtomicBool::new(ready),
             previous: RwLock::new(None),
         }
@@ -53,6 +71,18 @@ impl Bloom {
     /// The number of fingerprints the filter was sized for.
     pub fn capacity(&self) -> u64 {
         self.capacity
+    }
+
+    /// Fingerprints inserted into this filter so far (each insert counts, repeats too).
+    pub fn inserted(&self) -> u64 {
+        self.inserted.load(Ordering::Relaxed)
+    }
+
+    /// Whether the filter should be rebuilt: the pool holds more chunks than it was sized for,
+    /// or it was given more than [`SATURATION`] times that many fingerprints (most of them of
+    /// chunks since dead).
+    pub fn needs_rebuild(&self, live_chunks: u64) -> bool {
+        live_chunks > self.capacity || self.inserted() > SATURATION * self.capacity
     }
 
     /// Bytes of RAM the filter uses.
@@ -84,6 +114,7 @@ impl Bloom {
 
     /// Adds a fingerprint, given by its prefix ([`crate::meta::fp_prefix`]).
     pub fn insert(&self, prefix: u64) {
+        self.inserted.fetch_add(1, Ordering::Relaxed);
         for bit in self.probes(prefix) {
             self.words[(bit / 64) as usize].fetch_or(1 << (bit % 64), Ordering::Relaxed);
         }
@@ -127,6 +158,35 @@ mod tests {
         assert!(
             false_positives < 2_000,
             "{false_positives} false positives in 100k"
+        );
+    }
+
+    /// A filter given more fingerprints than it was sized for asks to be rebuilt even while
+    /// the pool's live chunks fit it: the dead ones it still holds raise its false positives.
+    #[test]
+    fn a_filter_given_more_than_its_capacity_asks_for_a_rebuild() {
+        let fp = |i: u64| crate::meta::fp_prefix(blake3::hash(&i.to_le_bytes()).as_bytes());
+        let b = Bloom::with_capacity(100_000, true);
+        let live = 60_000;
+        for i in 0..100_000 {
+            b.insert(fp(i));
+        }
+        assert_eq!(b.inserted(), 100_000);
+        assert!(!b.needs_rebuild(live));
+        assert!(b.needs_rebuild(100_001), "outgrown by live chunks");
+        // Rewrites: new fingerprints, the live count unchanged.
+        for i in 100_000..200_000 {
+            b.insert(fp(i));
+        }
+        assert!(!b.needs_rebuild(live));
+        b.insert(fp(200_000));
+        assert!(b.needs_rebuild(live));
+        let false_positives = (1_000_000..1_100_000)
+            .filter(|&i| b.may_contain(fp(i)))
+            .count();
+        assert!(
+            false_positives > 5_000,
+            "twice the capacity in: {false_positives} false positives in 100k (~14 % expected)"
         );
     }
 

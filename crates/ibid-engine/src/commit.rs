@@ -108,7 +108,7 @@ impl Inner {
     pub(crate) fn after_commit(&self) {
         self.check_soft_threshold();
         let bloom = self.dedup.filter();
-        if self.space.live_chunks() > bloom.capacity() {
+        if bloom.needs_rebuild(self.space.live_chunks()) {
             self.wake_background();
         }
     }

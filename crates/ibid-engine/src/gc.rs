@@ -108,7 +108,7 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             tracing::error!("flatten volume layers: {e}");
         }
         let bloom = inner.dedup.filter();
-        if inner.space.live_chunks() > bloom.capacity() {
+        if bloom.needs_rebuild(inner.space.live_chunks()) {
             inner.spawn_filter_work(false);
         }
     }

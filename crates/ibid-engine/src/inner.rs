@@ -323,6 +323,7 @@ impl Inner {
         let used = physical + meta_bytes;
         let logical = mapped * BLOCK_BYTES as u64;
         let (fs_total, fs_avail) = space.fs().now();
+        let filter = self.dedup.filter();
         PoolStats {
             capacity_bytes: capacity,
             soft_threshold_pct: space.soft_threshold_pct() as u8,
@@ -349,7 +350,9 @@ impl Inner {
             } else {
                 logical as f64 / physical as f64
             },
-            dedup_filter_ram_bytes: self.dedup.filter().ram_bytes(),
+            dedup_filter_ram_bytes: filter.ram_bytes(),
+            dedup_filter_capacity: filter.capacity(),
+            dedup_filter_fingerprints: filter.inserted(),
             layer_filter_ram_bytes: self.layer_filters.ram_bytes(),
             committed_batches: self.batches.committed(),
         }

@@ -58,6 +58,13 @@ pub struct PoolStats {
     pub data_reduction_ratio: f64,
     /// RAM of the dedup filter.
     pub dedup_filter_ram_bytes: u64,
+    /// Fingerprints the dedup filter is sized for (~1 % false positives when it holds that
+    /// many).
+    pub dedup_filter_capacity: u64,
+    /// Fingerprints the dedup filter holds: of live chunks and of chunks freed since it was
+    /// built (a Bloom filter cannot drop them). Past twice its capacity it is rebuilt from the
+    /// index.
+    pub dedup_filter_fingerprints: u64,
     /// RAM of the filters that say which blocks each map layer holds.
     pub layer_filter_ram_bytes: u64,
     /// The number of the last committed batch: metadata commits so far (empty ones included),

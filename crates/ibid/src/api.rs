@@ -399,6 +399,8 @@ fn stats_json(s: &PoolStats) -> Value {
         "garbage_bytes": s.garbage_bytes,
         "data_reduction_ratio": s.data_reduction_ratio,
         "dedup_filter_ram_bytes": s.dedup_filter_ram_bytes,
+        "dedup_filter_capacity": s.dedup_filter_capacity,
+        "dedup_filter_fingerprints": s.dedup_filter_fingerprints,
         "layer_filter_ram_bytes": s.layer_filter_ram_bytes,
     })
 }

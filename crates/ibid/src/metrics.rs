@@ -523,7 +523,7 @@ pub fn render_offload(st: &OffloadStats, schedule_lags: &[(String, u64)]) -> Str
 /// Pool-wide figures from [`Pool::stats`].
 fn render_pool(page: &mut Page, pool: &Pool) {
     let s = pool.stats();
-    let gauges: [(&str, &str, f64); 23] = [
+    let gauges: [(&str, &str, f64); 25] = [
         (
             "capacity_bytes",
             "Capacity of the pool.",
@@ -625,6 +625,17 @@ fn render_pool(page: &mut Page, pool: &Pool) {
             "dedup_filter_ram_bytes",
             "RAM of the dedup filter.",
             s.dedup_filter_ram_bytes as f64,
+        ),
+        (
+            "dedup_filter_capacity",
+            "Fingerprints the dedup filter is sized for.",
+            s.dedup_filter_capacity as f64,
+        ),
+        (
+            "dedup_filter_fingerprints",
+            "Fingerprints the dedup filter holds, of live and of since freed chunks (rebuilt past \
+             twice its capacity).",
+            s.dedup_filter_fingerprints as f64,
         ),
         (
             "layer_filter_ram_bytes",
