@@ -6,7 +6,8 @@
 //!
 //! The store comes from the environment `scripts/ceph-rgw.sh start` prints
 //! (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `IBID_TEST_BUCKET`); each
-//! run writes under a prefix of its own. Per round, alternating ibid and the peer:
+//! run writes under a prefix of its own. Per round, ibid and the peer (ibid first in even
+//! rounds, the peer first in odd ones):
 //! - **push** of a snapshot of `--size-mib` of incompressible data, against PUTs of as many
 //!   8 MiB objects of random bytes as the push sent bytes, 4 at a time (as the push does);
 //! - **restore** of it into a new volume, against GETs of the push's packs, 4 at a time;
@@ -109,28 +110,58 @@ pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
         let store = raw_store(&config(&format!("r{round}-peer"))?)?;
         let pack_store = raw_store(&c)?;
 
-        // Push, then the peer's PUTs of as many bytes.
-        let t = Instant::now();
-        let report = rt.block_on(remote.push(&pool, "v", "s", Arc::default()))?;
-        let push_s = t.elapsed().as_secs_f64();
-        let sent = report.bytes_sent;
-        let put_s = rt.block_on(put_objects(&store, sent, &mut rng, a.depth))?;
+        // Who goes first alternates by round: the first writes into a fresh prefix, and the
+        // first reads of objects the store has not served yet, are not the same work as the
+        // second (the gateway's and the OSD's caches, the bucket index).
+        let ibid_first = round % 2 == 0;
+        // The push and the peer's PUTs of as many bytes. The peer's byte count is the push's,
+        // so when the peer goes first it PUTs the size of the snapshot's data as the push will
+        // send it (incompressible: the data and its record headers).
+        let push = |rt: &tokio::runtime::Runtime| -> Result<(u64, f64)> {
+            let t = Instant::now();
+            let report = rt.block_on(remote.push(&pool, "v", "s", Arc::default()))?;
+            Ok((report.bytes_sent, t.elapsed().as_secs_f64()))
+        };
+        let (sent, push_s, put_s) = if ibid_first {
+            let (sent, push_s) = push(&rt)?;
+            let put_s = rt.block_on(put_objects(&store, sent, &mut rng, a.depth))?;
+            (sent, push_s, put_s)
+        } else {
+            let put_s = rt.block_on(put_objects(&store, pack_bytes(size), &mut rng, a.depth))?;
+            let (sent, push_s) = push(&rt)?;
+            // Rates, so a small difference in bytes does not matter; a large one would.
+            anyhow::ensure!(
+                sent.abs_diff(pack_bytes(size)) < sent / 100,
+                "the push sent {sent} bytes, not about {} as the peer was given",
+                pack_bytes(size)
+            );
+            (sent, push_s, put_s * sent as f64 / pack_bytes(size) as f64)
+        };
         // On another pool (as on another server: nothing to deduplicate against): first reads
         // of an instant restore, alternating with one ranged GET of a record each, after the
         // store and the pool have settled; then a restore and the peer's GETs of the packs.
         let (_dir2, other) = fresh_pool(&base)?;
         std::thread::sleep(std::time::Duration::from_secs(5));
         let (read_ms, get_ms) = first_reads(&rt, &other, &remote, &pack_store, a.reads, &base)?;
-        let t = Instant::now();
-        rt.block_on(remote.restore(&other, "v", "s", "back", Arc::new(Progress::default())))?;
-        let restore_s = t.elapsed().as_secs_f64();
-        let (got, get_s) = rt.block_on(get_packs(&pack_store, a.depth))?;
+        let restore = |rt: &tokio::runtime::Runtime| -> Result<f64> {
+            let t = Instant::now();
+            rt.block_on(remote.restore(&other, "v", "s", "back", Arc::new(Progress::default())))?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let (restore_s, (got, get_s)) = if ibid_first {
+            let restore_s = restore(&rt)?;
+            (restore_s, rt.block_on(get_packs(&pack_store, a.depth))?)
+        } else {
+            let got = rt.block_on(get_packs(&pack_store, a.depth))?;
+            (restore(&rt)?, got)
+        };
         other.close()?;
         let mb = |bytes: u64, s: f64| bytes as f64 / s / 1e6;
         let (push, put) = (mb(sent, push_s), mb(sent, put_s));
         let (restore, get) = (mb(got, restore_s), mb(got, get_s));
         println!(
-            "{round}\t{push:.0}\t{put:.0}\t{:.2}\t{restore:.0}\t{get:.0}\t{:.2}\t{read_ms:.1}\t{get_ms:.1}\t{:.2}",
+            "{round}{}\t{push:.0}\t{put:.0}\t{:.2}\t{restore:.0}\t{get:.0}\t{:.2}\t{read_ms:.1}\t{get_ms:.1}\t{:.2}",
+            if ibid_first { "" } else { " (peer first)" },
             push / put,
             restore / get,
             read_ms / get_ms
@@ -153,6 +184,12 @@ pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
         super::uptime()
     );
     Ok(())
+}
+
+/// Bytes a push of `size` bytes of incompressible data sends: each 64 KiB chunk as one record
+/// (its header and the chunk as it is).
+fn pack_bytes(size: u64) -> u64 {
+    size.div_ceil(CHUNK) * (CHUNK + ibid_offload::format::RECORD_HEADER_BYTES as u64)
 }
 
 /// Deletes every object of `store` (under its prefix).
