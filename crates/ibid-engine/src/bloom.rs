@@ -23,12 +23,13 @@ pub const BITS_PER_ENTRY: u64 = 10;
 /// Number of probes per key.
 pub const HASHES: u32 = 7;
 
-/// How many times its capacity in fingerprints a filter is given before it is rebuilt for
-/// the fingerprints it dropped. A rebuild scans the whole index (~0.5 µs per live chunk), a
-/// false positive costs a lookup in the runs and the store (~4.5 µs, 2 GiB of live data);
-/// at 1× a pool rewriting its data rescanned its index every half pass for false positives
-/// below 1 %, at 2× they reach 14 % just before the rebuild (`(1 − e^(−7·2/10))^7`) and average
-/// ~5 %, and the scans come a third as often: the least total of the two by those costs.
+/// How many times its capacity in fingerprints a filter is given before it is rebuilt
+/// without those of the chunks freed since. A rebuild scans the whole index (~0.5 µs per live
+/// chunk), a false positive costs a lookup in the runs and the store (~4.5 µs with 2 GiB of
+/// live data). Rebuilt at 1×, a filter holding half its capacity in live fingerprints is
+/// rescanned every half capacity of new chunks for false positives below 1 %; at 2× they reach
+/// 14 % just before the rebuild (`(1 − e^(−7·2/10))^7`), average ~5 %, and the scans come a
+/// third as often: the least total of the two by those costs.
 pub const SATURATION: u64 = 2;
 
 /// A fixed-size Bloom filter keyed by BLAKE3 fingerprints (already uniformly distributed).
