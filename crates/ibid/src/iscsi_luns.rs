@@ -4,8 +4,10 @@
 //! a volume's reads and writes are charged to its QoS limits ([`Qos`]; snapshots are not
 //! limited).
 //!
-//! An EXTENDED COPY holds its volumes' gates ([`CopyGates`]) exclusively; writes hold their
-//! volume's gate shared, here and in the NBD server.
+//! An EXTENDED COPY passes its volumes' gates ([`CopyGates`]) on the copies' side, a write its
+//! volume's gate on the writes' side, here and in the NBD server: writes wait for the copies
+//! involving their volume, copies for the writes, and copies in flight reach the engine
+//! together.
 
 use crate::clients::Clients;
 use crate::copy_gates::{CopyGates, Gate};
@@ -156,7 +158,7 @@ impl Luns for PoolLuns {
         let (src, src_map) = self.volume_by_lun(src_lun).ok_or(LunError::NoSuchLun)?;
         let (dst, dst_map) = self.volume_by_lun(dst_lun).ok_or(LunError::NoSuchLun)?;
         let gates = self.gates.for_copy(&[src_map.volume_id, dst_map.volume_id]);
-        let _held: Vec<_> = gates.iter().map(|g| g.write()).collect();
+        let _held: Vec<_> = gates.iter().map(|g| g.copy()).collect();
         let io = self.metrics.volume(&dst_map.name(), Protocol::Iscsi);
         // A volume being restored: the source's chunks are fetched first, the destination's
         // whole chunks claimed (the restore must not write over the copy).
@@ -234,7 +236,7 @@ struct VolumeLun {
     volume: Volume,
     id: [u8; 16],
     io: Arc<VolumeIo>,
-    /// The volume's gate (writes hold it shared; see the module's comment).
+    /// The volume's gate, passed by writes (see the module's comment).
     gate: Arc<Gate>,
     /// The volume's instant restore, if it is being restored.
     restore: RestoreHooks,
@@ -261,7 +263,7 @@ impl Lun for VolumeLun {
     }
 
     fn write(&self, off: u64, data: &[u8], fua: bool) -> Result<(), LunError> {
-        let _gate = self.gate.read();
+        let _gate = self.gate.write();
         self.io
             .record(Op::Write, data.len() as u64, || {
                 let len = data.len() as u64;
@@ -272,7 +274,7 @@ impl Lun for VolumeLun {
     }
 
     fn write_zeroes(&self, off: u64, len: u64) -> Result<(), LunError> {
-        let _gate = self.gate.read();
+        let _gate = self.gate.write();
         self.io
             .record(Op::WriteZeroes, len, || {
                 self.restore.write(off, len, false, || {
@@ -294,7 +296,7 @@ impl Lun for VolumeLun {
         expected: &[u8],
         new: &[u8],
     ) -> Result<Option<u64>, LunError> {
-        let _gate = self.gate.read();
+        let _gate = self.gate.write();
         self.io
             .record(Op::CompareAndWrite, new.len() as u64, || {
                 self.restore.compare_and_write(off, new.len() as u64, || {

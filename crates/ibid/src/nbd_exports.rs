@@ -119,7 +119,7 @@ struct VolumeExport {
     io: Arc<VolumeIo>,
     /// The volume's limits (shared with its other connections); `None` for a snapshot.
     qos: Option<Arc<VolumeQos>>,
-    /// The volume's copy gate, held shared by writes; `None` for a snapshot.
+    /// The volume's copy gate, passed by writes; `None` for a snapshot.
     gate: Option<Arc<Gate>>,
     /// The volume's instant restore, if it is being restored.
     restore: RestoreHooks,
@@ -177,7 +177,7 @@ impl Export for VolumeExport {
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
-        let _gate = self.gate.as_ref().map(|g| g.read());
+        let _gate = self.gate.as_ref().map(|g| g.write());
         self.io
             .record(Op::Write, data.len() as u64, || {
                 let len = data.len() as u64;
@@ -188,8 +188,9 @@ impl Export for VolumeExport {
     }
 
     fn write_is_quick(&self, offset: u64, len: u64) -> bool {
-        // Not while a copy holds the gate: the write would wait for it on the connection's task.
-        let copying = self.gate.as_ref().is_some_and(|g| g.is_locked_exclusive());
+        // Not while a copy is inside the gate or waiting: the write would wait for it on the
+        // connection's task.
+        let copying = self.gate.as_ref().is_some_and(|g| g.copying());
         !copying && !self.restore.is_live() && self.volume.write_is_quick(offset, len)
     }
 
@@ -200,7 +201,7 @@ impl Export for VolumeExport {
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
-        let _gate = self.gate.as_ref().map(|g| g.read());
+        let _gate = self.gate.as_ref().map(|g| g.write());
         self.io
             .record(Op::WriteZeroes, len, || {
                 self.restore.write(offset, len, fua, || {
@@ -211,7 +212,7 @@ impl Export for VolumeExport {
     }
 
     fn trim(&self, offset: u64, len: u64) -> Result<(), ExportError> {
-        let _gate = self.gate.as_ref().map(|g| g.read());
+        let _gate = self.gate.as_ref().map(|g| g.write());
         self.io
             .record(Op::WriteZeroes, len, || {
                 self.restore.write(offset, len, false, || {
