@@ -39,6 +39,9 @@ pub struct Bloom {
     capacity: u64,
     /// Fingerprints inserted so far (live or since dead: the filter holds them all).
     inserted: AtomicU64,
+    /// `inserted` when the filter was made ready: what its build put in (the index's keys,
+    /// some of chunks already freed but not yet merged out of it).
+    filled: AtomicU64,
     ready: AtomicBool,
     /// While not ready: the filter this one replaces, which holds every fingerprint inserted
     /// before this one was installed. Dropped when this one is ready.
@@ -56,6 +59,7 @@ impl Bloom {
             bits,
             capacity,
             inserted: AtomicU64::new(0),
+            filled: AtomicU64::new(0),
             ready: AtomicBool::new(ready),
             previous: RwLock::new(None),
         }
@@ -81,9 +85,14 @@ impl Bloom {
 
     /// Whether the filter should be rebuilt: the pool holds more chunks than it was sized for,
     /// or it was given more than [`SATURATION`] times that many fingerprints (most of them of
-    /// chunks since dead).
+    /// chunks since dead) and more than its capacity since it was built. (The index a rebuild
+    /// scans may still list many freed chunks — after a large volume's deletion, until its
+    /// merge — and a filter built from it must not ask for the same rebuild at once.)
     pub fn needs_rebuild(&self, live_chunks: u64) -> bool {
-        live_chunks > self.capacity || self.inserted() > SATURATION * self.capacity
+        let inserted = self.inserted();
+        let since_built = inserted.saturating_sub(self.filled.load(Ordering::Relaxed));
+        live_chunks > self.capacity
+            || (inserted > SATURATION * self.capacity && since_built > self.capacity)
     }
 
     /// Bytes of RAM the filter uses.
@@ -94,6 +103,7 @@ impl Bloom {
     /// Marks the filter complete: from now on `may_contain == false` is trusted, and the
     /// filter it replaces is released.
     pub fn set_ready(&self) {
+        self.filled.store(self.inserted(), Ordering::Relaxed);
         self.ready.store(true, Ordering::Release);
         self.previous.write().take();
     }
@@ -189,6 +199,26 @@ mod tests {
             false_positives > 5_000,
             "twice the capacity in: {false_positives} false positives in 100k (~14 % expected)"
         );
+    }
+
+    /// A filter built from an index that still lists many freed chunks holds more than twice
+    /// its capacity from the start: it asks for a rebuild only once it has been given its
+    /// capacity of new fingerprints since, not at once (each rebuild would find the same).
+    #[test]
+    fn a_filter_built_over_its_saturation_waits_for_new_fingerprints() {
+        let fp = |i: u64| crate::meta::fp_prefix(blake3::hash(&i.to_le_bytes()).as_bytes());
+        let b = Bloom::growing_from(100_000, Arc::new(Bloom::with_capacity(1, true)));
+        for i in 0..250_000 {
+            b.insert(fp(i));
+        }
+        b.set_ready();
+        assert!(!b.needs_rebuild(1_000));
+        for i in 250_000..350_000 {
+            b.insert(fp(i));
+        }
+        assert!(!b.needs_rebuild(1_000));
+        b.insert(fp(350_000));
+        assert!(b.needs_rebuild(1_000));
     }
 
     /// A growing filter answers from the one it replaces until it is ready, then from itself
