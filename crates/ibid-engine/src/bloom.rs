@@ -85,14 +85,15 @@ impl Bloom {
 
     /// Whether the filter should be rebuilt: the pool holds more chunks than it was sized for,
     /// or it was given more than [`SATURATION`] times that many fingerprints (most of them of
-    /// chunks since dead) and more than its capacity since it was built. (The index a rebuild
-    /// scans may still list many freed chunks — after a large volume's deletion, until its
-    /// merge — and a filter built from it must not ask for the same rebuild at once.)
+    /// chunks since dead) and a quarter of its capacity since it was built. (A rebuild puts in
+    /// the live fingerprints only, at most 2/3 of its capacity, and the writes meanwhile; a
+    /// filter that came out fuller than 1.75× its capacity all the same must not ask for the
+    /// same rebuild at every wake-up.)
     pub fn needs_rebuild(&self, live_chunks: u64) -> bool {
         let inserted = self.inserted();
         let since_built = inserted.saturating_sub(self.filled.load(Ordering::Relaxed));
         live_chunks > self.capacity
-            || (inserted > SATURATION * self.capacity && since_built > self.capacity)
+            || (inserted > SATURATION * self.capacity && since_built > self.capacity / 4)
     }
 
     /// Bytes of RAM the filter uses.
@@ -201,9 +202,9 @@ mod tests {
         );
     }
 
-    /// A filter built from an index that still lists many freed chunks holds more than twice
-    /// its capacity from the start: it asks for a rebuild only once it has been given its
-    /// capacity of new fingerprints since, not at once (each rebuild would find the same).
+    /// A filter that came out of its build holding more than twice its capacity asks for a
+    /// rebuild only once it has been given a quarter of its capacity since, not at once (each
+    /// rebuild would find the same).
     #[test]
     fn a_filter_built_over_its_saturation_waits_for_new_fingerprints() {
         let fp = |i: u64| crate::meta::fp_prefix(blake3::hash(&i.to_le_bytes()).as_bytes());
@@ -213,11 +214,11 @@ mod tests {
         }
         b.set_ready();
         assert!(!b.needs_rebuild(1_000));
-        for i in 250_000..350_000 {
+        for i in 250_000..275_000 {
             b.insert(fp(i));
         }
         assert!(!b.needs_rebuild(1_000));
-        b.insert(fp(350_000));
+        b.insert(fp(275_000));
         assert!(b.needs_rebuild(1_000));
     }
 

@@ -263,11 +263,21 @@ impl Inner {
         self.commit()?;
         let t0 = std::time::Instant::now();
         let txn = self.db.read()?;
+        // Keys of chunks freed since the index's last merge are still in its B-tree (listed in
+        // its gone rows until the merge removes them): left out, so the rebuilt filter holds
+        // live fingerprints only, even after a large deletion.
+        let gone: rustc_hash::FxHashSet<u128> = crate::dedup_index::Runs::load_gone(&txn)?
+            .into_iter()
+            .map(|(_, key)| key)
+            .collect();
         let mut filled = 0u64;
         txn.for_each_key(meta::FPS, |key| {
-            bloom.insert(meta::fps_key_prefix(key));
-            filled += 1;
+            if !gone.contains(&key) {
+                bloom.insert(meta::fps_key_prefix(key));
+                filled += 1;
+            }
         })?;
+        drop(gone);
         for key in self.dedup.runs().keys() {
             bloom.insert(meta::fps_key_prefix(key));
             filled += 1;
