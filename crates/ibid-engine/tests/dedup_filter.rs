@@ -14,29 +14,41 @@ const FILTER_MIN: u64 = 64 * 1024;
 /// Past [`FILTER_MIN`], so the pool must outgrow it.
 const BLOCKS: u64 = 96 * 1024;
 
-/// Writes blocks `0..BLOCKS` (each `random_block(seed)`) to `vol` with 1 MiB writes.
-fn write_all(vol: &ibid_engine::Volume) {
-    let per = 256;
-    let mut buf = Vec::with_capacity((per * BLOCK) as usize);
-    for first in (0..BLOCKS).step_by(per as usize) {
-        buf.clear();
-        for b in first..first + per {
-            buf.extend_from_slice(&random_block(b));
-        }
-        vol.write(first * BLOCK, &buf, false).expect("write");
-    }
-}
-
-#[test]
-fn the_filter_grows_in_the_background_and_keeps_every_fingerprint() {
-    let dir = tempfile::tempdir().expect("tempdir");
+/// A pool under `dir` whose filter starts at [`FILTER_MIN`] and whose background runs every
+/// 50 ms.
+fn create_pool(dir: &std::path::Path) -> Pool {
     let config = PoolConfig {
         capacity_bytes: Some(4 << 30),
         background_interval_ms: 50,
         dedup_filter_min: FILTER_MIN,
         ..PoolConfig::default()
     };
-    let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+    Pool::create(dir.join("pool"), config).expect("create")
+}
+
+/// Writes blocks `0..blocks` of `vol`, block `b` as `random_block(seed + b)`, with 1 MiB
+/// writes.
+fn write_blocks(vol: &ibid_engine::Volume, blocks: u64, seed: u64) {
+    let per = 256;
+    let mut buf = Vec::with_capacity((per * BLOCK) as usize);
+    for first in (0..blocks).step_by(per as usize) {
+        buf.clear();
+        for b in first..first + per {
+            buf.extend_from_slice(&random_block(seed + b));
+        }
+        vol.write(first * BLOCK, &buf, false).expect("write");
+    }
+}
+
+/// Writes blocks `0..BLOCKS` of `vol`, block `b` as `random_block(b)`.
+fn write_all(vol: &ibid_engine::Volume) {
+    write_blocks(vol, BLOCKS, 0);
+}
+
+#[test]
+fn the_filter_grows_in_the_background_and_keeps_every_fingerprint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = create_pool(dir.path());
     pool.wait_filters_built();
     assert_eq!(
         pool.stats().dedup_filter_ram_bytes,
@@ -90,17 +102,9 @@ fn the_filter_grows_in_the_background_and_keeps_every_fingerprint() {
 const REWRITTEN: u64 = 48 * 1024;
 
 /// Writes blocks `0..REWRITTEN` of `vol`, block `b` as `random_block(pass * REWRITTEN + b)`
-/// (new data every pass), with 1 MiB writes.
+/// (new data every pass).
 fn write_pass(vol: &ibid_engine::Volume, pass: u64) {
-    let per = 256;
-    let mut buf = Vec::with_capacity((per * BLOCK) as usize);
-    for first in (0..REWRITTEN).step_by(per as usize) {
-        buf.clear();
-        for b in first..first + per {
-            buf.extend_from_slice(&random_block(pass * REWRITTEN + b));
-        }
-        vol.write(first * BLOCK, &buf, false).expect("write");
-    }
+    write_blocks(vol, REWRITTEN, pass * REWRITTEN);
 }
 
 /// Waits until `done(stats)` holds, or fails with `what` after a minute.
@@ -125,13 +129,7 @@ fn wait_for(pool: &Pool, what: &str, done: impl Fn(&ibid_engine::PoolStats) -> b
 #[test]
 fn rewrites_get_the_filter_rebuilt_without_the_freed_fingerprints() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = PoolConfig {
-        capacity_bytes: Some(4 << 30),
-        background_interval_ms: 50,
-        dedup_filter_min: FILTER_MIN,
-        ..PoolConfig::default()
-    };
-    let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+    let pool = create_pool(dir.path());
     pool.wait_filters_built();
     assert_eq!(pool.stats().dedup_filter_capacity, FILTER_MIN);
     let a = pool
