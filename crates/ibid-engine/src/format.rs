@@ -222,7 +222,10 @@ impl ChunkRecord {
 /// u64 | hi u64 | src_lo u64. Frames not listed there are plain. The last frame of a volume is
 /// its writable top layer (always plain); a snapshot's frames are all frozen. Records written
 /// before the format byte existed end after the layers and decode as thin; records written
-/// before windows existed end after the reserved bytes.
+/// before windows existed end after the reserved bytes. The first engine's records (pool
+/// format 1, before snapshots) are [`VOLUME_RECORD_FIRST_BYTES`] long: id | size | layer |
+/// mapped_blocks | created_unix_s, u64 each — a length no later record has (36 + 8 per frame,
+/// + 8 with the trailer) — and decode as a thin volume of that one layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeRecord {
     /// Volume id, unique in the pool, never reused (snapshots get ids from the same counter).
@@ -374,6 +377,8 @@ pub fn referenced_layers(stack: &[Frame]) -> impl Iterator<Item = u64> + '_ {
     stack.iter().filter(|f| !f.is_floor()).map(|f| f.layer)
 }
 
+/// Encoded size of a [`VolumeRecord`] written by the first engine (one layer, no frame count).
+pub const VOLUME_RECORD_FIRST_BYTES: usize = 40;
 /// Encoded size of a [`VolumeRecord`] without its layers and trailer.
 pub const VOLUME_RECORD_FIXED_BYTES: usize = 36;
 /// Encoded size of the trailer after the layers (format byte and reserved bytes).
@@ -434,6 +439,16 @@ impl VolumeRecord {
             )));
         }
         let f = |i: usize| u64::from_le_bytes(v[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        if v.len() == VOLUME_RECORD_FIRST_BYTES {
+            return Ok(VolumeRecord {
+                id: f(0),
+                size: f(1),
+                mapped_blocks: f(3),
+                created_unix_s: f(4),
+                layers: vec![Frame::plain(f(2))],
+                format: VolumeFormat::Thin,
+            });
+        }
         let n = u32::from_le_bytes(v[32..36].try_into().expect("4 bytes")) as usize;
         let bad = || {
             Error::Corrupt(format!(

@@ -158,6 +158,13 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
             dir.display()
         );
     }
+    let layers = count_layer_refs(&mut txn)?;
+    if layers > 0 {
+        tracing::info!(
+            "pool {}: reference counts of {layers} layers counted from the stacks",
+            dir.display()
+        );
+    }
     let gone = crate::dedup_index::upgrade(&mut txn, record.commits)?;
     if gone > 0 {
         tracing::info!(
@@ -168,6 +175,28 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
     txn.insert(meta::POOL, meta::POOL_KEY, record.encode().as_slice());
     txn.commit()?;
     Ok(true)
+}
+
+/// Fills the `layers` table of a pool made before it existed (the first engine, pool format
+/// 1: one layer per volume, no snapshots) from the stacks, so that snapshots and clones of
+/// such a pool's volumes count their shared layers right; returns the layers counted (0 when
+/// the table has rows already, or no stack references a layer).
+fn count_layer_refs(txn: &mut crate::store::WriteTxn) -> Result<u64> {
+    if !txn.iter(meta::LAYERS)?.is_empty() {
+        return Ok(0);
+    }
+    let mut refs: std::collections::BTreeMap<u64, u64> = Default::default();
+    for table in [meta::VOLUMES, meta::SNAPSHOTS] {
+        for (_, v) in txn.iter(table)? {
+            for layer in format::referenced_layers(&VolumeRecord::decode(&v)?.layers) {
+                *refs.entry(layer).or_default() += 1;
+            }
+        }
+    }
+    for (layer, n) in &refs {
+        txn.insert(meta::LAYERS, layer, n);
+    }
+    Ok(refs.len() as u64)
 }
 
 /// Step 4: the changes journaled after the last commit, with their stamps; the record's

@@ -4,24 +4,11 @@
 
 mod common;
 
-use common::{quiet_config, random_block};
+use common::{quiet_config, random_block, stored_version};
 use ibid_engine::meta::{self, POOL_FORMAT_VERSION};
 use ibid_engine::store::{Reader, Store};
 use ibid_engine::{Error, Pool, PoolConfig};
 use std::path::Path;
-
-/// The version field of the stored pool record (its first little-endian u64), read without
-/// decoding the record, which refuses unknown versions.
-fn stored_version(dir: &Path) -> u64 {
-    let store = Store::open(dir).expect("store");
-    let raw = store
-        .read()
-        .expect("read")
-        .get(meta::POOL, meta::POOL_KEY)
-        .expect("get")
-        .expect("pool record");
-    u64::from_le_bytes(raw[..8].try_into().expect("8 bytes"))
-}
 
 /// Rewrites the version field of the stored pool record (any value, known or not).
 fn set_version(dir: &Path, version: u64) {

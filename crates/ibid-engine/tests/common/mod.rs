@@ -33,3 +33,17 @@ pub fn quiet_config(capacity: u64) -> PoolConfig {
         ..PoolConfig::default()
     }
 }
+
+/// The version field of the stored pool record (its first little-endian u64), read without
+/// decoding the record, which refuses unknown versions.
+pub fn stored_version(dir: &std::path::Path) -> u64 {
+    use ibid_engine::store::Reader;
+    let store = ibid_engine::store::Store::open(dir).expect("store");
+    let raw = store
+        .read()
+        .expect("read")
+        .get(ibid_engine::meta::POOL, ibid_engine::meta::POOL_KEY)
+        .expect("get")
+        .expect("pool record");
+    u64::from_le_bytes(raw[..8].try_into().expect("8 bytes"))
+}
