@@ -219,3 +219,8 @@ fn a_format_5_pool_with_snapshots_clones_frames_and_an_unreplayed_journal_opens(
 fn a_format_7_pool_with_snapshots_clones_frames_and_an_unreplayed_journal_opens() {
     opens_and_lives_on("pool-v7.tar.gz", 7);
 }
+
+#[test]
+fn a_format_8_pool_left_by_a_crash_opens() {
+    opens_and_lives_on("pool-v8.tar.gz", 8);
+}
