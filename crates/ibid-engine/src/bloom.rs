@@ -12,7 +12,11 @@
 //! false positives (each a lookup in the runs and the store) grew pass after pass — from ~1 %
 //! to ~64 % of unique writes after eight rewrites of the same 2 GiB (BENCHMARKS.md, "The
 //! dedup filter forgets nothing"). So a filter counts what it was given, and one given more
-//! than it was sized for is rebuilt like one outgrown ([`Bloom::needs_rebuild`]).
+//! than it was sized for is rebuilt like one outgrown ([`Bloom::needs_rebuild`]). So is one
+//! whose fingerprints are mostly of freed chunks after a large deletion: writing the deleted
+//! data again (a volume restored after it was deleted, a VM image copied in again) found each
+//! block "maybe present" and searched the runs and the store for it, a third of a restore's CPU
+//! (BENCHMARKS.md, "A deletion leaves the filter full of the dead").
 
 use parking_lot::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -32,6 +36,13 @@ pub const HASHES: u32 = 7;
 /// third as often: the least total of the two by those costs.
 pub const SATURATION: u64 = 2;
 
+/// A filter holding more than this many fingerprints of freed chunks per live one (and at
+/// least an eighth of its capacity of them) is rebuilt, if chunks were freed or added since it
+/// was built: after a deletion of most of the pool's data, rewriting that data would otherwise
+/// search the index for every block. (Rewrites in place reach it later than [`SATURATION`]
+/// when the filter is sized for 1.5 × the live chunks: 2 stale per live is 3 × live inserted.)
+pub const STALE_PER_LIVE: u64 = 2;
+
 /// A fixed-size Bloom filter keyed by BLAKE3 fingerprints (already uniformly distributed).
 pub struct Bloom {
     words: Vec<AtomicU64>,
@@ -42,6 +53,8 @@ pub struct Bloom {
     /// `inserted` when the filter was made ready: what its build put in (the index's keys,
     /// some of chunks already freed but not yet merged out of it).
     filled: AtomicU64,
+    /// The pool's live chunks when the filter was made ready.
+    live_at_build: AtomicU64,
     ready: AtomicBool,
     /// While not ready: the filter this one replaces, which holds every fingerprint inserted
     /// before this one was installed. Dropped when this one is ready.
@@ -60,6 +73,7 @@ impl Bloom {
             capacity,
             inserted: AtomicU64::new(0),
             filled: AtomicU64::new(0),
+            live_at_build: AtomicU64::new(0),
             ready: AtomicBool::new(ready),
             previous: RwLock::new(None),
         }
@@ -83,17 +97,29 @@ impl Bloom {
         self.inserted.load(Ordering::Relaxed)
     }
 
-    /// Whether the filter should be rebuilt: the pool holds more chunks than it was sized for,
+    /// Whether the filter should be rebuilt: the pool holds more chunks than it was sized for;
     /// or it was given more than [`SATURATION`] times that many fingerprints (most of them of
-    /// chunks since dead) and a quarter of its capacity since it was built. (A rebuild puts in
-    /// the live fingerprints only, at most 2/3 of its capacity, and the writes meanwhile; a
-    /// filter that came out fuller than 1.75× its capacity all the same must not ask for the
+    /// chunks since dead) and a quarter of its capacity since it was built; or it holds more
+    /// than [`STALE_PER_LIVE`] fingerprints of freed chunks per live chunk, at least an eighth
+    /// of its capacity, and an eighth of its capacity of chunks were added or freed since it was
+    /// built. (A rebuild puts in the live fingerprints only, at most 2/3 of its capacity, and
+    /// the writes meanwhile; a filter that came out fuller all the same must not ask for the
     /// same rebuild at every wake-up.)
     pub fn needs_rebuild(&self, live_chunks: u64) -> bool {
         let inserted = self.inserted();
         let since_built = inserted.saturating_sub(self.filled.load(Ordering::Relaxed));
+        // Every live chunk's fingerprint is in the filter at least once.
+        let stale = inserted.saturating_sub(live_chunks);
+        let freed_since_built = self
+            .live_at_build
+            .load(Ordering::Relaxed)
+            .saturating_sub(live_chunks);
+        let eighth = self.capacity / 8;
         live_chunks > self.capacity
             || (inserted > SATURATION * self.capacity && since_built > self.capacity / 4)
+            || (stale > STALE_PER_LIVE * live_chunks
+                && stale > eighth
+                && (since_built > eighth || freed_since_built > eighth))
     }
 
     /// Bytes of RAM the filter uses.
@@ -101,10 +127,11 @@ impl Bloom {
         self.bits / 8
     }
 
-    /// Marks the filter complete: from now on `may_contain == false` is trusted, and the
-    /// filter it replaces is released.
-    pub fn set_ready(&self) {
+    /// Marks the filter complete, built when the pool had `live_chunks`: from now on
+    /// `may_contain == false` is trusted, and the filter it replaces is released.
+    pub fn set_ready(&self, live_chunks: u64) {
         self.filled.store(self.inserted(), Ordering::Relaxed);
+        self.live_at_build.store(live_chunks, Ordering::Relaxed);
         self.ready.store(true, Ordering::Release);
         self.previous.write().take();
     }
@@ -179,7 +206,8 @@ mod tests {
     fn a_filter_given_more_than_its_capacity_asks_for_a_rebuild() {
         let fp = |i: u64| crate::meta::fp_prefix(blake3::hash(&i.to_le_bytes()).as_bytes());
         let b = Bloom::with_capacity(100_000, true);
-        let live = 60_000;
+        // Enough live chunks that the stale fingerprints stay within two per live one.
+        let live = 70_000;
         for i in 0..100_000 {
             b.insert(fp(i));
         }
@@ -212,14 +240,61 @@ mod tests {
         for i in 0..250_000 {
             b.insert(fp(i));
         }
-        b.set_ready();
-        assert!(!b.needs_rebuild(1_000));
+        b.set_ready(100_000);
+        assert!(!b.needs_rebuild(100_000));
         for i in 250_000..275_000 {
             b.insert(fp(i));
         }
-        assert!(!b.needs_rebuild(1_000));
+        assert!(!b.needs_rebuild(100_000));
         b.insert(fp(275_000));
-        assert!(b.needs_rebuild(1_000));
+        assert!(b.needs_rebuild(100_000));
+    }
+
+    /// A filter whose fingerprints are mostly of chunks freed since it was built asks for a
+    /// rebuild (the pool deleted most of its data); one built with fewer live chunks than it
+    /// holds, and given nothing since, does not ask again.
+    #[test]
+    fn a_filter_left_mostly_dead_by_a_deletion_asks_for_a_rebuild() {
+        let fp = |i: u64| crate::meta::fp_prefix(blake3::hash(&i.to_le_bytes()).as_bytes());
+        let b = Bloom::with_capacity(1_000_000, true);
+        for i in 0..300_000 {
+            b.insert(fp(i));
+        }
+        assert!(!b.needs_rebuild(300_000), "all live");
+        assert!(!b.needs_rebuild(150_000), "half deleted");
+        assert!(!b.needs_rebuild(100_001), "two stale per live");
+        assert!(b.needs_rebuild(99_999), "over two stale per live");
+        assert!(b.needs_rebuild(0), "all deleted");
+        let small = Bloom::with_capacity(1_000_000, true);
+        for i in 0..100_000 {
+            small.insert(fp(i));
+        }
+        assert!(
+            !small.needs_rebuild(0),
+            "an eighth of the capacity at least"
+        );
+
+        // Built (ready) holding 300,000 with 10,000 live: only what changes after counts.
+        let built = Bloom::growing_from(1_000_000, Arc::new(Bloom::with_capacity(1, true)));
+        for i in 0..300_000 {
+            built.insert(fp(i));
+        }
+        built.set_ready(10_000);
+        assert!(!built.needs_rebuild(10_000));
+        for i in 300_000..425_001 {
+            built.insert(fp(i));
+        }
+        assert!(built.needs_rebuild(10_000), "added since the build");
+        let deleted = Bloom::growing_from(1_000_000, Arc::new(Bloom::with_capacity(1, true)));
+        for i in 0..300_000 {
+            deleted.insert(fp(i));
+        }
+        deleted.set_ready(200_000);
+        assert!(
+            !deleted.needs_rebuild(80_000),
+            "fewer than an eighth of the capacity freed since the build"
+        );
+        assert!(deleted.needs_rebuild(70_000), "freed since the build");
     }
 
     /// A growing filter answers from the one it replaces until it is ready, then from itself
@@ -244,7 +319,7 @@ mod tests {
         for i in 0..1_000 {
             new.insert(fp(i));
         }
-        new.set_ready();
+        new.set_ready(2_000);
         assert_eq!(Arc::strong_count(&old), 1);
         assert!((0..2_000).all(|i| new.may_contain(fp(i))));
         let unknown = (2_000..12_000).filter(|&i| new.may_contain(fp(i))).count();

@@ -282,7 +282,7 @@ impl Inner {
             bloom.insert(meta::fps_key_prefix(key));
             filled += 1;
         }
-        bloom.set_ready();
+        bloom.set_ready(self.space.live_chunks());
         tracing::debug!(
             "dedup filter: {filled} fingerprints into a filter for {capacity} in {:.1} ms",
             t0.elapsed().as_secs_f64() * 1e3
