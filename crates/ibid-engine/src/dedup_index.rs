@@ -13,11 +13,16 @@
 //! The merge is **rolling**: the key space is cut into [`RunPolicy::slices`] slices (by the
 //! fingerprint prefix's high bits, [`slice_of`]), and every commit that writes a run also
 //! merges one slice (commit number modulo slices) of every run, of the gone rows and of its
-//! own keys, and rewrites the runs and rows without it. Each such commit thus rewrites about
-//! one slice of the B-tree's leaves, the same work every time, where merging all runs at once
-//! every few commits made every one of those commits several times longer than the others
-//! (seconds on a pool of millions of chunks, felt by every writer paced behind it). A run
-//! empties within `slices` such commits. The commit that would bring the runs to
+//! own keys. Each such commit thus rewrites about one slice of the B-tree's leaves, the same
+//! work every time, where merging all runs at once every few commits made every one of those
+//! commits several times longer than the others (seconds on a pool of millions of chunks, felt
+//! by every writer paced behind it). The rows are not rewritten without the slice (that wrote
+//! each key ~8 more times, ~120 bytes of metadata per new block, and was most of the merge's
+//! CPU): the **merge marks** ([`crate::meta::FPS_MERGED_KEY`], one small row) hold, per slice,
+//! the commit that last merged it, and a row's keys of slice `s` are merged once the row is
+//! not newer than that commit. A row is deleted once every slice of it is merged, within
+//! `slices` commits that write runs. Keys sort by slice, so a row's keys of one slice are one
+//! range of it, found by binary search. The commit that would bring the runs to
 //! [`RunPolicy::runs_max`] (or past [`RUN_KEYS_MAX`] keys) still merges them all, as does
 //! every one when `slices` is 1.
 //!
@@ -101,25 +106,56 @@ impl Run {
         Run { no, keys, ids }
     }
 
-    /// Whether `key` is in this run.
+    /// Whether `key` is in this run (merged out or not).
     fn contains(&self, key: u128) -> bool {
         let id = meta::fps_key_chunk(key);
         self.ids.0 <= id && id <= self.ids.1 && self.keys.binary_search(&key).is_ok()
     }
 }
 
+/// The positions in ascending `keys` of the keys of slice `slice` (of `slices`): one range,
+/// since [`slice_of`] grows with the key.
+fn slice_range(keys: &[u128], slice: usize, slices: usize) -> std::ops::Range<usize> {
+    let start = keys.partition_point(|&k| slice_of(k, slices) < slice);
+    let end = start + keys[start..].partition_point(|&k| slice_of(k, slices) == slice);
+    start..end
+}
+
 /// The index keys not (yet) in the B-tree, and the keys of chunks that died since the last
 /// merge, as committed.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Runs {
-    /// Oldest first.
+    /// Oldest first, each with its keys as written (those of merged slices included).
     runs: Vec<Arc<Run>>,
-    /// Keys of chunks that died while in a run.
+    /// Keys of chunks that died while in a run (not merged out yet).
     dead: FxHashSet<u128>,
     /// The commit numbers of the gone rows, oldest first.
     gone_rows: Vec<u64>,
     /// Gone keys that are in the B-tree (stale there until the next merge removes them).
     gone_in_tree: usize,
+    /// The merge marks: per slice, the commit that last merged it (a row's keys of slice `s`
+    /// are merged unless the row is newer than `merged[s]`). Empty while nothing was merged a
+    /// slice at a time since the rows kept were written; otherwise as long as the slice count
+    /// that merged them.
+    merged: Vec<u64>,
+}
+
+/// Packs merge marks as the value of [`meta::FPS_MERGED_KEY`].
+fn encode_marks(marks: &[u64]) -> Vec<u8> {
+    marks.iter().flat_map(|m| m.to_le_bytes()).collect()
+}
+
+/// Unpacks merge marks.
+fn decode_marks(v: &[u8]) -> Result<Vec<u64>> {
+    if v.is_empty() || !v.len().is_multiple_of(8) {
+        return Err(Error::Corrupt(format!(
+            "dedup index merge marks of {} bytes",
+            v.len()
+        )));
+    }
+    Ok(v.chunks_exact(8)
+        .map(|m| u64::from_le_bytes(m.try_into().expect("8 bytes")))
+        .collect())
 }
 
 /// Packs ascending keys as a run's value.
@@ -177,7 +213,10 @@ pub(crate) fn upgrade(txn: &mut WriteTxn, no: u64) -> Result<usize> {
 impl Runs {
     /// The runs and gone keys committed in `txn`'s snapshot.
     pub fn load(txn: &ReadTxn) -> Result<Runs> {
-        let mut runs = Runs::default();
+        let mut runs = Runs {
+            merged: Self::load_marks(txn)?,
+            ..Runs::default()
+        };
         for item in txn.iter(meta::FPS_RUNS)? {
             let (no, v) = item?;
             runs.runs.push(Arc::new(Run::new(no, decode(no, &v)?)));
@@ -186,6 +225,9 @@ impl Runs {
             let (no, v) = item?;
             runs.gone_rows.push(no);
             for k in decode(no, &v)? {
+                if !runs.pending(no, k) {
+                    continue;
+                }
                 if runs.contains(k) {
                     runs.dead.insert(k);
                 } else {
@@ -196,20 +238,52 @@ impl Runs {
         Ok(runs)
     }
 
-    /// Every gone key stored in `txn`'s snapshot, each with its row (to check them).
+    /// The merge marks stored in `txn`'s snapshot (empty when there are none).
+    fn load_marks(txn: &impl Reader) -> Result<Vec<u64>> {
+        match txn.get(meta::POOL, meta::FPS_MERGED_KEY)? {
+            Some(v) => decode_marks(&v),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Every gone key stored in `txn`'s snapshot and not merged yet, each with its row (to
+    /// check them).
     pub fn load_gone(txn: &ReadTxn) -> Result<Vec<(u64, u128)>> {
+        let marks = Runs {
+            merged: Self::load_marks(txn)?,
+            ..Runs::default()
+        };
         let mut out = Vec::new();
         for item in txn.iter(meta::FPS_GONE)? {
             let (no, v) = item?;
-            out.extend(decode(no, &v)?.into_iter().map(|k| (no, k)));
+            out.extend(
+                decode(no, &v)?
+                    .into_iter()
+                    .filter(|&k| marks.pending(no, k))
+                    .map(|k| (no, k)),
+            );
         }
         Ok(out)
+    }
+
+    /// Whether the keys of `key`'s slice in row `no` (a run or a gone row) are not merged yet.
+    fn pending(&self, no: u64, key: u128) -> bool {
+        self.merged.is_empty() || no > self.merged[slice_of(key, self.merged.len())]
+    }
+
+    /// The runs whose keys of `key`'s slice are not merged yet.
+    fn pending_runs(&self, key: u128) -> impl DoubleEndedIterator<Item = &Arc<Run>> + '_ {
+        let mark = match self.merged.is_empty() {
+            true => 0,
+            false => self.merged[slice_of(key, self.merged.len())],
+        };
+        self.runs.iter().filter(move |r| r.no > mark)
     }
 
     /// The chunk ids of live keys with fingerprint prefix `prefix`, newest run first.
     pub fn candidates(&self, prefix: u64) -> impl Iterator<Item = u64> + '_ {
         let lo = (prefix as u128) << 64;
-        self.runs.iter().rev().flat_map(move |run| {
+        self.pending_runs(lo).rev().flat_map(move |run| {
             let from = run.keys.partition_point(|&k| k < lo);
             run.keys[from..]
                 .iter()
@@ -219,9 +293,9 @@ impl Runs {
         })
     }
 
-    /// Whether `key` is in a run (dead or not).
+    /// Whether `key` is in a run, not merged out (dead or not).
     pub fn contains(&self, key: u128) -> bool {
-        self.runs.iter().any(|r| r.contains(key))
+        self.pending_runs(key).any(|r| r.contains(key))
     }
 
     /// Whether `key` is a live key of a run.
@@ -233,8 +307,38 @@ impl Runs {
     pub fn keys(&self) -> impl Iterator<Item = u128> + '_ {
         self.runs
             .iter()
-            .flat_map(|r| r.keys.iter().copied())
+            .flat_map(|r| self.pending_keys(r))
             .filter(|k| !self.dead.contains(k))
+    }
+
+    /// The positions in `run.keys` of its keys not merged out yet, ascending.
+    fn pending_ranges<'a>(
+        &'a self,
+        run: &'a Run,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
+        let slices = self.merged.len().max(1);
+        (0..slices)
+            .filter(move |&s| self.merged.is_empty() || run.no > self.merged[s])
+            .map(move |s| match self.merged.is_empty() {
+                true => 0..run.keys.len(),
+                false => slice_range(&run.keys, s, slices),
+            })
+    }
+
+    /// The keys of `run` not merged out yet (dead ones included), ascending.
+    fn pending_keys<'a>(&'a self, run: &'a Run) -> impl Iterator<Item = u128> + 'a {
+        self.pending_ranges(run)
+            .flat_map(move |range| run.keys[range].iter().copied())
+    }
+
+    /// How many keys of `run` are not merged out yet.
+    fn pending_len(&self, run: &Run) -> usize {
+        self.pending_ranges(run).map(|r| r.len()).sum()
+    }
+
+    /// The merge marks (see [`Runs::merged`]'s field doc; empty when there are none).
+    pub fn marks(&self) -> &[u64] {
+        &self.merged
     }
 
     /// Every dead key.
@@ -247,10 +351,15 @@ impl Runs {
         self.runs.len()
     }
 
-    /// The runs' commit numbers and key counts, the number of dead keys, the gone rows and
-    /// the number of gone keys of the B-tree (to compare two views of the runs).
+    /// The runs' commit numbers and counts of keys not merged out, the number of dead keys,
+    /// the gone rows and the number of gone keys of the B-tree (to compare two views of the
+    /// runs).
     pub fn summary(&self) -> (Vec<(u64, usize)>, usize, Vec<u64>, usize) {
-        let runs = self.runs.iter().map(|r| (r.no, r.keys.len())).collect();
+        let runs = self
+            .runs
+            .iter()
+            .map(|r| (r.no, self.pending_len(r)))
+            .collect();
         (
             runs,
             self.dead.len(),
@@ -259,9 +368,9 @@ impl Runs {
         )
     }
 
-    /// Keys in the runs, dead ones included.
+    /// Keys in the runs not merged out, dead ones included.
     fn stored_keys(&self) -> usize {
-        self.runs.iter().map(|r| r.keys.len()).sum()
+        self.runs.iter().map(|r| self.pending_len(r)).sum()
     }
 }
 
@@ -327,7 +436,10 @@ impl<'a> IndexUpdate<'a> {
         let tree_gone = runs.gone_in_tree + self.gone.len() - self.dead.len();
         let gone_full = !self.gone.is_empty()
             && (runs.gone_rows.len() + 1 > GONE_ROWS_MAX || tree_gone > RUN_KEYS_MAX);
-        if runs_full || gone_full {
+        // Rows merged a slice at a time by another slice count (the pool's setting changed):
+        // merged all at once, after which the marks start afresh.
+        let resliced = !runs.merged.is_empty() && runs.merged.len() != policy.slices;
+        if runs_full || gone_full || resliced {
             return self.merge(txn).map(Some);
         }
         if as_run && policy.slices > 1 {
@@ -360,48 +472,40 @@ impl<'a> IndexUpdate<'a> {
 
     /// Commit `no`'s changes with slice `slice` (of `slices`) merged: the slice's live keys of
     /// every run and of the added ones go into the B-tree, its gone keys of the B-tree are
-    /// removed from it, in key order; the runs and the gone rows are rewritten without the
-    /// slice's keys (and deleted when that leaves them empty); the other added keys become
+    /// removed from it, in key order; the merge marks record that the rows so far hold no more
+    /// of the slice, and rows with every slice merged are deleted; the other added keys become
     /// run `no` and the other gone keys gone row `no`. Every key stays in exactly one place.
     fn merge_slice(self, txn: &mut WriteTxn, no: u64, slice: usize, slices: usize) -> Result<Runs> {
         let runs = self.runs;
+        debug_assert!(runs.merged.is_empty() || runs.merged.len() == slices);
         let ours = |k: &u128| slice_of(*k, slices) == slice;
-        let mut next = Runs::default();
+        let mut merged = match runs.merged.is_empty() {
+            true => vec![0; slices],
+            false => runs.merged.clone(),
+        };
+        // Rows newer than this hold keys of the slice not merged yet.
+        let last = merged[slice];
+        merged[slice] = no;
         let mut into_tree: Vec<u128> = Vec::new();
-        for run in &runs.runs {
-            let (merged, kept): (Vec<u128>, Vec<u128>) = run.keys.iter().partition(|k| ours(k));
-            if merged.is_empty() {
-                next.runs.push(run.clone());
-                continue;
-            }
-            into_tree.extend(merged.into_iter().filter(|k| !runs.dead.contains(k)));
-            if kept.is_empty() {
-                txn.remove(meta::FPS_RUNS, &run.no);
-            } else {
-                txn.insert(meta::FPS_RUNS, &run.no, encode(&kept).as_slice());
-                next.runs.push(Arc::new(Run::new(run.no, kept)));
-            }
+        for run in runs.runs.iter().filter(|r| r.no > last) {
+            let range = slice_range(&run.keys, slice, slices);
+            into_tree.extend(
+                run.keys[range]
+                    .iter()
+                    .copied()
+                    .filter(|k| !runs.dead.contains(k)),
+            );
         }
         // Dead keys of the slice left the runs with it; the others stay dead.
-        next.dead = runs.dead.iter().copied().filter(|k| !ours(k)).collect();
+        let mut dead: FxHashSet<u128> = runs.dead.iter().copied().filter(|k| !ours(k)).collect();
         let mut stale: Vec<u128> = Vec::new();
-        for &row_no in &runs.gone_rows {
+        for &row_no in runs.gone_rows.iter().filter(|&&r| r > last) {
             let row = txn.get(meta::FPS_GONE, &row_no)?.ok_or_else(|| {
                 Error::Corrupt(format!("dedup index gone row {row_no} is missing"))
             })?;
             let keys = decode(row_no, &row)?;
-            let (merged, kept): (Vec<u128>, Vec<u128>) = keys.into_iter().partition(|k| ours(k));
-            if merged.is_empty() {
-                next.gone_rows.push(row_no);
-                continue;
-            }
-            stale.extend(merged.into_iter().filter(|k| !runs.contains(*k)));
-            if kept.is_empty() {
-                txn.remove(meta::FPS_GONE, &row_no);
-            } else {
-                txn.insert(meta::FPS_GONE, &row_no, encode(&kept).as_slice());
-                next.gone_rows.push(row_no);
-            }
+            let range = slice_range(&keys, slice, slices);
+            stale.extend(keys[range].iter().copied().filter(|k| !runs.contains(*k)));
         }
         let stale_before = stale.len();
         // This commit's gone keys of the slice: those of the B-tree go now, those of a run
@@ -412,8 +516,7 @@ impl<'a> IndexUpdate<'a> {
         stale.extend(gone_now.into_iter().filter(|k| !dead_now.contains(k)));
         into_tree.retain(|k| !dead_now.contains(k));
         let in_tree_later = gone_later.iter().filter(|k| !dead_now.contains(k)).count();
-        next.gone_in_tree = runs.gone_in_tree - stale_before + in_tree_later;
-        next.dead.extend(self.dead.into_iter().filter(|k| !ours(k)));
+        dead.extend(self.dead.into_iter().filter(|k| !ours(k)));
         let (added_now, added_later): (Vec<u128>, Vec<u128>) =
             self.added.into_iter().partition(|k| ours(k));
         into_tree.extend(added_now);
@@ -425,6 +528,29 @@ impl<'a> IndexUpdate<'a> {
         for k in &stale {
             txn.remove(meta::FPS, k);
         }
+        // A row no newer than every mark holds nothing unmerged.
+        let done = merged.iter().copied().min().unwrap_or(0);
+        let mut next = Runs {
+            runs: Vec::new(),
+            dead,
+            gone_rows: Vec::new(),
+            gone_in_tree: runs.gone_in_tree - stale_before + in_tree_later,
+            merged,
+        };
+        for run in &runs.runs {
+            if run.no <= done {
+                txn.remove(meta::FPS_RUNS, &run.no);
+            } else {
+                next.runs.push(run.clone());
+            }
+        }
+        for &row_no in &runs.gone_rows {
+            if row_no <= done {
+                txn.remove(meta::FPS_GONE, &row_no);
+            } else {
+                next.gone_rows.push(row_no);
+            }
+        }
         if !gone_later.is_empty() {
             // Deaths are found in any order.
             let mut gone_later = gone_later;
@@ -435,6 +561,16 @@ impl<'a> IndexUpdate<'a> {
         if !added_later.is_empty() {
             txn.insert(meta::FPS_RUNS, &no, encode(&added_later).as_slice());
             next.runs.push(Arc::new(Run::new(no, added_later)));
+        }
+        if next.runs.is_empty() && next.gone_rows.is_empty() {
+            next.merged.clear();
+            txn.remove(meta::POOL, meta::FPS_MERGED_KEY);
+        } else {
+            txn.insert(
+                meta::POOL,
+                meta::FPS_MERGED_KEY,
+                encode_marks(&next.merged).as_slice(),
+            );
         }
         Ok(next)
     }
@@ -448,7 +584,7 @@ impl<'a> IndexUpdate<'a> {
         all.extend(
             runs.runs
                 .iter()
-                .flat_map(|r| r.keys.iter().copied())
+                .flat_map(|r| runs.pending_keys(r))
                 .filter(|k| !dead.contains(k)),
         );
         all.sort_unstable();
@@ -465,7 +601,11 @@ impl<'a> IndexUpdate<'a> {
             let row = txn
                 .get(meta::FPS_GONE, &no)?
                 .ok_or_else(|| Error::Corrupt(format!("dedup index gone row {no} is missing")))?;
-            stale.extend(decode(no, &row)?.into_iter().filter(|k| !runs.contains(*k)));
+            stale.extend(
+                decode(no, &row)?
+                    .into_iter()
+                    .filter(|&k| runs.pending(no, k) && !runs.contains(k)),
+            );
             txn.remove(meta::FPS_GONE, &no);
         }
         assert_eq!(
@@ -479,6 +619,9 @@ impl<'a> IndexUpdate<'a> {
         }
         for r in &runs.runs {
             txn.remove(meta::FPS_RUNS, &r.no);
+        }
+        if !runs.merged.is_empty() {
+            txn.remove(meta::POOL, meta::FPS_MERGED_KEY);
         }
         Ok(Runs::default())
     }
@@ -671,8 +814,9 @@ mod tests {
 
     /// Random commits with slice merges (and full merges past `runs_max`), checked after
     /// each against a model: every live key is in exactly one place (a run or the B-tree),
-    /// every gone key is dead in a run or stale in the B-tree, the runs reload as held, and
-    /// a run empties within `slices` commits that write runs.
+    /// every gone key is dead in a run or stale in the B-tree, the runs and merge marks reload
+    /// as held, a run empties within `slices` commits that write runs, and no run or gone row
+    /// is ever rewritten.
     #[test]
     fn slice_merges_keep_every_key_in_one_place() -> Result<()> {
         let policy = RunPolicy {
@@ -693,6 +837,8 @@ mod tests {
         let mut runs = Runs::default();
         let mut id = 0u64;
         let mut slice_merges = 0;
+        // Every row's value when first seen, by (table is gone, commit number).
+        let mut rows: std::collections::HashMap<(bool, u64), Vec<u8>> = Default::default();
         for no in 1..=120u64 {
             let mut txn = store.write()?;
             let mut update = IndexUpdate::new(&runs);
@@ -735,6 +881,14 @@ mod tests {
                 runs.summary(),
                 "commit {no}"
             );
+            assert_eq!(Runs::load(&store.read()?)?.marks(), runs.marks());
+            for (gone, table) in [(false, meta::FPS_RUNS), (true, meta::FPS_GONE)] {
+                for item in store.read()?.iter(table)? {
+                    let (row, v) = item?;
+                    let first = rows.entry((gone, row)).or_insert_with(|| v.clone());
+                    assert_eq!(*first, v, "commit {no}: row {row} (gone: {gone}) rewritten");
+                }
+            }
             let tree: FxHashSet<u128> = btree(&store)?.into_iter().collect();
             let gone: Vec<u128> = Runs::load_gone(&store.read()?)?
                 .into_iter()
@@ -762,6 +916,57 @@ mod tests {
             );
         }
         assert!(slice_merges > 20, "only {slice_merges} slice merges");
+        Ok(())
+    }
+
+    /// Rows merged a slice at a time by one slice count are merged all at once by the first
+    /// commit under another (the marks mean nothing to it), which leaves every live key in
+    /// the B-tree and no row or mark behind; a slice's keys are one range of a sorted row.
+    #[test]
+    fn another_slice_count_merges_everything_first() -> Result<()> {
+        let four = RunPolicy {
+            keys_min: 2,
+            runs_max: 16,
+            slices: 4,
+        };
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let q = u64::MAX / 4 + 1;
+        let mut all = Vec::new();
+        let mut runs = Runs::default();
+        for no in 1..=3u64 {
+            let added: Vec<u128> = (0..4).map(|s| key(s * q + no, no * 10 + s)).collect();
+            let mut txn = store.write()?;
+            let mut update = IndexUpdate::new(&runs);
+            for &k in &added {
+                update.add(k);
+            }
+            runs = update.finish(&mut txn, no, four)?.expect("a run");
+            txn.commit()?;
+            all.extend(added);
+        }
+        assert_eq!(runs.marks(), &[0, 1, 2, 3][..]);
+        assert_eq!(runs.len(), 3, "rows with unmerged slices are kept");
+        let mut txn = store.write()?;
+        let two = RunPolicy { slices: 2, ..four };
+        runs = IndexUpdate::new(&runs)
+            .finish(&mut txn, 4, two)?
+            .expect("a merge");
+        txn.commit()?;
+        assert_eq!(runs.summary(), (vec![], 0, vec![], 0));
+        assert!(runs.marks().is_empty());
+        assert!(store
+            .read()?
+            .get(meta::POOL, meta::FPS_MERGED_KEY)?
+            .is_none());
+        all.sort_unstable();
+        assert_eq!(btree(&store)?, all);
+
+        let keys: Vec<u128> = (0..8u64).map(|i| key(i << 61, i)).collect();
+        assert_eq!(slice_range(&keys, 0, 4), 0..2);
+        assert_eq!(slice_range(&keys, 2, 4), 4..6);
+        assert_eq!(slice_range(&keys, 3, 4), 6..8);
+        assert_eq!(slice_range(&keys[..3], 3, 4), 3..3);
         Ok(())
     }
 

@@ -3,11 +3,13 @@
 //! | table      | key                                  | value                                  |
 //! |------------|--------------------------------------|----------------------------------------|
 //! | `pool`     | `"pool"`                             | [`PoolRecord`]                         |
+//! | `pool`     | `"fps.merged"` ([`FPS_MERGED_KEY`])   | per slice of the dedup index's key space, the commit that last merged it (u64 LE each; see `dedup_index.rs`) |
 //! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
 //! | `map`      | (layer u64 BE, block u64 BE)         | chunk id (absent = zero)               |
 //! | `chunk.pages` | chunk id >> 10                    | a page: the [`crate::format::ChunkRecord`]s of up to 16 neighbouring ids (see `chunk_table.rs`) |
 //! | `fps`      | (fingerprint prefix u64, chunk id) as u128 BE | () — the dedup index's B-tree |
-//! | `fps.runs` | commit number                        | a run: ascending `fps` keys, 16 B each |
+//! | `fps.runs` | commit number                        | a run: ascending `fps` keys, 16 B each, as written (merged out a slice at a time, never rewritten) |
+//! | `fps.gone` | commit number                        | keys of the chunks that died in that commit, packed like a run |
 //! | `fps.dead` | `fps` key                            | () — keys in runs of dead chunks       |
 //! | `segments` | segment id                           | [`crate::format::SegmentUsage`]        |
 //! | `orphans`  | chunk id                             | () — chunks at zero refs kept alive    |
@@ -34,6 +36,10 @@ use crate::store::{Def, Table};
 
 /// The pool record.
 pub const POOL: Def<str, [u8]> = Def::new(Table::Pool);
+/// Key in [`POOL`] of the dedup index's merge marks (see `dedup_index.rs`; absent while no
+/// run or gone row is kept, and in pools of format version 8 and older, whose rows hold only
+/// keys not merged yet).
+pub const FPS_MERGED_KEY: &str = "fps.merged";
 /// Volumes by name.
 pub const VOLUMES: Def<str, [u8]> = Def::new(Table::Volumes);
 /// Volume maps: (layer, block) → chunk id.
@@ -47,7 +53,8 @@ pub const CHUNKS_BY_ID: Def<u64, [u8]> = Def::new(Table::Chunks);
 /// The dedup index's B-tree: (fingerprint prefix, chunk id) → () (see the module doc).
 pub const FPS: Def<u128, ()> = Def::new(Table::Fps);
 /// The dedup index's runs: commit number → that commit's new keys, ascending, packed as
-/// 16-byte big-endian integers.
+/// 16-byte big-endian integers. A row is written once and deleted once every slice of it has
+/// been merged ([`FPS_MERGED_KEY`]).
 pub const FPS_RUNS: Def<u64, [u8]> = Def::new(Table::FpsRuns);
 /// Keys in runs whose chunks died, as format version 6 and older keep them (key → ()); moved
 /// into one [`FPS_GONE`] row when such a pool is opened.
@@ -117,7 +124,11 @@ pub const POOL_KEY: &str = "pool";
 /// the keys in runs. 5 — zeroed ranges a commit left to settle (`zeroing`); a version 4
 /// pool has none, but a build that knows only version 4 would show the data they hide.
 /// 6 — chunk records packed in pages (`chunk.pages`); a version 5 pool has its `chunks` rows
-/// moved into pages when opened.
+/// moved into pages when opened. 7 — the dedup index's gone rows (`fps.gone`). 8 — the
+/// reference log (`chunk.deltas`). 9 — dedup runs and gone rows are merged out a slice at a
+/// time without being rewritten, the slices merged marked in [`FPS_MERGED_KEY`]; a version 8
+/// pool has no marks (its rows hold only unmerged keys), but a build that knows only version
+/// 8 would take merged keys for unmerged ones.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -148,7 +159,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 8;
+pub const POOL_FORMAT_VERSION: u64 = 9;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

@@ -115,11 +115,14 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         }
     }
     let runs = Runs::load(&txn)?;
-    if runs.summary() != inner.dedup.runs().summary() {
+    let held = inner.dedup.runs();
+    if runs.summary() != held.summary() || runs.marks() != held.marks() {
         return Err(fail(format!(
-            "dedup index runs stored {:?}, held in memory {:?}",
+            "dedup index runs stored {:?} (merge marks {:?}), held in memory {:?} ({:?})",
             runs.summary(),
-            inner.dedup.runs().summary()
+            runs.marks(),
+            held.summary(),
+            held.marks()
         )));
     }
     if let Some(k) = runs.dead().find(|&k| !runs.contains(k)) {
