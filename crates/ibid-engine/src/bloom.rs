@@ -39,8 +39,9 @@ pub const SATURATION: u64 = 2;
 /// A filter holding more than this many fingerprints of freed chunks per live one (and at
 /// least an eighth of its capacity of them) is rebuilt, if chunks were freed or added since it
 /// was built: after a deletion of most of the pool's data, rewriting that data would otherwise
-/// search the index for every block. (Rewrites in place reach it later than [`SATURATION`]
-/// when the filter is sized for 1.5 × the live chunks: 2 stale per live is 3 × live inserted.)
+/// search the index for every block. (Rewrites in place reach it where they reach
+/// [`SATURATION`] in a filter sized for 1.5 × the live chunks — 2 stale per live is 3 × live
+/// inserted, twice its capacity — and sooner in one kept at its minimum size for fewer.)
 pub const STALE_PER_LIVE: u64 = 2;
 
 /// A fixed-size Bloom filter keyed by BLAKE3 fingerprints (already uniformly distributed).
