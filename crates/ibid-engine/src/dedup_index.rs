@@ -140,6 +140,15 @@ pub(crate) struct Runs {
     merged: Vec<u64>,
 }
 
+/// The commit that last merged `key`'s slice by `marks` (0 when there are no marks): a row's
+/// keys of that slice are merged unless the row is newer.
+fn mark_of(marks: &[u64], key: u128) -> u64 {
+    match marks.is_empty() {
+        true => 0,
+        false => marks[slice_of(key, marks.len())],
+    }
+}
+
 /// Packs merge marks as the value of [`meta::FPS_MERGED_KEY`].
 fn encode_marks(marks: &[u64]) -> Vec<u8> {
     marks.iter().flat_map(|m| m.to_le_bytes()).collect()
@@ -249,17 +258,14 @@ impl Runs {
     /// Every gone key stored in `txn`'s snapshot and not merged yet, each with its row (to
     /// check them).
     pub fn load_gone(txn: &ReadTxn) -> Result<Vec<(u64, u128)>> {
-        let marks = Runs {
-            merged: Self::load_marks(txn)?,
-            ..Runs::default()
-        };
+        let marks = Self::load_marks(txn)?;
         let mut out = Vec::new();
         for item in txn.iter(meta::FPS_GONE)? {
             let (no, v) = item?;
             out.extend(
                 decode(no, &v)?
                     .into_iter()
-                    .filter(|&k| marks.pending(no, k))
+                    .filter(|&k| no > mark_of(&marks, k))
                     .map(|k| (no, k)),
             );
         }
@@ -268,15 +274,12 @@ impl Runs {
 
     /// Whether the keys of `key`'s slice in row `no` (a run or a gone row) are not merged yet.
     fn pending(&self, no: u64, key: u128) -> bool {
-        self.merged.is_empty() || no > self.merged[slice_of(key, self.merged.len())]
+        no > mark_of(&self.merged, key)
     }
 
     /// The runs whose keys of `key`'s slice are not merged yet.
     fn pending_runs(&self, key: u128) -> impl DoubleEndedIterator<Item = &Arc<Run>> + '_ {
-        let mark = match self.merged.is_empty() {
-            true => 0,
-            false => self.merged[slice_of(key, self.merged.len())],
-        };
+        let mark = mark_of(&self.merged, key);
         self.runs.iter().filter(move |r| r.no > mark)
     }
 
@@ -316,13 +319,11 @@ impl Runs {
         &'a self,
         run: &'a Run,
     ) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
+        // Without marks, one slice holding every key, never merged (commit numbers start at 1).
         let slices = self.merged.len().max(1);
         (0..slices)
-            .filter(move |&s| self.merged.is_empty() || run.no > self.merged[s])
-            .map(move |s| match self.merged.is_empty() {
-                true => 0..run.keys.len(),
-                false => slice_range(&run.keys, s, slices),
-            })
+            .filter(move |&s| run.no > self.merged.get(s).copied().unwrap_or(0))
+            .map(move |s| slice_range(&run.keys, s, slices))
     }
 
     /// The keys of `run` not merged out yet (dead ones included), ascending.
