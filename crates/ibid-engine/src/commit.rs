@@ -142,8 +142,8 @@ impl Inner {
         }
         // The slices of the reference log this commit folds: the next in turn, or what was
         // asked for. When what the log may free could matter (over a quarter of the free
-        // space, as 4 KiB blocks), every commit folds all of it, as the cleaner stops yielding
-        // at that much garbage.
+        // space, as 4 KiB blocks), every commit folds its fullest slices, as the cleaner stops
+        // yielding at that much garbage.
         let logged_bytes = cs.ref_log.entries() * format::BLOCK_BYTES as u64;
         let fold = cs
             .ref_log

@@ -407,9 +407,12 @@ impl Inner {
         txn.commit()
     }
 
+    /// The records of segment `seg` (its file's `bytes`) that their chunks' records still point
+    /// at, with the chunk record, each checked against its checksum. The chunk records are read
+    /// a page at a time (a segment's records mostly have neighbouring ids), not a B-tree
+    /// lookup per record.
     fn live_records(&self, seg: u64, bytes: &[u8]) -> Result<Vec<(u64, u32, ChunkRecord)>> {
-        let txn = self.db.read()?;
-        let mut out = Vec::new();
+        let mut found = Vec::new(); // (chunk id, offset, end)
         let mut pos = SEGMENT_HEADER_BYTES as usize;
         while pos + RECORD_HEADER_BYTES <= bytes.len() {
             let Ok(h) = format::decode_record_header(&bytes[pos..]) else {
@@ -419,18 +422,27 @@ impl Inner {
             if end > bytes.len() {
                 break;
             }
-            if let Some(rec) = crate::chunk_table::get(&txn, h.chunk_id)? {
-                if rec.segment == seg && rec.offset as usize == pos {
-                    if !format::record_crc_ok(&bytes[pos..end], rec.crc) {
-                        return Err(crate::Error::Corrupt(format!(
-                            "cleaner: chunk {:#x} in segment {seg:016x} fails its checksum",
-                            h.chunk_id
-                        )));
-                    }
-                    out.push((h.chunk_id, pos as u32, rec));
-                }
-            }
+            found.push((h.chunk_id, pos, end));
             pos = end;
+        }
+        let mut ids: Vec<u64> = found.iter().map(|&(id, _, _)| id).collect();
+        let mut records = HashMap::with_capacity(ids.len());
+        crate::chunk_table::get_many(&self.db.read()?, &mut ids, |id, rec| {
+            records.insert(id, rec);
+        })?;
+        let mut out = Vec::new();
+        for (id, pos, end) in found {
+            let Some(&rec) = records.get(&id) else {
+                continue;
+            };
+            if rec.segment == seg && rec.offset as usize == pos {
+                if !format::record_crc_ok(&bytes[pos..end], rec.crc) {
+                    return Err(crate::Error::Corrupt(format!(
+                        "cleaner: chunk {id:#x} in segment {seg:016x} fails its checksum"
+                    )));
+                }
+                out.push((id, pos as u32, rec));
+            }
         }
         Ok(out)
     }

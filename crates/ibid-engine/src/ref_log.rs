@@ -17,9 +17,10 @@
 //! when its slice is folded and the sum is zero (until then it is found and shared like any
 //! other, which is correct: its data is still there). Readers that need exact counts add
 //! [`pending`] to the records. Which slice a commit folds: the next in turn; all of them when
-//! asked ([`FoldRequest::All`]: [`crate::Pool::sync`]), when the log holds more than
-//! [`ENTRIES_MAX`] deltas, or when the space it may free is over a quarter of the free space
-//! (`commit.rs`: a nearly full pool gets its space back at once); on an idle pool the
+//! asked ([`FoldRequest::All`]: [`crate::Pool::sync`]); the [`PRESSED_SLICES`] fullest when
+//! the log holds more than [`ENTRIES_MAX`] deltas or when the space it may free is over a
+//! quarter of the free space (`commit.rs`: a nearly full pool gets its space back within a few
+//! commits); on an idle pool the
 //! background thread asks for the next slice that holds any ([`FoldRequest::Next`]), a commit
 //! at a time.
 //!
@@ -42,8 +43,13 @@ use std::collections::BTreeMap;
 pub(crate) const SLICES: usize = 16;
 /// Chunk pages per stretch of a slice: 256 pages, 4 Ki sequence numbers.
 pub(crate) const SPAN_PAGES: u64 = 256;
-/// Logged deltas past which a commit folds every slice.
+/// Logged deltas past which every commit folds [`PRESSED_SLICES`] slices.
 pub(crate) const ENTRIES_MAX: u64 = 4 << 20;
+/// Slices a commit folds when the log is long or the space it may free is needed: the fullest
+/// ones. Not all of them: one transaction that rewrote the whole chunk table made the store's
+/// file grow by half its size for good (its pages free again only after the commit) and took
+/// seconds on a large pool.
+pub(crate) const PRESSED_SLICES: usize = 4;
 /// A row key's slice is its top bits.
 const SLICE_SHIFT: u32 = 60;
 /// Encoded size of one entry.
@@ -150,12 +156,20 @@ impl RefLog {
         std::mem::take(&mut self.request)
     }
 
-    /// The slices a commit folds, asked for `asked`: every one if asked, if `tight` or if the
-    /// log is long; the next that holds anything for [`FoldRequest::Next`] (none if the log is
-    /// empty); else the next in turn.
+    /// The slices a commit folds, asked for `asked`: every one for [`FoldRequest::All`]; the
+    /// [`PRESSED_SLICES`] holding the most deltas if `tight` or if the log is long; the next
+    /// that holds anything for [`FoldRequest::Next`] (none if the log is empty); else the next
+    /// in turn.
     pub fn slices_to_fold(&mut self, asked: FoldRequest, tight: bool) -> Vec<usize> {
-        if asked == FoldRequest::All || tight || self.entries() > ENTRIES_MAX {
+        if asked == FoldRequest::All {
             return (0..SLICES).collect();
+        }
+        if tight || self.entries() > ENTRIES_MAX {
+            let mut by_size: Vec<usize> = (0..SLICES).filter(|&i| self.entries[i] > 0).collect();
+            by_size.sort_by_key(|&i| std::cmp::Reverse(self.entries[i]));
+            by_size.truncate(PRESSED_SLICES);
+            by_size.sort_unstable();
+            return by_size;
         }
         let mut s = self.next_slice;
         if asked == FoldRequest::Next {
@@ -273,8 +287,21 @@ mod tests {
         log.entries[7] = 3;
         assert_eq!(log.slices_to_fold(FoldRequest::Next, false), vec![7]);
         assert_eq!(log.slices_to_fold(FoldRequest::None, false), vec![8]);
-        assert_eq!(log.slices_to_fold(FoldRequest::None, true).len(), SLICES);
+        assert_eq!(
+            log.slices_to_fold(FoldRequest::None, true),
+            vec![7],
+            "tight: what holds any"
+        );
+        for (i, n) in [(1, 5), (4, 9), (9, 2), (11, 7), (12, 1)] {
+            log.entries[i] = n;
+        }
+        assert_eq!(
+            log.slices_to_fold(FoldRequest::None, true),
+            vec![1, 4, 7, 11],
+            "tight: the fullest"
+        );
         assert_eq!(log.slices_to_fold(FoldRequest::All, false).len(), SLICES);
+        log.entries = [0; SLICES];
         assert_eq!(log.take_request(), FoldRequest::None, "not asked");
         log.request(FoldRequest::All);
         assert_eq!(log.take_request(), FoldRequest::All);
@@ -282,8 +309,8 @@ mod tests {
         log.entries[2] = ENTRIES_MAX;
         log.entries[3] = 1;
         assert_eq!(
-            log.slices_to_fold(FoldRequest::None, false).len(),
-            SLICES,
+            log.slices_to_fold(FoldRequest::None, false),
+            vec![2, 3],
             "too long"
         );
     }
