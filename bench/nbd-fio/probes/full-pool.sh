@@ -5,6 +5,7 @@
 # on a pool that volume fills to FULL_PCT (default 80) %, the cleaner working. Prints IOPS per
 # case, the full pool's ratio to the roomy one, and the write amplification: bytes the
 # device wrote (/proc/diskstats, DISK) ÷ bytes the client wrote, during the random writes.
+# CASES=full runs the full pool alone (prints its IOPS and amplification).
 . "$(dirname "$0")/common.sh"
 bin=$1; shift
 RUNTIME=${RUNTIME:-120}
@@ -26,7 +27,13 @@ import json, sys; w = json.load(sys.stdin)['write']
 print('%.0f %.2f' % (w['iops'], ($w1 - $w0) / w['io_bytes']))"
     kill "$PID"; wait "$PID" 2>/dev/null || true
 }
+full_capacity="$(( 8 * 100 / FULL_PCT ))G"
+if [ "${CASES:-roomy full}" = full ]; then
+    set -- $(run "$full_capacity" "$@")
+    echo "${FULL_PCT} % full: $1 IOPS, write amplification $2"
+    exit 0
+fi
 roomy=$(run 40G "$@")
-full=$(run "$(( 8 * 100 / FULL_PCT ))G" "$@")
+full=$(run "$full_capacity" "$@")
 set -- $roomy $full
 echo "roomy pool: $1 IOPS, write amplification $2; ${FULL_PCT} % full: $3 IOPS, write amplification $4; ratio $(python3 -c "print('%.2f' % ($3 / $1))")"

@@ -25,6 +25,7 @@ mod offload;
 mod sharing;
 mod simulate;
 mod store_shapes;
+mod store_space;
 mod xcopy;
 
 const KIB: u64 = 1024;
@@ -48,6 +49,8 @@ enum Cmd {
     Formats(formats::FormatsArgs),
     /// Measures the metadata store's cost per new block for today's row shapes and others.
     StoreShapes(store_shapes::StoreShapesArgs),
+    /// Where the bytes of a pool's metadata store file go, per table.
+    StoreSpace(store_space::StoreSpaceArgs),
     /// Range copies in 4 MiB segments with several in flight, as ESXi sends EXTENDED COPY.
     Xcopy(xcopy::XcopyArgs),
     /// The deterministic simulator: random engine operations, power cuts, checks.
@@ -173,6 +176,7 @@ fn main() -> Result<()> {
         Cmd::Sharing(a) => sharing::sharing(&a),
         Cmd::Formats(a) => formats::formats(&a),
         Cmd::StoreShapes(a) => store_shapes::store_shapes(&a),
+        Cmd::StoreSpace(a) => store_space::store_space(&a),
         Cmd::Xcopy(a) => xcopy::xcopy(&a),
         Cmd::Simulate(a) => simulate::simulate(&a),
         Cmd::Offload(a) => offload::offload(&a),

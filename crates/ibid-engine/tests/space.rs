@@ -941,3 +941,34 @@ fn an_idle_pool_folds_its_reference_log_in_the_background() {
     }
     assert_eq!(pool.verify().expect("verify").chunks, 64);
 }
+
+/// `store::redb::file_space` accounts for a closed pool's store file: one map row per written
+/// block, a chunk page per 16 chunk ids at most, and no more pages in the tables than redb
+/// allocated nor than the file holds.
+#[test]
+fn the_store_file_space_is_told_per_table() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+    let v = pool.create_volume("v", 16 << 20).expect("v");
+    for i in 0..300u64 {
+        v.write(i * 4096, &random_block(i), false).expect("write");
+    }
+    drop(v);
+    pool.sync().expect("sync");
+    pool.close().expect("close");
+    let s = ibid_engine::store::redb::file_space(&path.join(ibid_engine::store::redb::FILE))
+        .expect("measure");
+    let table = |name: &str| {
+        s.tables
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no table {name} in {:?}", s.tables))
+    };
+    assert_eq!(table("map.bytes").rows, 300);
+    let pages = table("chunk.pages").rows;
+    assert!((300 / 16..=300).contains(&pages), "{pages} chunk pages");
+    let table_pages: u64 = s.tables.iter().map(|t| t.leaf_pages + t.branch_pages).sum();
+    assert!(table_pages > 0 && table_pages <= s.allocated_pages, "{s:?}");
+    assert!(s.allocated_pages * s.page_bytes <= s.file_bytes, "{s:?}");
+}

@@ -81,6 +81,84 @@ macro_rules! dispatch {
     };
 }
 
+/// Where a store file's bytes go: each table's share and the file's pages
+/// ([`file_space`]).
+#[derive(Debug, Clone)]
+pub struct FileSpace {
+    /// One entry per engine table the file holds.
+    pub tables: Vec<TableSpace>,
+    /// Pages redb has allocated (live or waiting to be freed), of [`FileSpace::page_bytes`].
+    pub allocated_pages: u64,
+    /// redb's page size.
+    pub page_bytes: u64,
+    /// The file's length (allocated pages, free pages and redb's headers).
+    pub file_bytes: u64,
+}
+
+/// One table's space in a store file.
+#[derive(Debug, Clone)]
+pub struct TableSpace {
+    /// The redb table's name.
+    pub name: String,
+    /// Rows.
+    pub rows: u64,
+    /// Leaf pages of its B-tree (a value larger than a page takes a leaf of several).
+    pub leaf_pages: u64,
+    /// Branch pages of its B-tree.
+    pub branch_pages: u64,
+    /// Bytes of keys and values stored in the leaves.
+    pub stored_bytes: u64,
+    /// Bytes of its pages that hold neither data nor redb's metadata.
+    pub fragmented_bytes: u64,
+}
+
+/// Measures where the bytes of the store file at `path` go, per table (a pool's
+/// `meta.redb`, or a copy of one: redb locks a file in use). Walks every table; for
+/// measurements (`ibid-bench store-space`), not for a serving pool.
+pub fn file_space(path: &Path) -> Result<FileSpace> {
+    let db = Database::open(path)?;
+    let txn = db.begin_read()?;
+    let mut tables = Vec::new();
+    for t in Table::ALL {
+        if let Some(s) = dispatch!(t, table_space, &txn)? {
+            tables.push(s);
+        }
+    }
+    drop(txn);
+    let w = db.begin_write()?;
+    let stats = w.stats()?;
+    w.abort()?;
+    Ok(FileSpace {
+        tables,
+        allocated_pages: stats.allocated_pages(),
+        page_bytes: stats.page_size() as u64,
+        file_bytes: std::fs::metadata(path)
+            .map_err(|e| Error::io("stat the store file", e))?
+            .len(),
+    })
+}
+
+fn table_space<K: Key + Conv, V: Conv>(
+    def: TableDefinition<K, V>,
+    txn: &ReadTransaction,
+) -> Result<Option<TableSpace>> {
+    use ::redb::ReadableTableMetadata;
+    let table = match txn.open_table(def) {
+        Ok(t) => t,
+        Err(::redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let s = table.stats()?;
+    Ok(Some(TableSpace {
+        name: def.name().to_string(),
+        rows: table.len()?,
+        leaf_pages: s.leaf_pages(),
+        branch_pages: s.branch_pages(),
+        stored_bytes: s.stored_bytes(),
+        fragmented_bytes: s.fragmented_bytes(),
+    }))
+}
+
 /// Conversion between a redb type and the seam's byte encoding ([`super::Codec`]).
 trait Conv: Value + Send + Sync + 'static {
     fn decode_seam(b: &[u8]) -> Result<Self::SelfType<'_>>;
