@@ -20,9 +20,8 @@
 //! asked ([`FoldRequest::All`]: [`crate::Pool::sync`]); the [`PRESSED_SLICES`] fullest when
 //! the log holds more than [`ENTRIES_MAX`] deltas or when the space it may free is over a
 //! quarter of the free space (`commit.rs`: a nearly full pool gets its space back within a few
-//! commits); on an idle pool the
-//! background thread asks for the next slice that holds any ([`FoldRequest::Next`]), a commit
-//! at a time.
+//! commits); on an idle pool the background thread asks for the next slice that holds any
+//! ([`FoldRequest::Next`]), a commit at a time.
 //!
 //! # Rows (`chunk.deltas`)
 //!
@@ -46,9 +45,9 @@ pub(crate) const SPAN_PAGES: u64 = 256;
 /// Logged deltas past which every commit folds [`PRESSED_SLICES`] slices.
 pub(crate) const ENTRIES_MAX: u64 = 4 << 20;
 /// Slices a commit folds when the log is long or the space it may free is needed: the fullest
-/// ones. Not all of them: one transaction that rewrote the whole chunk table made the store's
-/// file grow by half its size for good (its pages free again only after the commit) and took
-/// seconds on a large pool.
+/// ones. Not all of them: on a full pool of 2 Mi chunks that one transaction rewrote most of
+/// the chunk table in a second, and its new pages (the old ones free only after the commit)
+/// doubled the store's file for good (BENCHMARKS.md, session 37).
 pub(crate) const PRESSED_SLICES: usize = 4;
 /// A row key's slice is its top bits.
 const SLICE_SHIFT: u32 = 60;

@@ -114,7 +114,9 @@ pub struct TableSpace {
 
 /// Measures where the bytes of the store file at `path` go, per table (a pool's
 /// `meta.redb`, or a copy of one: redb locks a file in use). Walks every table; for
-/// measurements (`ibid-bench store-space`), not for a serving pool.
+/// measurements (`ibid-bench store-space`), not for a serving pool. A copy taken while a
+/// server had the file open is repaired by redb as it opens, which may give trailing free
+/// pages back: [`FileSpace::file_bytes`] is then the repaired file's length.
 pub fn file_space(path: &Path) -> Result<FileSpace> {
     let db = Database::open(path)?;
     let txn = db.begin_read()?;
