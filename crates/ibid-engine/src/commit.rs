@@ -117,10 +117,12 @@ impl Inner {
     pub(crate) fn commit_with(&self, cs: &mut CommitState) -> Result<()> {
         self.check_failed()?;
         // The cleaner's passes since the last commit (their copies are durable already).
+        let moves0 = std::time::Instant::now();
         if let Err(e) = self.apply_relocations() {
             self.fail(&e);
             return Err(e);
         }
+        let moves = moves0.elapsed();
         let batch = self.cut(cs);
         // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
         let orphans = self.batches.take_orphans();
@@ -193,7 +195,8 @@ impl Inner {
         }
         tracing::debug!(
             "commit {}: {} map entries, {} new chunks, {} chunks freed, {:.1} ms \
-             ({:.1} ms of it waiting for the segments' sync)",
+             ({:.1} ms of it waiting for the segments' sync), after {:.1} ms applying the \
+             cleaner's moves",
             batch.no,
             entries,
             batch
@@ -203,7 +206,8 @@ impl Inner {
                 .sum::<usize>(),
             applied.died.len(),
             t0.elapsed().as_secs_f64() * 1e3,
-            waited.as_secs_f64() * 1e3
+            waited.as_secs_f64() * 1e3,
+            moves.as_secs_f64() * 1e3
         );
         for seg in applied.dead_segments {
             self.segments.remove(seg)?;
