@@ -152,7 +152,7 @@ fn table_space<K: Key + Conv, V: Conv>(
     };
     let s = table.stats()?;
     Ok(Some(TableSpace {
-        name: def.name().to_string(),
+        name: def_name(def),
         rows: table.len()?,
         leaf_pages: s.leaf_pages(),
         branch_pages: s.branch_pages(),
