@@ -111,6 +111,14 @@ impl DiskFile for FsFile {
         self.0.metadata().map(|m| m.len())
     }
 
+    fn allocated(&self) -> io::Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        // st_blocks counts 512-byte units, and may run past the size where the filesystem
+        // preallocates ahead of appends (XFS): the size bounds it.
+        let m = self.0.metadata()?;
+        Ok((m.blocks() * 512).min(m.len()))
+    }
+
     fn set_len(&self, len: u64) -> io::Result<()> {
         self.0.set_len(len)
     }
@@ -224,6 +232,29 @@ impl Disk for FsDisk {
 mod tests {
     use super::*;
     use crate::direct_io::AlignedBuf;
+
+    /// A file extended by `set_len` takes only the blocks written (the store's growth is
+    /// counted by them), never more than its size; `allocate` makes it take them all.
+    #[test]
+    fn allocated_counts_written_blocks_not_length() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = FsDisk
+            .open(&dir.path().join("f"), OpenMode::CreateNew)
+            .expect("create");
+        file.set_len(64 << 20).expect("extend");
+        file.write_all_at(&[7u8; 1 << 20], 8 << 20).expect("write");
+        let (len, taken) = (
+            file.len().expect("len"),
+            file.allocated().expect("allocated"),
+        );
+        assert_eq!(len, 64 << 20);
+        assert!(
+            (1 << 20..=4 << 20).contains(&taken),
+            "{taken} bytes allocated for 1 MiB written into a sparse 64 MiB file"
+        );
+        file.allocate(64 << 20).expect("allocate");
+        assert_eq!(file.allocated().expect("allocated"), 64 << 20);
+    }
 
     /// A scattered read fills its pieces, in order, exactly as one plain read of the same
     /// bytes would: empty pieces, pieces past `IOVECS_MAX` in number, and through the

@@ -70,6 +70,12 @@ pub trait DiskFile: Send + Sync + Debug {
     fn sync_data(&self) -> io::Result<()>;
     /// The file's size.
     fn len(&self) -> io::Result<u64>;
+    /// The bytes the file takes on the device: at most its size, less where it is sparse (a
+    /// file extended by [`DiskFile::set_len`] holds no blocks where nothing was written yet).
+    /// Default: its size.
+    fn allocated(&self) -> io::Result<u64> {
+        self.len()
+    }
     /// Whether the file is empty.
     fn is_empty(&self) -> io::Result<bool> {
         self.len().map(|l| l == 0)

@@ -240,7 +240,7 @@ pub trait MetaStore: Send + Sync {
     /// of a write's time) and commits only if it returns `Ok` (else returns its error, having
     /// changed nothing). Callers serialize writes ([`Store`] does).
     fn write(&self, batch: &Batch, ready: &mut dyn FnMut() -> Result<()>) -> Result<()>;
-    /// Bytes the store occupies on disk.
+    /// Bytes the store occupies on disk (allocated, not apparent: sparse parts are free).
     fn disk_bytes(&self) -> u64;
 }
 
