@@ -226,6 +226,12 @@ impl Pool {
         self.inner.fold_ref_log()
     }
 
+    /// `Err(Error::Failed)` once the pool has failed (an I/O error or damage met by a write,
+    /// flush or commit), as every later write and commit answers; `Ok` while it serves.
+    pub fn check_failed(&self) -> Result<()> {
+        self.inner.check_failed()
+    }
+
     /// Makes every write acknowledged so far (on any volume) durable: one journal write and
     /// fdatasync, not a metadata commit (see `journal.rs`).
     pub fn flush(&self) -> Result<()> {

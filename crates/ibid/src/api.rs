@@ -678,12 +678,36 @@ async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
+/// `?sync=false` on `GET /api/v1/pool`: the figures as of the last commit, without making one.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StatsQuery {
+    #[serde(default = "default_true")]
+    sync: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// The pool's figures. By default exact: every acknowledged write counted, every freed chunk
+/// freed, which takes a commit and a fold of the whole reference log (seconds under a heavy
+/// overwrite load). `?sync=false` answers the figures as of the last commit at once: what a
+/// poller (the dashboard, every 5 s) asks for, so that watching the pool does not make it
+/// commit and fold.
 async fn pool_stats(
     State(pool): State<Pool>,
     Extension(space): Extension<Arc<crate::space::SpaceCache>>,
+    query: Result<Query<StatsQuery>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
+    let sync = query_of(query)?.sync;
     blocking(move || {
-        pool.sync()?;
+        if sync {
+            pool.sync()?;
+        } else {
+            // A failed pool answers 503 `pool_failed` either way (the dashboard's banner).
+            pool.check_failed()?;
+        }
         let mut v = stats_json(&pool.stats());
         v["breakdown"] = space.json();
         Ok(Json(v))
@@ -990,7 +1014,12 @@ struct DeleteQuery {
 
 /// The query of a delete, or the precise reason it is not one.
 fn delete_query(q: Result<Query<DeleteQuery>, QueryRejection>) -> ApiResult<bool> {
-    q.map(|Query(q)| q.force).map_err(|e| ApiError {
+    query_of(q).map(|q| q.force)
+}
+
+/// A request's query, or the precise reason it is not one (400 `bad_request`).
+fn query_of<T>(q: Result<Query<T>, QueryRejection>) -> ApiResult<T> {
+    q.map(|Query(q)| q).map_err(|e| ApiError {
         status: e.status(),
         code: "bad_request",
         message: e.body_text(),

@@ -149,8 +149,10 @@ fn volumes_snapshots_and_clones_through_the_api() {
 #[test]
 fn bad_requests_get_precise_json_errors_and_change_nothing() {
     let srv = Server::start(&["--no-default-volume", "--volume", "v=1M"]);
-    let cases: [(&str, &str, Option<&str>, u16, &str); 9] = [
+    let cases: [(&str, &str, Option<&str>, u16, &str); 11] = [
         ("GET", "/api/v1/volumes/nope", None, 404, "not_found"),
+        ("GET", "/api/v1/pool?sync=maybe", None, 400, "bad_request"),
+        ("GET", "/api/v1/pool?fresh=1", None, 400, "bad_request"),
         (
             "POST",
             "/api/v1/volumes",
@@ -321,4 +323,57 @@ fn unknown_routes_oversized_bodies_and_stalled_requests_get_json_errors() {
     let (status, list) = call(&srv, "GET", "/api/v1/volumes", None);
     assert_eq!(status, 200);
     assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+}
+
+/// `GET /api/v1/pool` commits first (exact figures); `?sync=false` answers the last
+/// committed figures without a commit — counted by the commits metric (each exact answer
+/// takes one, empty or not; the background's own come once a second).
+#[test]
+fn pool_stats_without_sync_make_no_commit() {
+    let srv = Server::start(&["--no-default-volume", "--volume", "v=1M"]);
+    let commits = || -> u64 {
+        let page = common::run(
+            "curl",
+            &[
+                "-s",
+                "-S",
+                &format!("http://{}/metrics", srv.http.as_deref().expect("API")),
+            ],
+        );
+        page.lines()
+            .find_map(|l| l.strip_prefix("ibid_pool_commits_total ")?.parse().ok())
+            .expect("ibid_pool_commits_total on /metrics")
+    };
+    let exact = |path: &str| {
+        let (status, v) = call(&srv, "GET", path, None);
+        assert_eq!(status, 200, "{path}: {v}");
+        v
+    };
+    let c0 = commits();
+    exact("/api/v1/pool");
+    let mut synced = Value::Null;
+    for _ in 0..9 {
+        synced = exact("/api/v1/pool?sync=true");
+    }
+    let c1 = commits();
+    assert!(c1 >= c0 + 10, "ten exact answers, {} commits", c1 - c0);
+    let mut last = Value::Null;
+    for _ in 0..10 {
+        last = exact("/api/v1/pool?sync=false");
+    }
+    let c2 = commits();
+    assert!(
+        c2 <= c1 + 2,
+        "ten answers without sync, {} commits",
+        c2 - c1
+    );
+    // Nothing was written: the figures are those of the exact answer.
+    for key in [
+        "physical_bytes",
+        "provisioned_bytes",
+        "logical_written_bytes",
+        "volumes",
+    ] {
+        assert_eq!(last[key], synced[key], "{key}");
+    }
 }
