@@ -8,6 +8,7 @@
 # calls' median and worst time.
 HTTP=${HTTP:-127.0.0.1:7899}
 . "$(dirname "$0")/common.sh"
+[ $# -ge 2 ] || { sed -n '2,8p' "$0"; exit 2; }
 bin=$1 query=$2; shift 2
 RUNTIME=${RUNTIME:-60}
 start_ibid "$bin" "$@"
@@ -17,14 +18,21 @@ calls="$SCRATCH/calls"
 : > "$calls"
 if [ "$query" != none ]; then
     while sleep 5; do
-        curl -s -o /dev/null -w '%{time_total}\n' "http://$HTTP/api/v1/pool$query" >> "$calls"
+        curl -s -o /dev/null -w '%{time_total}\n' "http://$HTTP/api/v1/pool$query" \
+            >> "$calls" || true
     done &
     POLLER=$!
+    # common.sh's exit trap, with the poller stopped first.
+    trap 'kill $POLLER $PID 2>/dev/null; wait $PID 2>/dev/null
+          cp "$SCRATCH/log" /tmp/last-probe.log 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 fi
 fio --name=rw --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=32 --size=8G \
     --time_based=1 --runtime="$RUNTIME" --refill_buffers=1 --randrepeat=0 --norandommap=1 \
     --output-format=json > "$SCRATCH/rw.json"
-[ -z "${POLLER:-}" ] || kill "$POLLER"
+if [ -n "${POLLER:-}" ]; then
+    kill "$POLLER" 2>/dev/null || true
+    wait "$POLLER" 2>/dev/null || true
+fi
 fio_json "$SCRATCH/rw.json" | python3 -c "
 import json, statistics, sys
 w = json.load(sys.stdin)['write']; lat = w['clat_ns']

@@ -678,7 +678,8 @@ async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
-/// `?sync=false` on `GET /api/v1/pool`: the figures as of the last commit, without making one.
+/// `?sync=false` on `GET /api/v1/pool`: the space figures as of the last commit, without
+/// making one.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct StatsQuery {
@@ -686,15 +687,17 @@ struct StatsQuery {
     sync: bool,
 }
 
+/// Serde's default for a flag that is on unless the query turns it off.
 fn default_true() -> bool {
     true
 }
 
 /// The pool's figures. By default exact: every acknowledged write counted, every freed chunk
 /// freed, which takes a commit and a fold of the whole reference log (seconds under a heavy
-/// overwrite load). `?sync=false` answers the figures as of the last commit at once: what a
-/// poller (the dashboard, every 5 s) asks for, so that watching the pool does not make it
-/// commit and fold.
+/// overwrite load). `?sync=false` answers at once, with physical, metadata, used and free as
+/// of the last commit (freed space once its slice of the reference log is folded; volumes,
+/// provisioned and logical figures are live): what a poller (the dashboard, every 5 s) asks
+/// for, so that watching the pool does not make it commit and fold.
 async fn pool_stats(
     State(pool): State<Pool>,
     Extension(space): Extension<Arc<crate::space::SpaceCache>>,

@@ -306,11 +306,11 @@ function renderHealth() {
   }
 }
 
-async function refreshPool() {
+async function refreshPool(exact = false) {
   try {
-    // As of the last commit: an exact answer commits and folds the pool's reference log,
-    // which polling every few seconds would force on a busy pool.
-    state.pool = await api('GET', '/pool?sync=false');
+    // Polls ask for the figures as of the last commit: an exact answer commits and folds the
+    // pool's reference log, which polling every few seconds would force on a busy pool.
+    state.pool = await api('GET', exact ? '/pool' : '/pool?sync=false');
     state.poolError = null;
     state.poolFailed = null;
   } catch (e) {
@@ -1008,7 +1008,8 @@ async function pageVolume(main, name) {
 // Pool settings
 
 async function pagePool(main) {
-  await refreshPool();
+  // The Pool page shows every figure: exact when it opens.
+  await refreshPool(true);
   const p = state.pool;
   if (!p) {
     append(main, [h('h1', {}, 'Pool'), h('p', { class: 'error' }, state.poolError || 'not available')]);
