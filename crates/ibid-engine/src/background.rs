@@ -56,13 +56,13 @@ impl Threads {
     }
 
     /// Waits until woken or `interval` has passed, unless woken since the last wait or
-    /// `stop` is set; clears the wake-up.
-    pub(crate) fn wait(&self, interval: Duration, stop: &AtomicBool) {
+    /// `stop` is set; clears the wake-up and answers whether there was one.
+    pub(crate) fn wait(&self, interval: Duration, stop: &AtomicBool) -> bool {
         let mut woken = self.woken.lock();
         if !*woken && !stop.load(Ordering::Acquire) {
             self.wake.wait_for(&mut woken, interval);
         }
-        *woken = false;
+        std::mem::take(&mut *woken)
     }
 
     /// The filter thread's slot (to start the next one once the last has finished).

@@ -34,8 +34,13 @@ pub struct PoolConfig {
     pub dirty_blocks_throttle: u64,
     /// Uncommitted map entries at which writers commit themselves (the hard limit).
     pub dirty_blocks_max: u64,
-    /// Interval of the background commit and cleaner, in milliseconds.
+    /// Interval of the background thread's and the cleaner's rounds, in milliseconds.
     pub background_interval_ms: u64,
+    /// Longest a change waits for a background commit while foreground I/O goes on, in
+    /// milliseconds (a round commits at once when I/O pauses, or when the backlog reaches
+    /// `dirty_blocks_commit`). Larger: fewer commits, each sharing the metadata pages it
+    /// rewrites among more blocks, for more uncommitted state in memory and in the journal.
+    pub commit_interval_ms: u64,
     /// How long foreground I/O must have paused, in milliseconds, before the cleaner starts a
     /// pass while garbage is small and the background thread settles zeroed ranges and folds
     /// the reference log (default 100; the simulator sets 0 so that they run between its
@@ -90,10 +95,11 @@ impl Default for PoolConfig {
             capacity_force: false,
             soft_threshold_pct: 80,
             segment_bytes_max: 32 << 20,
-            dirty_blocks_commit: 64 << 10,
-            dirty_blocks_throttle: 128 << 10,
-            dirty_blocks_max: 512 << 10,
+            dirty_blocks_commit: 256 << 10,
+            dirty_blocks_throttle: 512 << 10,
+            dirty_blocks_max: 1 << 20,
             background_interval_ms: 1000,
+            commit_interval_ms: 4000,
             io_quiet_ms: IO_QUIET_MS,
             gc_live_pct_max: 50,
             background: true,

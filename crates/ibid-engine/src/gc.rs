@@ -55,12 +55,26 @@ fn cleaner_waits(quiet: bool, full: bool, pressure: f64) -> bool {
 /// The background thread: commit, settle zeroed ranges and fold the reference log while no
 /// I/O runs, flatten layers, grow the dedup filter when outgrown (the cleaner has its own
 /// thread: [`cleaner_loop`]).
-pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval: Duration) {
+///
+/// It wakes every `interval`, and early when asked ([`Inner::wake_background`]: the backlog
+/// reached `dirty_blocks_commit`, the cleaner has moves to apply, ...). A wake-up it was asked
+/// for commits; a timed one commits only once `commit_every` has passed since its last commit,
+/// or when foreground I/O has paused: under steady small writes each commit then covers more
+/// blocks, and the store's pages it rewrites are shared among more of them (commits of ~35 Ki
+/// random overwrites of 8 GiB of data rewrote ~1.6 KiB of pages per block, of ~140 Ki
+/// ~0.9 KiB: docs/BENCHMARKS.md, "Fewer, larger commits under steady writes").
+pub(crate) fn background_loop(
+    weak: Weak<Inner>,
+    stop: Arc<AtomicBool>,
+    interval: Duration,
+    commit_every: Duration,
+) {
+    let mut last_commit = Instant::now();
     loop {
-        {
+        let woken = {
             let Some(inner) = weak.upgrade() else { return };
-            inner.threads.wait(interval, &stop);
-        }
+            inner.threads.wait(interval, &stop)
+        };
         if stop.load(Ordering::Acquire) {
             return;
         }
@@ -77,9 +91,12 @@ pub(crate) fn background_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>, interval
             Ok(false) => {}
             Err(e) => tracing::warn!("pool reserve file: {e}"),
         }
-        if let Err(e) = inner.commit() {
-            tracing::error!("background commit: {e}");
-            continue;
+        if woken || inner.io_quiet() || last_commit.elapsed() >= commit_every {
+            last_commit = Instant::now();
+            if let Err(e) = inner.commit() {
+                tracing::error!("background commit: {e}");
+                continue;
+            }
         }
         if inner.io_quiet() && inner.catalog.any_volume(|v| v.map.lock().has_zeroed()) {
             // Zeroed ranges left to settle and no I/O: the next part at once (under load,

@@ -173,9 +173,10 @@ impl Pool {
         let weak: Weak<Inner> = Arc::downgrade(&self.inner);
         let stop2 = stop.clone();
         let interval = Duration::from_millis(self.inner.config.background_interval_ms);
+        let commit_every = Duration::from_millis(self.inner.config.commit_interval_ms);
         let thread = std::thread::Builder::new()
             .name("ibid-background".into())
-            .spawn(move || crate::gc::background_loop(weak, stop2, interval))
+            .spawn(move || crate::gc::background_loop(weak, stop2, interval, commit_every))
             .expect("spawn background thread");
         let (weak, stop2) = (Arc::downgrade(&self.inner), stop.clone());
         let cleaner = std::thread::Builder::new()

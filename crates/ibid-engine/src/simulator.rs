@@ -255,6 +255,7 @@ impl Sim {
             // The committer wakes often enough to commit between the run's operations, and the
             // cleaner and the idle work do not wait for a pause the run never makes.
             background_interval_ms: 2,
+            commit_interval_ms: 2,
             io_quiet_ms: 0,
             threads: self.options.threads || self.options.background,
             meta_backend: crate::store::Backend::Redb,

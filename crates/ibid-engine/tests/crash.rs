@@ -28,6 +28,7 @@ fn config() -> PoolConfig {
         capacity_bytes: Some(1 << 30),
         segment_bytes_max: 128 << 10,
         background_interval_ms: 5,
+        commit_interval_ms: 5,
         gc_live_pct_max: 90,
         // Dedup index keys in runs (merged every third) when a crash comes.
         dedup_run_keys_min: 1,

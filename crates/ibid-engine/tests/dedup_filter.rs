@@ -20,6 +20,7 @@ fn create_pool(dir: &std::path::Path) -> Pool {
     let config = PoolConfig {
         capacity_bytes: Some(4 << 30),
         background_interval_ms: 50,
+        commit_interval_ms: 50,
         dedup_filter_min: FILTER_MIN,
         ..PoolConfig::default()
     };

@@ -230,6 +230,7 @@ impl Harness {
             segment_bytes_max: if background { 4 << 20 } else { 256 << 10 },
             background,
             background_interval_ms: 20,
+            commit_interval_ms: 20,
             // Most aligned copies go through frames (the default keeps them for >= 1 MiB).
             frame_copy_blocks_min: 8,
             // Dedup index keys in runs from the first new chunk, merged every third run.

@@ -116,6 +116,7 @@ fn garbage_pool(dir: &std::path::Path, capacity: u64) -> (Pool, ibid_engine::Vol
     let config = PoolConfig {
         background: true,
         background_interval_ms: 5,
+        commit_interval_ms: 5,
         segment_bytes_max: 256 << 10,
         ..quiet_config(capacity)
     };
@@ -299,6 +300,7 @@ fn busy_pool(dir: &std::path::Path) -> Arc<Pool> {
     let config = PoolConfig {
         capacity_bytes: Some(1 << 30),
         background_interval_ms: 5,
+        commit_interval_ms: 5,
         ..PoolConfig::default()
     };
     Arc::new(Pool::create(dir.join("p"), config).expect("create"))
@@ -772,6 +774,7 @@ fn gc_now_ends_while_writes_go_on() {
     let config = PoolConfig {
         capacity_bytes: Some(1 << 30),
         background_interval_ms: 2,
+        commit_interval_ms: 2,
         segment_bytes_max: 256 << 10,
         ..PoolConfig::default()
     };
@@ -916,6 +919,7 @@ fn an_idle_pool_folds_its_reference_log_in_the_background() {
     let config = PoolConfig {
         background: true,
         background_interval_ms: 20,
+        commit_interval_ms: 20,
         ..quiet_config(1 << 30)
     };
     let pool = Pool::create(dir.path().join("p"), config).expect("create");
