@@ -20,6 +20,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+mod checksum;
 mod formats;
 mod offload;
 mod sharing;
@@ -58,6 +59,8 @@ enum Cmd {
     /// Push, restore and instant-restore first reads against an S3 store (Ceph RGW), beside
     /// the store's own PUTs and GETs of the same bytes.
     Offload(offload::OffloadArgs),
+    /// The engine's CRC-32C per record and from memory, beside the `crc32c` crate's.
+    Checksum(checksum::ChecksumArgs),
     /// Internal: writes to a pool until killed (the crash-recovery measurement).
     #[command(hide = true)]
     CrashChild {
@@ -180,6 +183,7 @@ fn main() -> Result<()> {
         Cmd::Xcopy(a) => xcopy::xcopy(&a),
         Cmd::Simulate(a) => simulate::simulate(&a),
         Cmd::Offload(a) => offload::offload(&a),
+        Cmd::Checksum(a) => checksum::checksum(&a),
         Cmd::CrashChild { dir, seed } => crash_child(&dir, seed),
     }
 }

@@ -57,7 +57,7 @@ pub fn encode_segment_header(segment_id: u64) -> [u8; SEGMENT_HEADER_BYTES as us
     h[0..8].copy_from_slice(SEGMENT_MAGIC);
     h[8..12].copy_from_slice(&SEGMENT_FORMAT_VERSION.to_le_bytes());
     h[16..24].copy_from_slice(&segment_id.to_le_bytes());
-    let crc = crc32c::crc32c(&h[0..60]);
+    let crc = crate::checksum::crc32c(&h[0..60]);
     h[60..64].copy_from_slice(&crc.to_le_bytes());
     h
 }
@@ -68,7 +68,7 @@ pub fn decode_segment_header(h: &[u8]) -> Result<u64> {
         return Err(Error::Corrupt("segment header: bad magic".into()));
     }
     let crc = u32::from_le_bytes(h[60..64].try_into().expect("4 bytes"));
-    if crc != crc32c::crc32c(&h[0..60]) {
+    if crc != crate::checksum::crc32c(&h[0..60]) {
         return Err(Error::Corrupt("segment header: checksum mismatch".into()));
     }
     let version = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
@@ -112,7 +112,7 @@ pub fn encode_record_header(
     h[4..6].copy_from_slice(&flags.to_le_bytes());
     h[8..12].copy_from_slice(&(payload.len() as u32).to_le_bytes());
     h[12..20].copy_from_slice(&chunk_id.to_le_bytes());
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&h[..20]), payload);
+    let crc = crate::checksum::crc32c_append(crate::checksum::crc32c(&h[..20]), payload);
     h[20..24].copy_from_slice(&crc.to_le_bytes());
     (h, crc)
 }
@@ -147,8 +147,8 @@ pub fn record_crc_ok(record: &[u8], crc: u32) -> bool {
 
 /// Verifies a record read as its header and its payload apart against its crc.
 pub fn record_parts_crc_ok(header: &[u8], payload: &[u8], crc: u32) -> bool {
-    let c = crc32c::crc32c(&header[0..20]);
-    crc32c::crc32c_append(c, payload) == crc
+    let c = crate::checksum::crc32c(&header[0..20]);
+    crate::checksum::crc32c_append(c, payload) == crc
 }
 
 /// Where a chunk lives and how it is stored: one entry of a `chunk.pages` row

@@ -23,6 +23,7 @@ mod background;
 mod bloom;
 mod breakdown;
 mod catalog;
+pub mod checksum;
 pub mod chunk_table;
 mod cleaner_pace;
 mod commit;

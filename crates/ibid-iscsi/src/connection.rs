@@ -129,7 +129,7 @@ async fn read_pdu(
     if hd {
         let mut d = [0u8; DIGEST_LEN];
         rd.read_exact(&mut d).await?;
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&bhs), &ahs);
+        let crc = pdu::header_crc(&bhs, &ahs);
         if u32::from_le_bytes(d) != crc {
             return Err(PduError::HeaderDigest.into());
         }
@@ -139,7 +139,7 @@ async fn read_pdu(
     if dd && f.data_len > 0 {
         let mut d = [0u8; DIGEST_LEN];
         rd.read_exact(&mut d).await?;
-        if u32::from_le_bytes(d) != crc32c::crc32c(&data) {
+        if u32::from_le_bytes(d) != pdu::crc32c(&data) {
             return Err(PduError::DataDigest.into());
         }
     }
@@ -355,7 +355,7 @@ async fn write_data_in(
     let pad = pdu::pad4(data.len()) - data.len();
     let mut tail_len = pad;
     if params.data_digest && !data.is_empty() {
-        let crc = crc32c::crc32c_append(crc32c::crc32c(data), &tail[..pad]);
+        let crc = pdu::crc32c_append(pdu::crc32c(data), &tail[..pad]);
         tail[pad..pad + 4].copy_from_slice(&crc.to_le_bytes());
         tail_len += 4;
     }

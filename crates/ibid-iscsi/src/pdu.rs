@@ -205,7 +205,7 @@ impl Pdu {
         pos += f.padded_data_len();
         if data_digest && f.data_len > 0 {
             let want = le32(take(buf, pos, DIGEST_LEN)?);
-            if want != crc32c::crc32c(padded) {
+            if want != crc32c(padded) {
                 return Err(PduError::DataDigest);
             }
             pos += DIGEST_LEN;
@@ -223,7 +223,7 @@ impl Pdu {
             out.extend_from_slice(&self.data);
             out.resize(start + padded, 0);
             if data_digest {
-                let crc = crc32c::crc32c(&out[start..]);
+                let crc = crc32c(&out[start..]);
                 out.extend_from_slice(&crc.to_le_bytes());
             }
         }
@@ -284,8 +284,23 @@ impl Pdu {
 }
 
 /// CRC32C over the BHS and AHS.
-fn header_crc(bhs: &[u8], ahs: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(bhs), ahs)
+pub(crate) fn header_crc(bhs: &[u8], ahs: &[u8]) -> u32 {
+    crc32c_append(crc32c(bhs), ahs)
+}
+
+/// The CRC32C (iSCSI's digest, RFC 7143 13.1) of `data`, computed with `crc-fast` (carry-less
+/// multiplication folding where the CPU has it: about twice the `crc32c` crate's speed).
+pub(crate) fn crc32c(data: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(data)
+}
+
+/// The CRC32C of the bytes whose CRC32C is `crc` followed by `data`.
+pub(crate) fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
+    use crc_fast::{CrcAlgorithm, Digest};
+    // The digest's state is the register before the final inversion.
+    let mut digest = Digest::new_with_init_state(CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
+    digest.update(data);
+    digest.finalize() as u32
 }
 
 fn take(buf: &[u8], pos: usize, len: usize) -> Result<&[u8], PduError> {
