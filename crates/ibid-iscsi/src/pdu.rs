@@ -358,6 +358,20 @@ pub fn lun_from_wire(raw: u64) -> u64 {
 mod tests {
     use super::*;
 
+    /// The digest is CRC32C (the catalogue's check value), and appending equals digesting the
+    /// whole (as the header digest over BHS then AHS needs).
+    #[test]
+    fn digests_are_crc32c_and_append() {
+        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
+        let data: Vec<u8> = (0..3000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        for split in [0, 1, 48, 100, 2999, 3000] {
+            assert_eq!(
+                crc32c_append(crc32c(&data[..split]), &data[split..]),
+                crc32c(&data)
+            );
+        }
+    }
+
     #[test]
     fn roundtrip_with_digests() {
         let mut p = Pdu::new(OP_NOP_IN);
