@@ -22,6 +22,13 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     digest.finalize() as u32
 }
 
+/// The CRC-32C of `head` followed by `body` (a record's header fields, then its payload or
+/// body), without joining them.
+#[inline]
+pub fn crc32c_parts(head: &[u8], body: &[u8]) -> u32 {
+    crc32c_append(crc32c(head), body)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -112,7 +112,7 @@ pub fn encode_record_header(
     h[4..6].copy_from_slice(&flags.to_le_bytes());
     h[8..12].copy_from_slice(&(payload.len() as u32).to_le_bytes());
     h[12..20].copy_from_slice(&chunk_id.to_le_bytes());
-    let crc = crate::checksum::crc32c_append(crate::checksum::crc32c(&h[..20]), payload);
+    let crc = crate::checksum::crc32c_parts(&h[..20], payload);
     h[20..24].copy_from_slice(&crc.to_le_bytes());
     (h, crc)
 }
@@ -147,8 +147,7 @@ pub fn record_crc_ok(record: &[u8], crc: u32) -> bool {
 
 /// Verifies a record read as its header and its payload apart against its crc.
 pub fn record_parts_crc_ok(header: &[u8], payload: &[u8], crc: u32) -> bool {
-    let c = crate::checksum::crc32c(&header[0..20]);
-    crate::checksum::crc32c_append(c, payload) == crc
+    crate::checksum::crc32c_parts(&header[0..20], payload) == crc
 }
 
 /// Where a chunk lives and how it is stored: one entry of a `chunk.pages` row

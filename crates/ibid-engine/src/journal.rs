@@ -189,8 +189,10 @@ fn encode_record(out: &mut Vec<u8>, stamp: u64, change: &Change, payload: Option
     h[4] = kind;
     h[8..12].copy_from_slice(&body_len.to_le_bytes());
     h[12..20].copy_from_slice(&stamp.to_le_bytes());
-    let mut crc = crate::checksum::crc32c(&out[start..start + 20]);
-    crc = crate::checksum::crc32c_append(crc, &out[start + JOURNAL_HEADER_BYTES..]);
+    let crc = crate::checksum::crc32c_parts(
+        &out[start..start + 20],
+        &out[start + JOURNAL_HEADER_BYTES..],
+    );
     out[start + 20..start + 24].copy_from_slice(&crc.to_le_bytes());
 }
 
@@ -280,7 +282,7 @@ pub(crate) fn parse(bytes: &[u8], stamp: u64) -> Vec<Change> {
             break;
         };
         let body = &bytes[pos + JOURNAL_HEADER_BYTES..end];
-        let crc = crate::checksum::crc32c_append(crate::checksum::crc32c(&h[0..20]), body);
+        let crc = crate::checksum::crc32c_parts(&h[0..20], body);
         if crc != u32_at(h, 20) {
             break;
         }
