@@ -7,17 +7,21 @@
 # reversed). Throughput on this 2-core machine swings ±20 % from run to
 # run; CPU per byte moves less, and is what a CPU-only change changes.
 #
-# usage: bench/iscsi/read-cpu.sh [--size SIZE] [--rounds N] IBID...
+# `--warm N` reads the LUN N more times before the measurement (ibid's read cache admits a
+# block on its second miss: `--warm 1` measures it warm).
+#
+# usage: bench/iscsi/read-cpu.sh [--size SIZE] [--rounds N] [--warm N] IBID...
 #   prints: round, binary, seq_MBps, cpu_ms_per_GB
 set -euo pipefail
 
-SIZE=1G ROUNDS=3
+SIZE=1G ROUNDS=3 WARM=0
 BINS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --size) SIZE=$2; shift ;;
         --rounds) ROUNDS=$2; shift ;;
-        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        --warm) WARM=$2; shift ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) BINS+=("$1") ;;
     esac
     shift
@@ -58,7 +62,9 @@ for r in $(seq "$ROUNDS"); do
     fi
     for bin in "${ORDER[@]}"; do
         serve "$bin"
-        qemu-img convert -n -f raw "$URL" --target-image-opts "driver=null-co,size=$SIZE_B"
+        for _ in $(seq $((WARM + 1))); do
+            qemu-img convert -n -f raw "$URL" --target-image-opts "driver=null-co,size=$SIZE_B"
+        done
         t0=$(awk '{print $14 + $15}' "/proc/$PID/stat")
         mbs=$(iscsi-perf -m 8 -b 2048 -t 10 -i iqn.2026-11.org.ibid:read-cpu "$URL" 2>&1 \
             | tr '\r' '\n' | grep 'iops average' | tail -1 | sed -E 's/.*\(([0-9]+) MB\/s\).*/\1/')

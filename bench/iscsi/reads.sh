@@ -3,13 +3,18 @@
 # 127.0.0.1. The read half of bench/iscsi/run.sh, quick enough to repeat while changing the
 # read path (issue 33). See docs/benchmarks/iscsi-tgt.md.
 #
-# usage: bench/iscsi/reads.sh [--size SIZE] [--time N] [--rounds N] [--out DIR] IBID...
+# usage: bench/iscsi/reads.sh [--size SIZE] [--time N] [--rounds N] [--warm N] [--out DIR] IBID...
 #
 #   IBID        ibid binaries to compare (e.g. a build of main and one of a branch); each round
 #               runs tgt, then every binary, so each is measured beside tgt under the same load
 #   --size S    LUN size, filled with random data (default 2G)
 #   --time N    seconds per iscsi-perf run (default 10)
 #   --rounds N  rounds (default 2)
+#   --warm N    whole-LUN reads (qemu-img convert out, unmeasured) before the measured ones
+#               on each freshly started target (default 0). A long-running server has read
+#               its hot data before: tgt's page cache is warm after one pass, ibid's read
+#               cache admits a block on its second miss, so `--warm 2` compares the two
+#               warm (with a LUN smaller than ibid's read cache, a sixteenth of the RAM)
 #
 # Per system and round, on a freshly started target: qemu-img convert of the whole LUN out to
 # qemu's null driver (reads only, nothing written; it also warms the caches), then iscsi-perf
@@ -17,15 +22,16 @@
 # load average before it.
 set -euo pipefail
 
-SIZE=2G T=10 ROUNDS=2 OUT=""
+SIZE=2G T=10 ROUNDS=2 WARM=0 OUT=""
 BINS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --size) SIZE=$2; shift ;;
         --time) T=$2; shift ;;
         --rounds) ROUNDS=$2; shift ;;
+        --warm) WARM=$2; shift ;;
         --out) OUT=$2; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) BINS+=("$1") ;;
     esac
     shift
@@ -69,6 +75,9 @@ done
 
 measure() { # measure SYSTEM URL
     local load r m
+    for _ in $(seq "$WARM"); do
+        qemu-img convert -n -f raw "$2" --target-image-opts "driver=null-co,size=$SIZE_B"
+    done
     load=$(cut -d' ' -f1-3 /proc/loadavg)
     local t0 t1
     t0=$(date +%s.%N)

@@ -86,6 +86,26 @@ pub struct PoolConfig {
     /// so that the same operations do the same I/O (for the simulator; slower). The
     /// background committer is [`PoolConfig::background`].
     pub threads: bool,
+    /// Memory for the read cache, in bytes (see `read_cache.rs`; 0: none). Default
+    /// [`read_cache_bytes_default`]: a sixteenth of the machine's RAM, at most 2 GiB. Taken
+    /// as blocks are cached, not at open.
+    pub read_cache_bytes: u64,
+}
+
+/// The read cache's default size: a sixteenth of the machine's RAM, at most 2 GiB (0 if the
+/// RAM cannot be told).
+pub fn read_cache_bytes_default() -> u64 {
+    // SAFETY: `sysconf` only reads system configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || page <= 0 {
+        return 0;
+    }
+    (pages as u64 * page as u64 / 16).min(2 << 30)
 }
 
 impl Default for PoolConfig {
@@ -113,6 +133,7 @@ impl Default for PoolConfig {
             zero_settle_entries_max: 64 << 10,
             disk: crate::disk::fs(),
             threads: true,
+            read_cache_bytes: read_cache_bytes_default(),
         }
     }
 }

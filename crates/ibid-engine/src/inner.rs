@@ -86,6 +86,8 @@ pub(crate) struct Inner {
     /// Range copies in flight: their order, and those waiting to be applied together (see
     /// `copy/`).
     pub copies: crate::copy::batch::Copies,
+    /// Checked blocks kept in memory by chunk id (see `read_cache.rs`).
+    pub read_cache: Arc<crate::read_cache::ReadCache>,
     pub(crate) _lock_file: Box<dyn Any + Send + Sync>,
 }
 

@@ -407,6 +407,11 @@ impl Pool {
         self.inner.stats()
     }
 
+    /// The read cache's size, fill and counters since the pool opened.
+    pub fn read_cache_stats(&self) -> crate::ReadCacheStats {
+        self.inner.read_cache.stats()
+    }
+
     /// Layers whose filters are still being built after the pool opened (for tests).
     #[doc(hidden)]
     pub fn layer_filters_pending(&self) -> usize {

@@ -343,6 +343,7 @@ fn assemble(
         health: Health::new(),
         threads: Threads::default(),
         copies: crate::copy::batch::Copies::default(),
+        read_cache: Arc::new(crate::read_cache::ReadCache::new(config.read_cache_bytes)),
         commit: Mutex::new(CommitState { record, ref_log }),
         gc_lock: Mutex::new(()),
         config,

@@ -69,6 +69,13 @@ pub trait Lun: Send + Sync + 'static {
     fn id(&self) -> [u8; 16];
     /// Read `buf.len()` bytes at `off`.
     fn read(&self, off: u64, buf: &mut [u8]) -> Result<(), LunError>;
+    /// Read `buf.len()` bytes at `off` as [`Lun::read`] does, except that parts of the data
+    /// may be left where they are (a cache's memory) instead of copied into `buf`: returned
+    /// as [`HeldData`], which the target sends from, while `buf` holds the rest (and anything
+    /// where the held parts go). Default: [`Lun::read`], nothing held.
+    fn read_held(&self, off: u64, buf: &mut [u8]) -> Result<Option<Box<dyn HeldData>>, LunError> {
+        self.read(off, buf).map(|()| None)
+    }
     /// Write `data` at `off`; with `fua` it is durable when this returns.
     fn write(&self, off: u64, data: &[u8], fua: bool) -> Result<(), LunError>;
     /// Make the range read as zeros and deallocate it (metadata only).
@@ -87,6 +94,16 @@ pub trait Lun: Send + Sync + 'static {
     /// Allocation state of a range, as contiguous extents in order covering
     /// at least the first block of the range.
     fn block_status(&self, off: u64, len: u64) -> Result<Vec<Extent>, LunError>;
+}
+
+/// Parts of a read's data held outside its buffer ([`Lun::read_held`]), kept as they are
+/// until this is dropped (after the last Data-In that carries them is sent).
+pub trait HeldData: Send + Sync + 'static {
+    /// How many parts there are.
+    fn parts(&self) -> usize;
+    /// Part `i`: its offset in the read's data and its bytes. Parts are in ascending
+    /// offset order, do not overlap, and lie within the read.
+    fn part(&self, i: usize) -> (usize, &[u8]);
 }
 
 /// The set of LUNs behind the one target.

@@ -20,7 +20,7 @@ use crate::pdu::{
     OP_SCSI_RESP, OP_SNACK, OP_TASK_MGMT_REQ, OP_TASK_MGMT_RESP, OP_TEXT_REQ, OP_TEXT_RESP,
     RESERVED_TAG,
 };
-use crate::scsi::{Nexus, Response, Target};
+use crate::scsi::{Held, Nexus, Response, Target};
 use crate::sense::{Sense, STATUS_GOOD, STATUS_TASK_ABORTED, STATUS_TASK_SET_FULL};
 use crate::session::{Registry, SnCheck, Window};
 use crate::text;
@@ -280,8 +280,8 @@ enum Out {
     /// Send a PDU; `status` advances StatSN.
     Pdu(Pdu, bool),
     /// Send a Data-In PDU (without data of its own) carrying `range` of a command's read
-    /// buffer; `status` advances StatSN.
-    Data(Pdu, Arc<Vec<u8>>, std::ops::Range<usize>, bool),
+    /// data; `status` advances StatSN.
+    Data(Pdu, Arc<ReadData>, std::ops::Range<usize>, bool),
     /// Flush and close the connection.
     Close,
 }
@@ -323,12 +323,13 @@ async fn writer(
                 wr.write(&p.encode(params.header_digest, params.data_digest))
                     .await
             }
-            Out::Data(mut p, buf, range, status) => {
+            Out::Data(mut p, data, range, status) => {
                 stamp(&mut p, status);
-                let sent = write_data_in(&mut wr, &mut p, &buf[range], &params).await;
-                // The last Data-In of a command holds the last reference: the buffer is free.
-                if let Ok(buf) = Arc::try_unwrap(buf) {
-                    shared.target.buffers.give(buf);
+                let sent = write_data_in(&mut wr, &mut p, &data, range, &params).await;
+                // The last Data-In of a command holds the last reference: the buffer is free
+                // (and the held parts are let go).
+                if let Ok(data) = Arc::try_unwrap(data) {
+                    shared.target.buffers.give(data.buf);
                 }
                 sent
             }
@@ -342,24 +343,78 @@ async fn writer(
     let _ = wr.sock.shutdown().await;
 }
 
-/// Writes Data-In PDU `p` with `data` as its data segment, without copying the data into a
-/// PDU of its own.
+/// A read command's Data-In: its buffer and the parts held elsewhere (see
+/// [`crate::Lun::read_held`]), shared by its Data-In PDUs.
+struct ReadData {
+    buf: Vec<u8>,
+    held: Held,
+}
+
+impl ReadData {
+    /// The slices that make up `range` of the data, in order: pieces of the buffer between
+    /// the held parts.
+    fn slices(&self, range: std::ops::Range<usize>) -> Vec<&[u8]> {
+        let Some(held) = self.held.0.as_deref() else {
+            return vec![&self.buf[range]];
+        };
+        let n = held.parts();
+        // The first part that ends past the range's start.
+        let (mut lo, mut hi) = (0, n);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            let (at, bytes) = held.part(mid);
+            if at + bytes.len() <= range.start {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let mut out = Vec::new();
+        let mut at = range.start;
+        for i in lo..n {
+            let (start, bytes) = held.part(i);
+            if start >= range.end {
+                break;
+            }
+            if start > at {
+                out.push(&self.buf[at..start]);
+                at = start;
+            }
+            let end = (start + bytes.len()).min(range.end);
+            out.push(&bytes[at - start..end - start]);
+            at = end;
+        }
+        if at < range.end {
+            out.push(&self.buf[at..range.end]);
+        }
+        out
+    }
+}
+
+/// Writes Data-In PDU `p` with `range` of `data` as its data segment, without copying the
+/// data into a PDU of its own.
 async fn write_data_in(
     wr: &mut PduWriter,
     p: &mut Pdu,
-    data: &[u8],
+    data: &ReadData,
+    range: std::ops::Range<usize>,
     params: &Params,
 ) -> std::io::Result<()> {
-    let head = p.encode_head(data.len(), params.header_digest, 0);
+    let len = range.len();
+    let body = data.slices(range);
+    let head = p.encode_head(len, params.header_digest, 0);
     let mut tail = [0u8; 3 + 4];
-    let pad = pdu::pad4(data.len()) - data.len();
+    let pad = pdu::pad4(len) - len;
     let mut tail_len = pad;
-    if params.data_digest && !data.is_empty() {
-        let crc = pdu::crc32c_append(pdu::crc32c(data), &tail[..pad]);
+    if params.data_digest && len > 0 {
+        let crc = body
+            .iter()
+            .fold(pdu::crc32c(&[]), |crc, s| pdu::crc32c_append(crc, s));
+        let crc = pdu::crc32c_append(crc, &tail[..pad]);
         tail[pad..pad + 4].copy_from_slice(&crc.to_le_bytes());
         tail_len += 4;
     }
-    wr.write_parts(&head, data, &tail[..tail_len]).await
+    wr.write_parts(&head, &body, &tail[..tail_len]).await
 }
 
 /// The connection's outgoing byte stream: small PDUs gather in a buffer, sent when it fills
@@ -383,18 +438,31 @@ impl PduWriter {
         self.write_parts(bytes, &[], &[]).await
     }
 
-    /// Queues `head`, `body` and `tail` in order: copied into the buffer if they fit, else
-    /// sent at once with what is buffered before them.
-    async fn write_parts(&mut self, head: &[u8], body: &[u8], tail: &[u8]) -> std::io::Result<()> {
-        let len = head.len() + body.len() + tail.len();
+    /// Queues `head`, the slices of `body` and `tail` in order: copied into the buffer if they
+    /// fit, else sent at once with what is buffered before them.
+    async fn write_parts(
+        &mut self,
+        head: &[u8],
+        body: &[&[u8]],
+        tail: &[u8],
+    ) -> std::io::Result<()> {
+        let body_len: usize = body.iter().map(|s| s.len()).sum();
+        let len = head.len() + body_len + tail.len();
         if self.buf.len() + len <= WRITE_BUFFER {
             self.buf.extend_from_slice(head);
-            self.buf.extend_from_slice(body);
+            for s in body {
+                self.buf.extend_from_slice(s);
+            }
             self.buf.extend_from_slice(tail);
             return Ok(());
         }
         let buffered = std::mem::take(&mut self.buf);
-        let sent = write_all_vectored(&mut self.sock, &[&buffered, head, body, tail]).await;
+        let mut parts = Vec::with_capacity(body.len() + 3);
+        parts.push(&buffered[..]);
+        parts.push(head);
+        parts.extend_from_slice(body);
+        parts.push(tail);
+        let sent = write_all_vectored(&mut self.sock, &parts).await;
         self.buf = buffered;
         self.buf.clear();
         sent
@@ -589,6 +657,7 @@ impl Conn {
                 sense: None,
                 data_in: Vec::new(),
                 data_out_len: None,
+                held: Default::default(),
             };
             self.spawn_response(TaskInfo::of(&p), full);
             return Ok(Flow::Continue);
@@ -770,6 +839,7 @@ impl Conn {
                     sense: None,
                     data_in: Vec::new(),
                     data_out_len: None,
+                    held: Default::default(),
                 },
                 _ => return,
             };
@@ -1003,14 +1073,16 @@ fn response_pdus(task: &TaskInfo, resp: Response, limits: Limits) -> Vec<Out> {
     };
     let (rflag, residual) = residual(spdtl, edtl as u64);
     let mut data = resp.data_in;
+    let mut held = resp.held;
     data.truncate(edtl as usize);
     if write {
         data.clear();
+        held = Held::default();
     }
     let good = resp.status == STATUS_GOOD && resp.sense.is_none();
     let chunks = data_in_chunks(data.len(), limits);
     let n_chunks = chunks.len();
-    let data = Arc::new(data);
+    let data = Arc::new(ReadData { buf: data, held });
     for (i, (off, len, end_of_burst)) in chunks.into_iter().enumerate() {
         let last = i + 1 == n_chunks;
         let mut p = Pdu::new(OP_DATA_IN);
@@ -1126,6 +1198,49 @@ fn throttle_charge(cdb: &[u8; 16], edtl: u32) -> Option<(Direction, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    struct Parts(Vec<(usize, Vec<u8>)>);
+
+    impl crate::HeldData for Parts {
+        fn parts(&self) -> usize {
+            self.0.len()
+        }
+        fn part(&self, i: usize) -> (usize, &[u8]) {
+            (self.0[i].0, &self.0[i].1)
+        }
+    }
+
+    /// Every range of a read's data, cut at any byte, is the buffer with the held parts in
+    /// their places: parts at the start, at the end, side by side and apart.
+    #[test]
+    fn data_in_slices_put_held_parts_in_place() {
+        let len = 64;
+        let whole: Vec<u8> = (0..len as u8).collect();
+        let held = vec![(0, 8), (8, 16), (24, 32), (56, 64)];
+        let mut buf = whole.clone();
+        for &(a, b) in &held {
+            buf[a..b].fill(0xee);
+        }
+        let parts = held
+            .iter()
+            .map(|&(a, b)| (a, whole[a..b].to_vec()))
+            .collect();
+        let data = ReadData {
+            buf,
+            held: Held(Some(Arc::new(Parts(parts)))),
+        };
+        for start in 0..len {
+            for end in start..=len {
+                let got: Vec<u8> = data.slices(start..end).concat();
+                assert_eq!(got, whole[start..end], "{start}..{end}");
+            }
+        }
+        let plain = ReadData {
+            buf: whole.clone(),
+            held: Held::default(),
+        };
+        assert_eq!(plain.slices(3..40), vec![&whole[3..40]]);
+    }
 
     #[test]
     fn data_in_respects_segment_and_burst() {

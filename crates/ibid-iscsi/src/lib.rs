@@ -24,7 +24,7 @@ pub mod session;
 pub mod text;
 mod workers;
 
-pub use backend::{Direction, Extent, Initiator, Lun, LunError, LunInfo, Luns};
+pub use backend::{Direction, Extent, HeldData, Initiator, Lun, LunError, LunInfo, Luns};
 pub use config::{ChapConfig, ConfigError, TargetConfig};
 pub use scsi::BLOCK_SIZE;
 

@@ -133,6 +133,29 @@ impl Lun for MemLun {
         Self::read_locked(&self.blocks.read(), off, buf);
         Ok(())
     }
+    /// Reads of 16 KiB or more hold every other 4 KiB of their data outside `buf` (whose
+    /// bytes there are scrambled), so that the tests drive the target's sending of held parts.
+    fn read_held(
+        &self,
+        off: u64,
+        buf: &mut [u8],
+    ) -> Result<Option<Box<dyn crate::HeldData>>, LunError> {
+        self.read(off, buf)?;
+        if buf.len() < 16 << 10 {
+            return Ok(None);
+        }
+        let parts = buf
+            .chunks_mut(4096)
+            .enumerate()
+            .step_by(2)
+            .map(|(i, piece)| {
+                let part = (i * 4096, piece.to_vec());
+                piece.fill(0xa5);
+                part
+            })
+            .collect();
+        Ok(Some(Box::new(HeldCopies(parts))))
+    }
     fn write(&self, off: u64, data: &[u8], _fua: bool) -> Result<(), LunError> {
         self.check(off, data.len() as u64)?;
         if self.read_only {
@@ -191,6 +214,18 @@ impl Lun for MemLun {
             abs += n;
         }
         Ok(out)
+    }
+}
+
+/// Parts of a read held as copies of their own ([`MemLun`]'s `read_held`).
+struct HeldCopies(Vec<(usize, Vec<u8>)>);
+
+impl crate::HeldData for HeldCopies {
+    fn parts(&self) -> usize {
+        self.0.len()
+    }
+    fn part(&self, i: usize) -> (usize, &[u8]) {
+        (self.0[i].0, &self.0[i].1)
     }
 }
 

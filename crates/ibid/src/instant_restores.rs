@@ -575,6 +575,20 @@ impl RestoreHooks {
         volume.read(off, buf)
     }
 
+    /// Reads as [`RestoreHooks::read`] does, leaving the blocks found in the pool's read
+    /// cache there ([`ibid_engine::Volume::read_held`]).
+    pub fn read_held(
+        &self,
+        volume: &ibid_engine::Volume,
+        off: u64,
+        buf: &mut [u8],
+    ) -> EngineResult<ibid_engine::HeldBlocks> {
+        if let Some(r) = self.live() {
+            r.before_read(off, buf.len() as u64).map_err(engine_error)?;
+        }
+        volume.read_held(off, buf)
+    }
+
     /// Runs `write`, a write of `len` bytes at `off` (or a zeroing), around the restore's
     /// hooks; with `fua`, the restore's marks are made durable with it.
     pub fn write<T>(

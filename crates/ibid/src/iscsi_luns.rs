@@ -16,7 +16,7 @@ use crate::lun_map::{LunMap, Mapping};
 use crate::metrics::{Metrics, Op, Protocol, VolumeIo};
 use crate::qos::Qos;
 use ibid_engine::{Error, ExtentKind, Pool, Volume};
-use ibid_iscsi::{Direction, Extent, Lun, LunError, LunInfo, Luns};
+use ibid_iscsi::{Direction, Extent, HeldData, Lun, LunError, LunInfo, Luns};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -231,6 +231,19 @@ impl Luns for PoolLuns {
     }
 }
 
+/// A read's blocks left in the pool's read cache, sent from there.
+struct CachedBlocks(ibid_engine::HeldBlocks);
+
+impl HeldData for CachedBlocks {
+    fn parts(&self) -> usize {
+        self.0.len()
+    }
+
+    fn part(&self, i: usize) -> (usize, &[u8]) {
+        self.0.get(i)
+    }
+}
+
 /// One volume as a LUN.
 struct VolumeLun {
     volume: Volume,
@@ -260,6 +273,17 @@ impl Lun for VolumeLun {
         self.io
             .record(Op::Read, len, || self.restore.read(&self.volume, off, buf))
             .map_err(to_lun_error)
+    }
+
+    fn read_held(&self, off: u64, buf: &mut [u8]) -> Result<Option<Box<dyn HeldData>>, LunError> {
+        let len = buf.len() as u64;
+        let held = self
+            .io
+            .record(Op::Read, len, || {
+                self.restore.read_held(&self.volume, off, buf)
+            })
+            .map_err(to_lun_error)?;
+        Ok((!held.is_empty()).then(|| Box::new(CachedBlocks(held)) as Box<dyn HeldData>))
     }
 
     fn write(&self, off: u64, data: &[u8], fua: bool) -> Result<(), LunError> {

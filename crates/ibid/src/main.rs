@@ -134,6 +134,11 @@ struct ServeArgs {
     /// when asked (`ibid pool scrub`).
     #[arg(long, default_value = "7d", value_parser = parse_duration)]
     scrub_every: std::time::Duration,
+    /// Memory for the read cache (blocks read twice are kept, checked, and sent from memory),
+    /// e.g. 1G; 0 disables it. Default: a sixteenth of the RAM, at most 2 GiB, taken as it
+    /// fills.
+    #[arg(long, value_parser = units::parse_size)]
+    read_cache: Option<u64>,
 }
 
 /// Parses `30s`, `10m`, `12h`, `7d` or plain seconds.
@@ -277,6 +282,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         http_timeout,
         scrub_rate,
         scrub_every,
+        read_cache,
     } = args;
     let credentials = match (nbd_tls_cert, nbd_tls_key, nbd_tls_psk) {
         (Some(cert), Some(key), None) => Some(ibid_nbd::TlsCredentials::X509 {
@@ -316,5 +322,6 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         http_timeout: std::time::Duration::from_secs(http_timeout),
         scrub_rate,
         scrub_every: (!scrub_every.is_zero()).then_some(scrub_every),
+        read_cache_bytes: read_cache.unwrap_or_else(ibid_engine::config::read_cache_bytes_default),
     })
 }

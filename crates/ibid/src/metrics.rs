@@ -312,6 +312,7 @@ impl Metrics {
         self.prune(&existing);
         let mut page = Page::default();
         render_pool(&mut page, pool);
+        render_read_cache(&mut page, pool);
         page.family(
             "ibid_volume_size_bytes",
             "gauge",
@@ -657,6 +658,54 @@ fn render_pool(page: &mut Page, pool: &Pool) {
         ),
     );
     page.sample("ibid_pool_commits_total", &[], s.committed_batches);
+}
+
+/// The engine's read cache: its size and fill, and what it served.
+fn render_read_cache(page: &mut Page, pool: &Pool) {
+    let s = pool.read_cache_stats();
+    let metrics: [(&str, &str, &str, u64); 6] = [
+        (
+            "capacity_bytes",
+            "gauge",
+            "Memory the read cache may use (0: none).",
+            s.capacity_bytes,
+        ),
+        (
+            "used_bytes",
+            "gauge",
+            "Memory holding cached blocks.",
+            s.used_bytes,
+        ),
+        (
+            "hits_total",
+            "counter",
+            "4 KiB blocks read from the read cache.",
+            s.hits,
+        ),
+        (
+            "misses_total",
+            "counter",
+            "4 KiB blocks looked for in the read cache and read from their segment.",
+            s.misses,
+        ),
+        (
+            "admitted_total",
+            "counter",
+            "4 KiB blocks put into the read cache (on their second miss).",
+            s.admitted,
+        ),
+        (
+            "evicted_total",
+            "counter",
+            "Cached blocks dropped to make room.",
+            s.evicted,
+        ),
+    ];
+    for (name, kind, help, value) in metrics {
+        let name = format!("ibid_read_cache_{name}");
+        page.family(&name, kind, help);
+        page.sample(&name, &[], value);
+    }
 }
 
 /// Per-volume QoS limits and throttling counters.

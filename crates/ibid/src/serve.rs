@@ -54,6 +54,8 @@ pub struct ServeOptions {
     pub scrub_rate: u64,
     /// Time between the starts of scrub passes (`None`: only when asked).
     pub scrub_every: Option<Duration>,
+    /// Memory for the engine's read cache (0: none).
+    pub read_cache_bytes: u64,
 }
 
 /// The async runtime's default size: a quarter of the cores, at least one. Its threads move
@@ -124,6 +126,7 @@ fn open_pool(opts: &ServeOptions, fresh: bool) -> anyhow::Result<Pool> {
     let config = PoolConfig {
         capacity_bytes: opts.capacity,
         capacity_force: opts.capacity_force,
+        read_cache_bytes: opts.read_cache_bytes,
         ..PoolConfig::default()
     };
     let pool = Pool::open_or_create(&opts.data, config)

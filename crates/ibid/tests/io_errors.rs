@@ -98,7 +98,15 @@ fn io_errors_and_damage_give_errors_never_wrong_data_and_the_pool_reopens_consis
     require("fusermount");
     let fs = FaultFs::mount();
     let dir = tempfile::tempdir_in(&fs.mount).expect("tempdir on faultfs");
-    let args = ["--volume", "v=64M", "--no-default-volume"];
+    // No read cache: every read must reach the faulty files (blocks read twice would be
+    // served, checked, from memory).
+    let args = [
+        "--volume",
+        "v=64M",
+        "--no-default-volume",
+        "--read-cache",
+        "0",
+    ];
     let srv = Server::start_in(dir, &args);
     let url = srv.url("v");
     write(&url, 1).expect("write the pattern");

@@ -456,6 +456,67 @@ fn qemu_img_through_iscsi_and_the_same_data_through_nbd() {
     );
 }
 
+/// Reads over iSCSI served from the read cache (blocks read twice; their Data-In sent from the
+/// cache's memory) are the bytes written, before and after an overwrite through iSCSI; the
+/// metrics count the hits.
+#[test]
+fn cached_reads_over_iscsi_are_the_data_written() {
+    let srv = Server::start(&[
+        "--volume",
+        "c=32M",
+        "--no-default-volume",
+        "--read-cache",
+        "64M",
+    ]);
+    let work = tempfile::tempdir().expect("tempdir");
+    let image = work.path().join("in.raw");
+    make_image(&image, 32 << 20);
+    let img = image.to_str().expect("utf8");
+    let lun = srv.iscsi_url(0);
+    run(
+        "qemu-img",
+        &["convert", "-n", "-f", "raw", "-O", "raw", img, &lun],
+    );
+    let compare = || {
+        run(
+            "qemu-img",
+            &["compare", "-f", "raw", "-F", "raw", img, &lun],
+        )
+    };
+    for _ in 0..3 {
+        compare();
+    }
+    let hits_after_reads = cache_hits(&srv);
+    assert!(
+        hits_after_reads >= 2048,
+        "the third pass over 32 MiB hit the cache for {hits_after_reads} blocks"
+    );
+    // Overwrite 1 MiB at 4 MiB through iSCSI, and the image the same way; every later pass
+    // (the second from the cache again) reads the new bytes.
+    for target in [lun.as_str(), img] {
+        run(
+            "qemu-io",
+            &["-f", "raw", "-c", "write -P 0x5a 4M 1M", target],
+        );
+    }
+    for _ in 0..3 {
+        compare();
+    }
+    let out = run("qemu-io", &["-f", "raw", "-c", "read -P 0x5a 4M 1M", &lun]);
+    assert!(!out.contains("Pattern verification failed"), "{out}");
+    assert!(cache_hits(&srv) > hits_after_reads);
+}
+
+/// `ibid_read_cache_hits_total` from `/metrics`.
+fn cache_hits(srv: &Server) -> u64 {
+    let url = format!("http://{}/metrics", srv.http.as_deref().expect("API"));
+    let page = run("curl", &["-s", "-S", "-f", &url]);
+    page.lines()
+        .find_map(|l| l.strip_prefix("ibid_read_cache_hits_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("ibid_read_cache_hits_total on the metrics page")
+}
+
 /// Runs the initiator program's `xcopy` (LUN 0 to LUN 1 and within LUN 0, data verified)
 /// against `srv`; fails the test, naming `what`, if it fails.
 fn run_xcopy(bin: &std::path::Path, srv: &Server, what: &str) {

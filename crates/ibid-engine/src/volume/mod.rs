@@ -16,6 +16,7 @@ use crate::layer_filter::LayerFilters;
 use crate::meta;
 use crate::neighbours::Neighbours;
 use crate::overlay::Entry;
+use crate::read_cache::HeldBlocks;
 use crate::segment::NewRecord;
 use crate::segment::DATA_WRITERS;
 use crate::shard::{ShardState, SHARDS, SHARD_BITS};
@@ -147,7 +148,20 @@ impl Volume {
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
         self.inner.note_io();
-        self.inner.read_range(&self.state, offset, buf)
+        self.inner.read_range(&self.state, offset, buf, None)
+    }
+
+    /// Reads as [`Volume::read`] does, except that the whole blocks found in the read cache
+    /// are not copied into `buf`: they stay in the cache's memory, held for the caller until
+    /// the returned [`HeldBlocks`] is dropped, and `buf` has holes where they go (a server
+    /// sends them from where they are; [`HeldBlocks::copy_into`] fills the holes).
+    pub fn read_held(&self, offset: u64, buf: &mut [u8]) -> Result<HeldBlocks> {
+        self.check_range(offset, buf.len() as u64)?;
+        self.inner.note_io();
+        let mut held = HeldBlocks::new(&self.inner.read_cache);
+        self.inner
+            .read_range(&self.state, offset, buf, Some(&mut held))?;
+        Ok(held)
     }
 
     /// Reads as [`Volume::read`] does if that needs no wait for the device: `Ok(true)` when
@@ -160,7 +174,7 @@ impl Volume {
         self.check_range(offset, buf.len() as u64)?;
         self.inner.note_io();
         let _memory_only = crate::segment::NoWaitReads::start();
-        match self.inner.read_range(&self.state, offset, buf) {
+        match self.inner.read_range(&self.state, offset, buf, None) {
             Ok(()) => Ok(true),
             Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::WouldBlock => {
                 Ok(false)

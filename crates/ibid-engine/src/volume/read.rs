@@ -6,33 +6,54 @@ use super::*;
 use rustc_hash::FxHashMap;
 
 impl Inner {
-    /// Reads `buf.len()` bytes at `offset` (range already checked). The records of the range's
-    /// blocks that lie close together in a segment (data written sequentially, spread over
-    /// the segment writers) are read with one read per group; a lone record, or anything
-    /// unusual (a chunk gone or moved meanwhile), goes by the block-by-block path with its
-    /// retries.
-    pub(crate) fn read_range(&self, v: &VolumeState, offset: u64, buf: &mut [u8]) -> Result<()> {
+    /// Reads `buf.len()` bytes at `offset` (range already checked). The whole blocks found in
+    /// the read cache are copied from it, or, given `held`, left there and added to `held`
+    /// (`buf` then has holes where they go). The records of the other blocks that lie close
+    /// together in a segment (data written sequentially, spread over the segment writers) are
+    /// read with one read per group; a lone record, or anything unusual (a chunk gone or
+    /// moved meanwhile), goes by the block-by-block path with its retries. Whole blocks read
+    /// from their records are offered to the read cache.
+    pub(crate) fn read_range(
+        &self,
+        v: &VolumeState,
+        offset: u64,
+        buf: &mut [u8],
+        held: Option<&mut HeldBlocks>,
+    ) -> Result<()> {
         if buf.is_empty() {
             return Ok(());
         }
         let end = offset + buf.len() as u64;
         let (b0, b1) = (offset / BLOCK, end.div_ceil(BLOCK));
-        let entries = self.lookup_range(v, b0, b1)?;
+        let mut entries = self.lookup_range(v, b0, b1)?;
         for b in (b0..b1).filter(|b| !entries.contains_key(b)) {
             copy_part(buf, offset, b, None);
+        }
+        let caching = self.read_cache.enabled();
+        if caching && !entries.is_empty() {
+            entries = self.read_cached(&entries, buf, offset, held);
+            if entries.is_empty() {
+                return Ok(());
+            }
         }
         let locations = self.chunk_locations(entries.values().copied())?;
         let mut block = vec![0u8; BLOCK_BYTES];
         let mut lone = Vec::new();
+        // Whole blocks read from their chunk's record: (chunk, where in `buf`).
+        let mut read_whole: Vec<(u64, usize)> = Vec::new();
         let mut span = SpanBuffer::take();
         for group in read_groups(&entries, &locations, &mut lone) {
-            if !self.read_group(
+            if self.read_group(
                 &group,
                 buf,
                 offset,
                 span.get(group_bytes(&group)),
                 &mut block,
             )? {
+                read_whole.extend(group.iter().filter_map(|&(b, id, _)| {
+                    Some((id, whole_block_range(buf, offset, b)?.start))
+                }));
+            } else {
                 lone.extend(group.iter().map(|&(b, id, _)| (b, id)));
             }
         }
@@ -44,12 +65,65 @@ impl Inner {
                 Some(rec) => self.read_located(chunk, rec, &mut block)?,
                 None => false,
             };
-            if !read {
+            if read {
+                if let Some(range) = whole_block_range(buf, offset, b) {
+                    read_whole.push((chunk, range.start));
+                }
+            } else {
+                // Possibly another chunk's bytes (the block was overwritten meanwhile):
+                // not offered under `chunk`.
                 self.read_block(v, b, chunk, &mut block)?;
             }
             copy_part(buf, offset, b, Some(&block));
         }
+        if caching {
+            let buf = &*buf;
+            self.read_cache.offer(
+                read_whole
+                    .iter()
+                    .map(|&(id, at)| (id, &buf[at..at + BLOCK_BYTES])),
+            );
+        }
         Ok(())
+    }
+
+    /// Serves from the read cache the whole blocks of `entries` (a read of `buf` at `offset`)
+    /// that it holds — copied into `buf`, or, given `held`, added to it — and returns the
+    /// entries left to read.
+    fn read_cached(
+        &self,
+        entries: &BTreeMap<u64, u64>,
+        buf: &mut [u8],
+        offset: u64,
+        mut held: Option<&mut HeldBlocks>,
+    ) -> BTreeMap<u64, u64> {
+        let mut rest = BTreeMap::new();
+        let whole =
+            entries
+                .iter()
+                .filter_map(|(&b, &id)| match whole_block_range(buf, offset, b) {
+                    Some(range) => Some((id, (b, range.start))),
+                    None => {
+                        rest.insert(b, id);
+                        None
+                    }
+                });
+        let wanted: Vec<(u64, (u64, usize))> = whole.collect();
+        let cache = &self.read_cache;
+        cache.lookup(
+            wanted.into_iter(),
+            |(_, at), slot| match held.as_deref_mut() {
+                Some(held) => held.push(at, slot),
+                None => {
+                    buf[at..at + BLOCK_BYTES].copy_from_slice(cache.bytes(slot));
+                    cache.release(slot);
+                }
+            },
+            |id, (b, _)| {
+                rest.insert(b, id);
+            },
+        );
+        rest
     }
 
     /// Reads `group` (records close together in one segment, in file order) for the read of

@@ -32,7 +32,7 @@ impl Inner {
         stripes.dedup();
         let _guards: Vec<MutexGuard<()>> = stripes.iter().map(|&s| v.stripes[s].lock()).collect();
         let mut current = vec![0u8; ((b1 - b0) * BLOCK) as usize];
-        self.read_range(v, b0 * BLOCK, &mut current)?;
+        self.read_range(v, b0 * BLOCK, &mut current, None)?;
         let start = (offset - b0 * BLOCK) as usize;
         let window = &mut current[start..start + new.len()];
         if let Some(i) = window.iter().zip(expected).position(|(a, b)| a != b) {
@@ -202,7 +202,7 @@ impl Inner {
         for at in memmove_steps(src, src_off, dst, dst_off, len, COPY_DATA_STEP_BYTES) {
             let n = COPY_DATA_STEP_BYTES.min(len - at);
             buf.resize(n as usize, 0);
-            self.read_range(src, src_off + at, &mut buf)?;
+            self.read_range(src, src_off + at, &mut buf, None)?;
             self.write_range(dst, dst_off + at, &buf)?;
         }
         Ok(())

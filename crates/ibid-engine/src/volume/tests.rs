@@ -309,6 +309,109 @@ fn a_cached_read_reads_what_a_read_does_or_declines() {
     assert_eq!(got, data[64 << 10..128 << 10]);
 }
 
+/// The read cache: a block read twice is cached, and later reads — copied into the buffer or
+/// held in the cache's memory — return its bytes; an overwrite is never served stale (it makes
+/// a new chunk), committed or not; a held block keeps its bytes while the cache churns past
+/// its size; with no cache, nothing is held.
+#[test]
+fn the_read_cache_serves_what_was_written_and_never_stale_bytes() {
+    const MIB: usize = 1 << 20;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        read_cache_bytes: 4 << 20,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::create(dir.path().join("p"), config).expect("create");
+    let v = pool.create_volume("v", 64 << 20).expect("volume");
+    let mut expected = vec![0u8; 2 * MIB];
+    fill_unique(&mut expected, 1);
+    v.write(0, &expected, false).expect("write");
+    pool.sync().expect("sync");
+    let mut got = vec![0u8; 2 * MIB];
+    for _ in 0..2 {
+        v.read(0, &mut got).expect("read");
+        assert!(got == expected);
+    }
+    let s = pool.read_cache_stats();
+    // (A few may be admitted on the first read: the doorkeeper is a Bloom filter.)
+    assert_eq!(s.admitted, 512, "admitted by the second read");
+    got.fill(0xee);
+    let held = v.read_held(0, &mut got).expect("held read");
+    assert_eq!(held.len(), 512, "every block held");
+    held.copy_into(&mut got);
+    assert!(got == expected);
+    drop(held);
+
+    // Overwrite the middle: read before and after its commit, copied and held.
+    let mut new = vec![0u8; MIB];
+    fill_unique(&mut new, 2);
+    v.write(MIB as u64 / 2, &new, false).expect("overwrite");
+    expected[MIB / 2..MIB / 2 * 3].copy_from_slice(&new);
+    for round in 0..2 {
+        for _ in 0..2 {
+            got.fill(0xee);
+            v.read(0, &mut got).expect("read");
+            assert!(got == expected, "round {round}: stale bytes read");
+            got.fill(0xee);
+            let held = v.read_held(0, &mut got).expect("held read");
+            held.copy_into(&mut got);
+            assert!(got == expected, "round {round}: stale bytes held");
+        }
+        pool.sync().expect("sync");
+    }
+    // Reads of partial blocks.
+    let mut part = vec![0u8; 10_240];
+    v.read(4096 + 512, &mut part).expect("partial read");
+    assert!(part[..] == expected[4096 + 512..4096 + 512 + 10_240]);
+
+    // Hold the first 256 KiB while 8 MiB of other data goes through the 4 MiB cache, each
+    // MiB read twice.
+    let mut first = vec![0xeeu8; 256 << 10];
+    let held = v.read_held(0, &mut first).expect("held read");
+    assert_eq!(held.len(), 64);
+    let mut other = vec![0u8; 8 * MIB];
+    fill_unique(&mut other, 3);
+    v.write(32 << 20, &other, false).expect("write other");
+    let mut scratch = vec![0u8; MIB];
+    for (i, expected) in other.chunks(MIB).enumerate() {
+        for _ in 0..2 {
+            v.read((32 << 20) + (i * MIB) as u64, &mut scratch)
+                .expect("read other");
+            assert!(scratch == expected);
+        }
+    }
+    assert!(pool.read_cache_stats().evicted > 0, "the cache churned");
+    for (at, bytes) in held.iter() {
+        assert!(
+            bytes == &expected[at..at + 4096],
+            "held block at {at} changed"
+        );
+    }
+    drop(held);
+    let s = pool.read_cache_stats();
+    assert!(
+        s.used_bytes <= 4 << 20 && s.capacity_bytes <= 4 << 20,
+        "{s:?}"
+    );
+
+    let config = PoolConfig {
+        capacity_bytes: Some(1 << 30),
+        read_cache_bytes: 0,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::create(dir.path().join("none"), config).expect("create");
+    let v = pool.create_volume("v", 64 << 20).expect("volume");
+    v.write(0, &expected, false).expect("write");
+    for _ in 0..3 {
+        got.fill(0xee);
+        let held = v.read_held(0, &mut got).expect("held read");
+        assert!(held.is_empty());
+        assert!(got == expected);
+    }
+    assert_eq!(pool.read_cache_stats(), crate::ReadCacheStats::default());
+}
+
 /// Overwrites of unique data on a pool whose filesystem holds its data about eight times, with
 /// no cleaner thread: every segment keeps some data that is never overwritten (one write in 16
 /// goes to a cold area, the rest overwrite a hot one at random), so none ever dies whole, and

@@ -7,6 +7,7 @@ use super::{
     MAX_TRANSFER_BLOCKS, MAX_UNMAP_BLOCKS, MAX_UNMAP_DESCRIPTORS, MAX_WRITE_SAME_BLOCKS,
 };
 use crate::sense::Sense;
+use std::sync::Arc;
 
 /// UNMAP parameter list header length.
 const UNMAP_HEADER_LEN: usize = 8;
@@ -72,11 +73,11 @@ fn read(ctx: &Ctx, rw: Rw) -> Result<Response, Sense> {
         .target
         .buffers
         .take(rw.blocks as usize * BLOCK_SIZE as usize);
-    if let Err(e) = ctx.dev.read(rw.lba * BLOCK_SIZE, &mut buf) {
+    match ctx.dev.read_held(rw.lba * BLOCK_SIZE, &mut buf) {
+        Ok(held) => Ok(Response::good_held(buf, held.map(Arc::from))),
         // Partly overwritten: never reused (its old content must not reach another reader).
-        return Err(lun_error_sense(&e));
+        Err(e) => Err(lun_error_sense(&e)),
     }
-    Ok(Response::good(buf))
 }
 
 fn write(ctx: &Ctx, rw: Rw) -> Result<Response, Sense> {

@@ -11,7 +11,7 @@ pub mod pr;
 pub mod pr_store;
 pub mod xcopy;
 
-use crate::backend::{Lun, LunError, Luns};
+use crate::backend::{HeldData, Lun, LunError, Luns};
 use crate::config::TargetConfig;
 use crate::sense::{Sense, STATUS_CHECK_CONDITION, STATUS_GOOD, STATUS_RESERVATION_CONFLICT};
 use cdb::Op;
@@ -58,7 +58,48 @@ pub struct Response {
     pub data_in: Vec<u8>,
     /// Data-Out the CDB asked for (for write residuals), if it is a data-out command.
     pub data_out_len: Option<u64>,
+    /// Parts of the Data-In held outside `data_in` (its bytes there are meaningless).
+    pub held: Held,
 }
+
+/// Parts of a response's Data-In that a LUN left where they were ([`crate::Lun::read_held`]),
+/// sent from there; `None`: `data_in` holds all of it.
+#[derive(Clone, Default)]
+pub struct Held(pub Option<Arc<dyn HeldData>>);
+
+impl Held {
+    /// The held parts: (offset in the Data-In, bytes), ascending.
+    pub fn parts(&self) -> impl Iterator<Item = (usize, &[u8])> + '_ {
+        let held = self.0.as_deref();
+        (0..held.map_or(0, |h| h.parts())).filter_map(move |i| held.map(|h| h.part(i)))
+    }
+
+    /// `data_in` with the held parts copied in: the whole Data-In (for tests and logs).
+    pub fn merged(&self, data_in: &[u8]) -> Vec<u8> {
+        let mut out = data_in.to_vec();
+        for (at, bytes) in self.parts() {
+            let end = (at + bytes.len()).min(out.len());
+            if at < end {
+                out[at..end].copy_from_slice(&bytes[..end - at]);
+            }
+        }
+        out
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Held({} parts)", self.parts().count())
+    }
+}
+
+impl PartialEq for Held {
+    fn eq(&self, other: &Held) -> bool {
+        self.parts().eq(other.parts())
+    }
+}
+
+impl Eq for Held {}
 
 impl Response {
     /// GOOD with data.
@@ -68,6 +109,7 @@ impl Response {
             sense: None,
             data_in,
             data_out_len: None,
+            held: Held::default(),
         }
     }
     /// CHECK CONDITION with `sense`.
@@ -77,6 +119,7 @@ impl Response {
             sense: Some(sense),
             data_in: Vec::new(),
             data_out_len: None,
+            held: Held::default(),
         }
     }
     /// RESERVATION CONFLICT.
@@ -86,6 +129,14 @@ impl Response {
             sense: None,
             data_in: Vec::new(),
             data_out_len: None,
+            held: Held::default(),
+        }
+    }
+    /// GOOD with data, parts of it held where they are (`data_in` has holes there).
+    pub fn good_held(data_in: Vec<u8>, held: Option<Arc<dyn HeldData>>) -> Self {
+        Response {
+            held: Held(held),
+            ..Response::good(data_in)
         }
     }
     fn with_out(mut self, n: u64) -> Self {
