@@ -79,6 +79,9 @@ pub(crate) struct ReadCache {
     evicted: AtomicU64,
 }
 
+/// A shard's number and its lock, held across a run of its ids.
+type Locked<'a> = (usize, parking_lot::MutexGuard<'a, Shard>);
+
 /// One shard's index and CLOCK state.
 struct Shard {
     /// Chunk id → slot number within the shard.
@@ -148,6 +151,23 @@ impl ReadCache {
         ((h >> 32) as usize) % self.shards.len()
     }
 
+    /// The shard of `id` and its lock: the one in `current` if it is that shard's, else that
+    /// shard's, taken after `current`'s is released. A run of ids of one shard (neighbouring
+    /// ids) thus takes its lock once.
+    fn locked<'a, 'c>(
+        &'a self,
+        current: &'c mut Option<Locked<'a>>,
+        id: u64,
+    ) -> (usize, &'c mut Shard) {
+        let s = self.shard_of(id);
+        if current.as_ref().is_none_or(|(held, _)| *held != s) {
+            *current = None;
+            *current = Some((s, self.shards[s].lock()));
+        }
+        let (_, guard) = current.as_mut().expect("set above");
+        (s, guard)
+    }
+
     /// Looks up `wanted` — (chunk id, the caller's tag) pairs, in any order — and calls
     /// `hit(tag, slot)` for each one cached, holding its slot (release it with
     /// [`ReadCache::release`], or keep it in a [`HeldBlocks`]); `miss(id, tag)` for the others.
@@ -159,16 +179,9 @@ impl ReadCache {
         mut miss: impl FnMut(u64, T),
     ) {
         let (mut hits, mut misses) = (0, 0);
-        let mut current: Option<(usize, parking_lot::MutexGuard<'_, Shard>)> = None;
+        let mut current = None;
         for (id, tag) in wanted {
-            let s = self.shard_of(id);
-            let shard = match &mut current {
-                Some((held, guard)) if *held == s => guard,
-                _ => {
-                    current = None;
-                    &mut current.insert((s, self.shards[s].lock())).1
-                }
-            };
+            let (s, shard) = self.locked(&mut current, id);
             match shard.map.get(id).filter(|&l| shard.ids[l as usize] == id) {
                 Some(local) => {
                     shard.referenced[local as usize] = true;
@@ -203,21 +216,14 @@ impl ReadCache {
     /// Offers blocks just read and checked, as (chunk id, its 4 KiB): each is cached if the
     /// doorkeeper saw it missed before. Consecutive ids of one shard go in under one lock.
     pub fn offer<'a>(&self, blocks: impl Iterator<Item = (u64, &'a [u8])>) {
-        let mut current: Option<(usize, parking_lot::MutexGuard<'_, Shard>)> = None;
+        let mut current = None;
         let mut admitted = 0;
         for (id, block) in blocks {
             debug_assert_eq!(block.len(), BLOCK_BYTES);
             if !self.doorkeeper.seen_before(id) {
                 continue;
             }
-            let s = self.shard_of(id);
-            let shard = match &mut current {
-                Some((held, guard)) if *held == s => guard,
-                _ => {
-                    current = None;
-                    &mut current.insert((s, self.shards[s].lock())).1
-                }
-            };
+            let (s, shard) = self.locked(&mut current, id);
             if self.insert(s, shard, id, block) {
                 admitted += 1;
             }

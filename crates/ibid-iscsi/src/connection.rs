@@ -1199,17 +1199,6 @@ fn throttle_charge(cdb: &[u8; 16], edtl: u32) -> Option<(Direction, u64)> {
 mod tests {
     use super::*;
 
-    struct Parts(Vec<(usize, Vec<u8>)>);
-
-    impl crate::HeldData for Parts {
-        fn parts(&self) -> usize {
-            self.0.len()
-        }
-        fn part(&self, i: usize) -> (usize, &[u8]) {
-            (self.0[i].0, &self.0[i].1)
-        }
-    }
-
     /// Every range of a read's data, cut at any byte, is the buffer with the held parts in
     /// their places: parts at the start, at the end, side by side and apart.
     #[test]
@@ -1227,7 +1216,7 @@ mod tests {
             .collect();
         let data = ReadData {
             buf,
-            held: Held(Some(Arc::new(Parts(parts)))),
+            held: Held(Some(Arc::new(crate::memory::HeldCopies(parts)))),
         };
         for start in 0..len {
             for end in start..=len {

@@ -217,8 +217,9 @@ impl Lun for MemLun {
     }
 }
 
-/// Parts of a read held as copies of their own ([`MemLun`]'s `read_held`).
-struct HeldCopies(Vec<(usize, Vec<u8>)>);
+/// Parts of a read held as copies of their own, (offset, bytes) ascending ([`MemLun`]'s
+/// `read_held`).
+pub(crate) struct HeldCopies(pub(crate) Vec<(usize, Vec<u8>)>);
 
 impl crate::HeldData for HeldCopies {
     fn parts(&self) -> usize {

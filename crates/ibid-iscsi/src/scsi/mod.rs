@@ -70,20 +70,9 @@ pub struct Held(pub Option<Arc<dyn HeldData>>);
 impl Held {
     /// The held parts: (offset in the Data-In, bytes), ascending.
     pub fn parts(&self) -> impl Iterator<Item = (usize, &[u8])> + '_ {
-        let held = self.0.as_deref();
-        (0..held.map_or(0, |h| h.parts())).filter_map(move |i| held.map(|h| h.part(i)))
-    }
-
-    /// `data_in` with the held parts copied in: the whole Data-In (for tests and logs).
-    pub fn merged(&self, data_in: &[u8]) -> Vec<u8> {
-        let mut out = data_in.to_vec();
-        for (at, bytes) in self.parts() {
-            let end = (at + bytes.len()).min(out.len());
-            if at < end {
-                out[at..end].copy_from_slice(&bytes[..end - at]);
-            }
-        }
-        out
+        self.0
+            .iter()
+            .flat_map(|held| (0..held.parts()).map(move |i| held.part(i)))
     }
 }
 
