@@ -92,8 +92,9 @@ pub struct PoolConfig {
     pub read_cache_bytes: u64,
 }
 
-/// The read cache's default size: a sixteenth of the machine's RAM, at most 2 GiB (0 if the
-/// RAM cannot be told).
+/// The read cache's default size: a sixteenth of the memory the process may use — the
+/// machine's RAM, or its cgroup's limit (`memory.max`) if lower — at most 2 GiB (0 if neither
+/// can be told).
 pub fn read_cache_bytes_default() -> u64 {
     // SAFETY: `sysconf` only reads system configuration.
     let (pages, page) = unsafe {
@@ -105,7 +106,12 @@ pub fn read_cache_bytes_default() -> u64 {
     if pages <= 0 || page <= 0 {
         return 0;
     }
-    (pages as u64 * page as u64 / 16).min(2 << 30)
+    let ram = pages as u64 * page as u64;
+    let limit = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(u64::MAX);
+    (ram.min(limit) / 16).min(2 << 30)
 }
 
 impl Default for PoolConfig {

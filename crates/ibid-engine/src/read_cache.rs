@@ -14,9 +14,10 @@
 //!   admitted, the rest streams past.
 //! - **Eviction**: CLOCK per shard (a hit sets the slot's reference bit; the hand clears it
 //!   or reuses the slot).
-//! - **Memory**: one region per shard, reserved at open and touched slot by slot as the cache
-//!   first fills, then reused in place: a fill is a 4 KiB copy, never an allocation. A slot
-//!   *held* by a read in flight (its [`HeldBlocks`] not yet dropped) is skipped by the hand.
+//! - **Memory**: one anonymous mapping, reserved at open (`MAP_NORESERVE`) and backed page
+//!   by page as the cache first fills, then reused in place: a fill is a 4 KiB copy, never an
+//!   allocation. A slot *held* by a read in flight (its [`HeldBlocks`] not yet dropped) is
+//!   skipped by the hand.
 //! - **Shards**: by chunk id with its low 12 bits dropped, so the neighbouring ids of data
 //!   written together (`chunk_table.rs`) fall in one shard and a sequential read takes a few
 //!   locks, not one per block.
@@ -43,6 +44,12 @@ const SLOTS_MIN: usize = 64;
 /// Low bits of a chunk id ignored when choosing its shard: its shard-of-writer bits and 64
 /// consecutive sequence numbers.
 const SHARD_ID_SHIFT: u32 = SHARD_BITS + 6;
+/// Most memory a cache takes, whatever it is given (slot numbers are `u32`).
+const READ_CACHE_BYTES_MAX: u64 = 1 << 40;
+/// Held slots the clock hand passes over before it gives up finding a victim (a shard whose
+/// slots are nearly all held by reads in flight — initiators slow to take their data — does
+/// not cache more until they are let go).
+const HELD_SKIPS_MAX: usize = 256;
 /// Bits of doorkeeper per slot of cache.
 const DOORKEEPER_BITS_PER_SLOT: usize = 8;
 
@@ -99,7 +106,9 @@ impl ReadCache {
     /// A cache of at most `bytes` of blocks (rounded down to whole shards of slots; below
     /// [`SLOTS_MIN`] blocks, no cache).
     pub fn new(bytes: u64) -> ReadCache {
-        let slots = (bytes / BLOCK_BYTES as u64) as usize;
+        let slots = (bytes.min(READ_CACHE_BYTES_MAX) / BLOCK_BYTES as u64) as usize;
+        let memory = Memory::new(slots * BLOCK_BYTES);
+        let slots = memory.len / BLOCK_BYTES;
         let shards = match slots {
             0..SLOTS_MIN => 0,
             _ => (slots / SHARD_SLOTS_MIN).clamp(1, SHARDS_MAX),
@@ -119,7 +128,7 @@ impl ReadCache {
                 .collect(),
             holds: (0..total).map(|_| AtomicU32::new(0)).collect(),
             per_shard,
-            memory: Memory::new(total * BLOCK_BYTES),
+            memory,
             doorkeeper: Doorkeeper::new(total * DOORKEEPER_BITS_PER_SLOT, total as u64),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -201,28 +210,36 @@ impl ReadCache {
         self.misses.fetch_add(misses, Ordering::Relaxed);
     }
 
-    /// The bytes of `slot`, which the caller holds.
-    pub fn bytes(&self, slot: u32) -> &[u8] {
-        // SAFETY: the caller holds the slot (see the module's comment): nothing writes its
-        // bytes until the hold is released, and the slot lies inside the region.
+    /// The bytes of `slot`.
+    ///
+    /// # Safety
+    /// The caller holds the slot (from [`ReadCache::lookup`]) for as long as it uses them:
+    /// nothing writes a held slot.
+    pub unsafe fn bytes(&self, slot: u32) -> &[u8] {
+        // SAFETY: held (the caller's contract), and inside the region.
         unsafe { self.memory.slot(slot as usize) }
     }
 
     /// Stops holding `slot`.
-    pub fn release(&self, slot: u32) {
+    ///
+    /// # Safety
+    /// The caller holds the slot (each hold [`ReadCache::lookup`] took is released once) and
+    /// no longer uses its bytes: once nothing holds it, the slot may be refilled.
+    pub unsafe fn release(&self, slot: u32) {
         self.holds[slot as usize].fetch_sub(1, Ordering::Release);
     }
 
     /// Offers blocks just read and checked, as (chunk id, its 4 KiB): each is cached if the
     /// doorkeeper saw it missed before. Consecutive ids of one shard go in under one lock.
     pub fn offer<'a>(&self, blocks: impl Iterator<Item = (u64, &'a [u8])>) {
+        // The doorkeeper first, holding no lock (its window's end clears it).
+        let admit: Vec<(u64, &[u8])> = blocks
+            .filter(|&(id, _)| self.doorkeeper.seen_before(id))
+            .collect();
         let mut current = None;
         let mut admitted = 0;
-        for (id, block) in blocks {
+        for (id, block) in admit {
             debug_assert_eq!(block.len(), BLOCK_BYTES);
-            if !self.doorkeeper.seen_before(id) {
-                continue;
-            }
             let (s, shard) = self.locked(&mut current, id);
             if self.insert(s, shard, id, block) {
                 admitted += 1;
@@ -266,12 +283,17 @@ impl ReadCache {
 
     /// The slot (within the shard) the clock hand gives up: the first not held and not
     /// referenced since the hand last passed (clearing reference bits on the way), within
-    /// two turns.
+    /// two turns and [`HELD_SKIPS_MAX`] held slots.
     fn victim(&self, base: usize, shard: &mut Shard) -> Option<usize> {
+        let mut held = 0;
         for _ in 0..2 * self.per_shard {
             let local = shard.hand;
             shard.hand = (shard.hand + 1) % self.per_shard;
             if self.holds[base + local].load(Ordering::Acquire) != 0 {
+                held += 1;
+                if held > HELD_SKIPS_MAX {
+                    return None;
+                }
                 continue;
             }
             if std::mem::take(&mut shard.referenced[local]) {
@@ -382,7 +404,8 @@ impl HeldBlocks {
     /// The `i`th held block (ascending by offset): its offset in the read and its 4 KiB.
     pub fn get(&self, i: usize) -> (usize, &[u8]) {
         let (offset, slot) = self.blocks[i];
-        (offset, self.cache.bytes(slot))
+        // SAFETY: this holds the slot until it is dropped, and the bytes borrow it.
+        (offset, unsafe { self.cache.bytes(slot) })
     }
 
     /// The held blocks, ascending by their offset in the read.
@@ -401,7 +424,8 @@ impl HeldBlocks {
 impl Drop for HeldBlocks {
     fn drop(&mut self) {
         for &(_, slot) in &self.blocks {
-            self.cache.release(slot);
+            // SAFETY: each slot was held once, for this, and its bytes are no longer borrowed.
+            unsafe { self.cache.release(slot) };
         }
     }
 }
@@ -414,8 +438,8 @@ impl std::fmt::Debug for HeldBlocks {
     }
 }
 
-/// The cache's block memory: one zeroed allocation, which the system maps in page by page as
-/// slots are first written.
+/// The cache's block memory: one private anonymous mapping (`MAP_NORESERVE`), which the
+/// system backs page by page as slots are first written; unmapped when the cache goes.
 struct Memory {
     ptr: *mut u8,
     len: usize,
@@ -427,10 +451,33 @@ unsafe impl Send for Memory {}
 unsafe impl Sync for Memory {}
 
 impl Memory {
+    /// A mapping of `len` bytes; of none (`len` 0) if the system refuses it.
     fn new(len: usize) -> Memory {
-        let boxed: Box<[u8]> = vec![0u8; len].into_boxed_slice();
+        let none = Memory {
+            ptr: std::ptr::null_mut(),
+            len: 0,
+        };
+        if len == 0 {
+            return none;
+        }
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            tracing::warn!("no read cache: mapping {len} bytes failed: {e}");
+            return none;
+        }
         Memory {
-            ptr: Box::into_raw(boxed) as *mut u8,
+            ptr: ptr.cast(),
             len,
         }
     }
@@ -459,8 +506,11 @@ impl Memory {
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        // SAFETY: `ptr` and `len` are the boxed slice `new` leaked, dropped once here.
-        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+        if self.len > 0 {
+            // SAFETY: the mapping `new` made, unmapped once here; nothing borrows it any
+            // more (every `HeldBlocks` keeps the cache, so this, alive).
+            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        }
     }
 }
 
@@ -524,8 +574,9 @@ mod tests {
         cache.lookup(
             ids.iter().copied().zip(0..),
             |i, slot| {
-                out[i] = Some(cache.bytes(slot).to_vec());
-                cache.release(slot);
+                // SAFETY: held by the lookup, released once after the copy.
+                out[i] = Some(unsafe { cache.bytes(slot) }.to_vec());
+                unsafe { cache.release(slot) };
             },
             |_, _| {},
         );
@@ -577,12 +628,10 @@ mod tests {
         assert_eq!(s.used_bytes, (SLOTS_MIN * BLOCK_BYTES) as u64);
         // (Not all admitted: the doorkeeper forgets every `slots` ids.)
         assert!(s.evicted >= 800, "{s:?}");
-        assert_eq!(
-            cache.bytes(held),
-            &fill(1)[..],
-            "a held slot keeps its bytes"
-        );
-        cache.release(held);
+        // SAFETY: held by the lookup above, released once.
+        let kept = unsafe { cache.bytes(held) } == &fill(1)[..];
+        unsafe { cache.release(held) };
+        assert!(kept, "a held slot keeps its bytes");
         // Every block still cached is the one offered under its id.
         let ids: Vec<u64> = (1..1000).map(id).collect();
         let got = get(&cache, &ids);
@@ -592,6 +641,31 @@ mod tests {
                 assert_eq!(bytes, fill(seq), "block {seq}");
             }
         }
+    }
+
+    #[test]
+    fn a_cache_whose_slots_are_all_held_admits_nothing_until_they_are_let_go() {
+        let cache = Arc::new(ReadCache::new(SLOTS_MIN as u64 * BLOCK_BYTES as u64));
+        let b = block(9);
+        let offer = |seqs: std::ops::Range<u64>| {
+            // Three times: the doorkeeper may forget the first at its window's end.
+            for seq in seqs {
+                cache.offer([(id(seq), &b[..]); 3].into_iter());
+            }
+        };
+        offer(0..SLOTS_MIN as u64);
+        let mut held = HeldBlocks::new(&cache);
+        cache.lookup(
+            (0..SLOTS_MIN as u64).map(|seq| (id(seq), seq as usize * BLOCK_BYTES)),
+            |at, slot| held.push(at, slot),
+            |id, _| panic!("{id:#x} not cached"),
+        );
+        offer(1000..1010);
+        let s = cache.stats();
+        assert_eq!((s.admitted, s.evicted), (SLOTS_MIN as u64, 0));
+        drop(held);
+        offer(2000..2010);
+        assert_eq!(cache.stats().admitted, SLOTS_MIN as u64 + 10);
     }
 
     #[test]

@@ -31,7 +31,7 @@ impl Inner {
         }
         let caching = self.read_cache.enabled();
         if caching && !entries.is_empty() {
-            entries = self.read_cached(&entries, buf, offset, held);
+            entries = self.take_cached_blocks(&entries, buf, offset, held);
             if entries.is_empty() {
                 return Ok(());
             }
@@ -90,7 +90,7 @@ impl Inner {
     /// Serves from the read cache the whole blocks of `entries` (a read of `buf` at `offset`)
     /// that it holds — copied into `buf`, or, given `held`, added to it — and returns the
     /// entries left to read.
-    fn read_cached(
+    fn take_cached_blocks(
         &self,
         entries: &BTreeMap<u64, u64>,
         buf: &mut [u8],
@@ -110,19 +110,23 @@ impl Inner {
                 });
         let wanted: Vec<(u64, (u64, usize))> = whole.collect();
         let cache = &self.read_cache;
+        // Without `held`, the hits are copied once the shard locks are let go.
+        let mut hits = Vec::new();
         cache.lookup(
             wanted.into_iter(),
             |(_, at), slot| match held.as_deref_mut() {
                 Some(held) => held.push(at, slot),
-                None => {
-                    buf[at..at + BLOCK_BYTES].copy_from_slice(cache.bytes(slot));
-                    cache.release(slot);
-                }
+                None => hits.push((at, slot)),
             },
             |id, (b, _)| {
                 rest.insert(b, id);
             },
         );
+        for (at, slot) in hits {
+            // SAFETY: held by the lookup; the bytes are copied, then the hold released once.
+            buf[at..at + BLOCK_BYTES].copy_from_slice(unsafe { cache.bytes(slot) });
+            unsafe { cache.release(slot) };
+        }
         rest
     }
 

@@ -58,7 +58,8 @@ pub struct Response {
     pub data_in: Vec<u8>,
     /// Data-Out the CDB asked for (for write residuals), if it is a data-out command.
     pub data_out_len: Option<u64>,
-    /// Parts of the Data-In held outside `data_in` (its bytes there are meaningless).
+    /// Parts of the Data-In held outside `data_in`. Its bytes there are meaningless (an
+    /// earlier command's, in a reused buffer): `data_in` is never sent without them.
     pub held: Held,
 }
 
