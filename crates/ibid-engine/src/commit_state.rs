@@ -22,6 +22,8 @@ pub(crate) struct Batches {
     committed: AtomicU64,
     /// Blocks changed since the last cut (what the throttle and the pacer measure).
     dirty_blocks: AtomicU64,
+    /// Blocks changed in the batch last cut, until it is committed.
+    committing_blocks: AtomicU64,
     /// Orphan chunks may need freeing: the next commit runs even with nothing else to do.
     orphans_pending: AtomicBool,
 }
@@ -34,6 +36,7 @@ impl Batches {
             cut: AtomicU64::new(committed),
             committed: AtomicU64::new(committed),
             dirty_blocks: AtomicU64::new(0),
+            committing_blocks: AtomicU64::new(0),
             orphans_pending: AtomicBool::new(true),
         }
     }
@@ -48,7 +51,8 @@ impl Batches {
     /// commit lock): the changes stamped with it are the batch's; the dirty count restarts.
     pub(crate) fn cut(&self) -> u64 {
         let no = self.cut.fetch_add(1, Ordering::AcqRel) + 1;
-        self.dirty_blocks.store(0, Ordering::Relaxed);
+        let cut = self.dirty_blocks.swap(0, Ordering::Relaxed);
+        self.committing_blocks.store(cut, Ordering::Relaxed);
         debug_assert!(
             self.committed.load(Ordering::Acquire) < no,
             "batch {no} cut after it was committed"
@@ -65,6 +69,7 @@ impl Batches {
     /// lock).
     pub(crate) fn committed_through(&self, no: u64) {
         let before = self.committed.swap(no, Ordering::AcqRel);
+        self.committing_blocks.store(0, Ordering::Relaxed);
         debug_assert!(
             before <= no,
             "committed batches went from {before} back to {no}"
@@ -83,6 +88,12 @@ impl Batches {
     /// Blocks changed since the last cut.
     pub(crate) fn dirty(&self) -> u64 {
         self.dirty_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Blocks changed and not committed yet: since the last cut, and in the batch being
+    /// committed.
+    pub(crate) fn uncommitted(&self) -> u64 {
+        self.dirty() + self.committing_blocks.load(Ordering::Relaxed)
     }
 
     /// Whether orphan chunks may need freeing, clearing the flag: the commit that takes it

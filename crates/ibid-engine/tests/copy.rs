@@ -201,6 +201,76 @@ fn segments_arriving_out_of_order_and_in_parallel_join_into_one_group() {
     pool.verify().expect("verify after reopen");
 }
 
+/// ESXi's heartbeats beside a clone: a block outside the copies' windows written before every
+/// segment. The source's top then holds nothing the copies show, so no segment freezes it,
+/// and each segment's group shows only the frames with data in its window: the groups join
+/// as if nothing else were written, instead of a frozen layer and a group per segment that
+/// fill the stack and send the later copies to share block references one by one.
+#[test]
+fn writes_beside_copies_add_no_frames() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("pool"), config()).expect("create");
+    let vol = pool.create_volume("vol", 160 * MIB).expect("vol");
+    let other = pool.create_volume("other", 80 * MIB).expect("other");
+    let content = data(3, 64 * 256);
+    vol.write(MIB, &content, false).expect("write");
+    let beat = |i: u64| {
+        vol.write(0, &random_block(1_000_000 + i), false)
+            .expect("beat")
+    };
+    pool.sync().expect("sync");
+    let entries = pool.verify().expect("verify").map_entries;
+    // More segments than a stack has room for frames, within the volume and across.
+    for seg in 0..64 {
+        beat(seg);
+        vol.copy_from(&vol, MIB + seg * MIB, 80 * MIB + seg * MIB, MIB)
+            .expect("copy within");
+        beat(seg + 100);
+        other
+            .copy_from(&vol, MIB + seg * MIB, 16 * MIB + seg * MIB, MIB)
+            .expect("copy across");
+    }
+    // The volume: its data layer (frozen by the first copy, which met the data in the top),
+    // one joined group (floor and window) and the top; the other volume: one group and its
+    // top.
+    assert!(
+        vol.stack_depth() <= 4,
+        "stack of {} frames",
+        vol.stack_depth()
+    );
+    assert!(
+        other.stack_depth() <= 3,
+        "stack of {} frames",
+        other.stack_depth()
+    );
+    pool.sync().expect("sync");
+    assert_eq!(
+        pool.verify().expect("verify").map_entries,
+        entries + 2,
+        "copies by frames: no map entry but the heartbeat block's, in the frozen layer and the top"
+    );
+    let got = read_all(&vol);
+    assert_same(&got[MIB as usize..65 * MIB as usize], &content, "source");
+    assert_same(
+        &got[80 * MIB as usize..144 * MIB as usize],
+        &content,
+        "copy within",
+    );
+    assert_same(&got[..4096], &random_block(1_000_163), "last heartbeat");
+    assert_same(
+        &read_all(&other)[16 * MIB as usize..],
+        &content,
+        "copy across",
+    );
+    pool.gc_now().expect("make the copies permanent");
+    pool.verify().expect("verify after");
+    assert_same(
+        &read_all(&vol)[80 * MIB as usize..144 * MIB as usize],
+        &content,
+        "copy within, permanent",
+    );
+}
+
 /// Races two copies in opposite directions between the same windows of two volumes (`len`
 /// bytes at `at`), beside a copy that conflicts with neither and a sync that keeps the commit
 /// lock busy, `rounds` times. One copy after the other leaves both windows equal (both `x`,

@@ -157,6 +157,9 @@ impl Luns for PoolLuns {
     ) -> Result<(), LunError> {
         let (src, src_map) = self.volume_by_lun(src_lun).ok_or(LunError::NoSuchLun)?;
         let (dst, dst_map) = self.volume_by_lun(dst_lun).ok_or(LunError::NoSuchLun)?;
+        // A backlog of uncommitted writes is committed first, while writes go on: a copy by
+        // frames commits its volumes' changes behind the gates, and the writes wait for it.
+        src.commit_backlog().map_err(to_lun_error)?;
         let gates = self.gates.for_copy(&[src_map.volume_id, dst_map.volume_id]);
         let _held: Vec<_> = gates.iter().map(|g| g.copy()).collect();
         let io = self.metrics.volume(&dst_map.name(), Protocol::Iscsi);

@@ -1,9 +1,10 @@
 //! Range copies by frames: a copy whose cost does not depend on its length.
 //!
 //! Copying blocks `[sb, sb + n)` of `src` to `[db, db + n)` of `dst` freezes `src`'s top
-//! layer (as a snapshot does; skipped when it holds nothing) and puts, just below `dst`'s top
-//! layer, a **group** of frames: a floor over `[db, db + n)` and, above it, each frame of
-//! `src`'s frozen stack seen through that window, shifted by `db - sb`. The floor keeps
+//! layer (as a snapshot does; skipped when it holds nothing in `[sb, sb + n)`, so that writes
+//! beside copies add no layer per copy) and puts, just below `dst`'s top layer, a **group** of
+//! frames: a floor over `[db, db + n)` and, above it, each frame of `src`'s frozen stack that
+//! has an entry in that window, seen through it, shifted by `db - sb`. The floor keeps
 //! `dst`'s older frames from showing through blocks `src` does not map. Layer reference
 //! counts keep the frozen layers alive; no chunk reference count changes, and nothing is read
 //! or written but the catalog: one transaction (two when `src`'s top must be frozen), plus a
@@ -172,15 +173,23 @@ impl Inner {
         // 1. What each source shows: its frozen frames, as of now.
         let embedded = self.with_quiesced_in(cs, &plain[..sources], |inner, cs, maps| {
             (0..sources)
-                .map(|i| inner.freeze_for_copy(cs, plain[i], &mut maps[i]))
+                .map(|i| {
+                    let windows: Vec<(u64, u64)> = batch
+                        .iter()
+                        .filter(|c| std::ptr::eq(c.src.as_ref(), plain[i]))
+                        .map(|c| (c.sb, c.sb + c.n))
+                        .collect();
+                    inner.freeze_for_copy(cs, plain[i], &mut maps[i], &windows)
+                })
                 .collect::<Result<Vec<_>>>()
         })?;
-        // 2. Blocks each copy maps (range scans of frozen layers; writers go on).
+        // 2. What each copy shows of its source (the frozen frames with an entry in its
+        // window), and the blocks it maps: range scans of frozen layers; writers go on.
         let txn = self.db.read()?;
-        let after = batch
+        let shown = batch
             .iter()
             .map(|c| {
-                count_data(
+                shown_in(
                     &txn,
                     &self.layer_filters,
                     &embedded[index(&c.src)],
@@ -188,6 +197,11 @@ impl Inner {
                     c.sb + c.n,
                 )
             })
+            .collect::<Result<Vec<_>>>()?;
+        let after = batch
+            .iter()
+            .zip(&shown)
+            .map(|(c, frames)| count_data(&txn, &self.layer_filters, frames, c.sb, c.sb + c.n))
             .collect::<Result<Vec<_>>>()?;
         drop(txn);
         // 3. The catalog transaction.
@@ -207,10 +221,10 @@ impl Inner {
             let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
             let mut overwritten = Vec::new();
             let mut done = Vec::with_capacity(batch.len());
-            for (c, &after) in batch.iter().zip(&after) {
+            for ((c, &after), frames) in batch.iter().zip(&after).zip(&shown) {
                 let d = index(&c.dst);
                 let old = &stacks[d];
-                let group = group_for(&embedded[index(&c.src)], c.sb, c.db, c.n);
+                let group = group_for(frames, c.sb, c.db, c.n);
                 let mut stack = old.clone();
                 let top = stack.pop().expect("a stack has a layer");
                 place_group(&mut stack, &group);
@@ -290,22 +304,34 @@ impl Inner {
         })
     }
 
-    /// The frames a copy from `src` shows: its stack with the top frozen, as a snapshot
-    /// freezes it (a new empty top takes its place, durably); a top with no entry is left
-    /// out and stays `src`'s top; a snapshot's stack is already frozen.
+    /// The frames copies from `src` of blocks `windows` show: its stack with the top frozen,
+    /// as a snapshot freezes it (a new empty top takes its place, durably). A top with no
+    /// entry in the windows is left out instead and stays `src`'s top: writes next to a copy
+    /// (ESXi's heartbeats beside a clone) then add no layer per copy, and the copies' groups
+    /// show the same frames and join. A snapshot's stack is already frozen.
     fn freeze_for_copy(
         &self,
         cs: &mut CommitState,
         src: &VolumeState,
         map: &mut VolumeMap,
+        windows: &[(u64, u64)],
     ) -> Result<Vec<Frame>> {
         let stack = map.stack.clone();
         if src.read_only {
             return Ok(stack);
         }
         let top = stack.last().expect("a stack has a layer").layer;
-        if !self.layer_filters.may_hold(top, 0, u64::MAX) || layer_is_empty(&self.db.read()?, top)?
-        {
+        // Quiesced: the top's committed entries are all it holds.
+        let txn = self.db.read()?;
+        let mut holds = false;
+        for &(b0, b1) in windows {
+            if self.layer_filters.may_hold(top, b0, b1) && has_entry(&txn, top, b0, b1)? {
+                holds = true;
+                break;
+            }
+        }
+        drop(txn);
+        if !holds {
             return Ok(stack[..stack.len() - 1].to_vec());
         }
         let new_top = cs.record.next_layer_id;
@@ -561,13 +587,41 @@ fn layer_ref_changes(old: &[Frame], new: &[Frame]) -> BTreeMap<u64, i64> {
     d
 }
 
-/// Whether `layer` has no committed entry.
-fn layer_is_empty(txn: &ReadTxn, layer: u64) -> Result<bool> {
+/// Whether `layer` has an entry (data or a zero tombstone) for a block in `[b0, b1)`.
+fn has_entry(txn: &ReadTxn, layer: u64, b0: u64, b1: u64) -> Result<bool> {
     let mut it = txn.range(
         meta::MAP,
-        format::map_key(layer, 0)..=format::map_key(layer, u64::MAX),
+        format::map_key(layer, b0)..format::map_key(layer, b1),
     )?;
-    Ok(it.next().transpose()?.is_none())
+    Ok(it.next().transpose()?.is_some())
+}
+
+/// The frames of `embedded` (a frozen stack) that may show something in blocks `[b0, b1)`:
+/// floors, and frames whose layer has an entry in the part of their window inside it. The
+/// others show nothing there, so a copy of the range leaves them out of its group (a copy's
+/// group then holds the same frames as its neighbours' and joins them: see [`place_group`]).
+fn shown_in(
+    txn: &ReadTxn,
+    filters: &LayerFilters,
+    embedded: &[Frame],
+    b0: u64,
+    b1: u64,
+) -> Result<Vec<Frame>> {
+    let mut out = Vec::with_capacity(embedded.len());
+    for f in embedded {
+        let (lo, hi) = (f.lo.max(b0), f.hi.min(b1));
+        if lo >= hi {
+            continue;
+        }
+        if !f.is_floor() {
+            let (s0, s1) = (f.source_block(lo), f.source_block(hi - 1) + 1);
+            if !filters.may_hold(f.layer, s0, s1) || !has_entry(txn, f.layer, s0, s1)? {
+                continue;
+            }
+        }
+        out.push(*f);
+    }
+    Ok(out)
 }
 
 /// Blocks of `[b0, b1)` that `stack` maps to data (committed state).

@@ -55,6 +55,8 @@ const ROOM_FOR_CLEANING_MIN: u64 = 1 << 20;
 const LANES: u64 = fingerprint::LANES as u64;
 /// Times a read retries when the chunk it found was concurrently freed or moved.
 const READ_RETRIES_MAX: usize = 8;
+/// Uncommitted blocks (across the pool) past which [`Volume::commit_backlog`] commits.
+const COPY_BACKLOG_BLOCKS: u64 = 4096;
 
 /// An extent reported by [`Volume::block_status`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -389,6 +391,19 @@ impl Volume {
             self.after_write((new.len() as u64).div_ceil(BLOCK), fua, true)?;
         }
         Ok(outcome)
+    }
+
+    /// Commits the pool's uncommitted changes when they are many (over 16 MiB of blocks,
+    /// counting a commit under way, whose end this then waits for). A copy by frames
+    /// ([`Volume::copy_from`]) commits its volumes' changes before it applies; after this, that
+    /// commit is short. A caller that stops writes to the volumes during copies (the iSCSI
+    /// target's EXTENDED COPY) calls this before it stops them, so that the writes wait for
+    /// the copy's short commit, not for a backlog of fresh writes.
+    pub fn commit_backlog(&self) -> Result<()> {
+        if self.inner.batches.uncommitted() > COPY_BACKLOG_BLOCKS {
+            self.inner.commit()?;
+        }
+        Ok(())
     }
 
     /// Copies `len` bytes from `src` at `src_offset` to this volume at `dst_offset`, like
