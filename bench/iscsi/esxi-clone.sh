@@ -8,21 +8,27 @@
 # (xcopy_s: the two clones; worst_*_ms: the slowest command of each kind; it fails any run
 # with a command over 1 s or wrong data).
 #
-# usage: bench/iscsi/esxi-clone.sh [--data-mib N] [--rounds N] IBID...
+# --in-flight N: N commands in flight instead of 8 (every phase; 1 is the QD1 baseline);
+# --settle-ms MS: a pause between writing the data and cloning it, so that the copies meet
+# committed data (a disk written long before), not the commit of the data just written.
+#
+# usage: bench/iscsi/esxi-clone.sh [--data-mib N] [--rounds N] [--in-flight N] [--settle-ms MS] IBID...
 set -euo pipefail
-DATA=1024 ROUNDS=2
+DATA=1024 ROUNDS=2 IN_FLIGHT=8 SETTLE_MS=0
 while [ $# -gt 0 ]; do
     case $1 in
     --data-mib) DATA=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
+    --in-flight) IN_FLIGHT=$2; shift 2 ;;
+    --settle-ms) SETTLE_MS=$2; shift 2 ;;
     *) break ;;
     esac
 done
-[ $# -ge 1 ] || { sed -n '2,12p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,16p' "$0"; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
 scratch=$(mktemp -d /var/tmp/esxi-clone.XXXXXX)
 trap 'kill $pid 2>/dev/null || true; rm -rf "$scratch"' EXIT
-cc -O1 -o "$scratch/esxi" "$here/../../crates/ibid-iscsi/tests/c/esxi_datastore.c" -liscsi -lpthread
+cc -O1 -DIN_FLIGHT="$IN_FLIGHT" -o "$scratch/esxi" "$here/../../crates/ibid-iscsi/tests/c/esxi_datastore.c" -liscsi -lpthread
 port=3297
 for round in $(seq "$ROUNDS"); do
     for bin in "$@"; do
@@ -32,7 +38,7 @@ for round in $(seq "$ROUNDS"); do
             > "$scratch/log" 2>&1 &
         pid=$!
         for _ in $(seq 100); do iscsi-ls iscsi://127.0.0.1:$port > /dev/null 2>&1 && break; sleep 0.1; done
-        out=$("$scratch/esxi" 127.0.0.1:$port iqn.2026-11.org.ibid:pool 0 1 $((2 * DATA + 64)) "$DATA" 4 2>&1 \
+        out=$(ESXI_SETTLE_MS=$SETTLE_MS "$scratch/esxi" 127.0.0.1:$port iqn.2026-11.org.ibid:pool 0 1 $((2 * DATA + 64)) "$DATA" 4 2>&1 \
             | tr '\n' ' ') || true
         echo "round $round $bin: $out"
         kill $pid; wait $pid 2>/dev/null || true

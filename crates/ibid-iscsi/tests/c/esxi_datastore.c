@@ -30,7 +30,9 @@
 
 #define BS 512
 #define MIB (1024 * 1024)
+#ifndef IN_FLIGHT /* commands in flight: cc -DIN_FLIGHT=N (bench/iscsi/esxi-clone.sh --in-flight) */
 #define IN_FLIGHT 8
+#endif
 #define WS_BYTES MIB
 #define COPY_BYTES (4 * MIB)
 #define LIMIT_US 1000000
@@ -304,6 +306,15 @@ int main(int argc, char **argv) {
         }
     }
     wait_below(&f, 1);
+
+    /* ESXI_SETTLE_MS (environment): a pause before the copies, so that they meet data the
+     * target has had time to commit (a clone of a disk written long before). */
+    const char *settle = getenv("ESXI_SETTLE_MS");
+    if (settle) {
+        long ms = atol(settle);
+        struct timespec pause = { ms / 1000, (ms % 1000) * 1000000L };
+        nanosleep(&pause, NULL);
+    }
 
     /* 3. EXTENDED COPY in 4 MiB segments, 8 in flight: within LUN A, then A -> B. */
     unsigned char naa_a[16], naa_b[16];
