@@ -349,3 +349,16 @@ impl Drop for FaultFs {
         let _ = self.child.wait();
     }
 }
+
+/// Opens the pool at `path` that a stopped server left, without the background thread, so a
+/// test sees it as the server left it.
+pub fn open_quiet(path: &Path) -> ibid_engine::Pool {
+    ibid_engine::Pool::open(
+        path,
+        ibid_engine::PoolConfig {
+            background: false,
+            ..ibid_engine::PoolConfig::default()
+        },
+    )
+    .expect("open the pool")
+}

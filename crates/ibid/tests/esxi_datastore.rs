@@ -4,7 +4,6 @@
 mod common;
 
 use common::{require, Server, IQN};
-use ibid_engine::{Pool, PoolConfig};
 use std::process::Command;
 
 /// What an ESXi host does to a datastore LUN (`esxi_datastore.c`, libiscsi): eager-zeroing
@@ -56,14 +55,7 @@ fn esxi_datastore_workload() {
         String::from_utf8_lossy(&out.stderr)
     );
     let dir = srv.stop();
-    let pool = Pool::open(
-        dir.path().join("pool"),
-        PoolConfig {
-            background: false,
-            ..PoolConfig::default()
-        },
-    )
-    .expect("open");
+    let pool = common::open_quiet(&dir.path().join("pool"));
     // The copies' frames keep the heartbeat blocks' versions their source layers held when
     // frozen (a number that depends on timing) until the background makes the copies
     // permanent and flattens them: do that first, as the server does 5 s after a copy.

@@ -8,7 +8,6 @@
 mod common;
 
 use common::{api_call, make_image, require, run, Server, IQN};
-use ibid_engine::{Pool, PoolConfig};
 use std::process::Command;
 
 /// Suites run against the engine: the VAAI primitives and the basic I/O paths.
@@ -550,14 +549,7 @@ fn xcopy_through_libiscsi_adds_no_space() {
     let srv = server_with_a_and_b();
     run_xcopy(&bin, &srv, "xcopy");
     let dir = srv.stop();
-    let pool = Pool::open(
-        dir.path().join("pool"),
-        PoolConfig {
-            background: false,
-            ..PoolConfig::default()
-        },
-    )
-    .expect("open");
+    let pool = common::open_quiet(&dir.path().join("pool"));
     let s = pool.stats();
     // The program writes 1 MiB of source data once and copies it twice by XCOPY: three
     // logical copies, stored once. (Dedup alone would also store it once; that the copy reads

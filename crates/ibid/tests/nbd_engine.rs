@@ -9,14 +9,7 @@ use ibid_engine::{Pool, PoolConfig};
 use std::collections::HashSet;
 
 fn engine_stats(dir: &std::path::Path) -> ibid_engine::PoolStats {
-    let pool = Pool::open(
-        dir,
-        PoolConfig {
-            background: false,
-            ..PoolConfig::default()
-        },
-    )
-    .expect("open pool");
+    let pool = common::open_quiet(dir);
     let s = pool.stats();
     pool.close().expect("close");
     s
