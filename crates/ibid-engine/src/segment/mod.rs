@@ -530,10 +530,7 @@ impl Segments {
                 Some(o) => o.end() + rec_bytes > self.segment_bytes_max,
             };
             if need_new {
-                let recycled = match guard.take() {
-                    Some(old) => Some(self.seal(writer, old, commit_no)?),
-                    None => None,
-                };
+                let recycled = self.seal(writer, &mut guard, commit_no)?;
                 *guard = Some(self.create_segment(writer, recycled)?);
             }
             let o = guard.as_mut().expect("open segment");
@@ -736,11 +733,22 @@ impl Segments {
         Ok(())
     }
 
-    /// Writes the last records and closes the segment for appends. The padding past them is
-    /// cut off, so a sealed segment's file size is its header and records exactly (the
-    /// cleaner counts every other byte as dead). Returns the segment's buffers.
-    fn seal(&self, writer: &Writer, mut o: OpenSegment, commit_no: u64) -> Result<Buffers> {
-        self.write_buffer(writer, &mut o)?;
+    /// Writes the last records of the writer's `open` segment, if any, and closes it for
+    /// appends. The padding past them is cut off, so a sealed segment's file size is its header
+    /// and records exactly (the cleaner counts every other byte as dead). Returns the segment's
+    /// buffers. On an error the segment stays open with its records buffered, for a later seal
+    /// or sync to write: records appended before (which the next commit may reference) are
+    /// never dropped with a buffer whose write failed.
+    fn seal(
+        &self,
+        writer: &Writer,
+        open: &mut Option<OpenSegment>,
+        commit_no: u64,
+    ) -> Result<Option<Buffers>> {
+        let Some(o) = open.as_mut() else {
+            return Ok(None);
+        };
+        self.write_buffer(writer, o)?;
         let end = o.file_len + o.buf.len() as u64;
         if !o.buf.is_empty() {
             o.file
@@ -749,16 +757,17 @@ impl Segments {
                 .map_err(|e| Error::io(format!("truncate segment {:016x}", o.id), e))?;
             self.truncated_to(&o.file, end);
         }
+        let o = open.take().expect("the open segment");
         writer.segment.store(NO_SEGMENT, Ordering::Release);
         self.sealed.lock().insert(o.id, commit_no);
         if let Some(sync) = &self.sealed_sync {
             // If the thread is gone, the next sync fsyncs the file: it is still unsynced.
             let _ = sync.send((o.id, o.file.clone()));
         }
-        Ok(Buffers {
+        Ok(Some(Buffers {
             buf: o.buf,
             spare: o.spare,
-        })
+        }))
     }
 
     /// Seals the open segments of the first `writers` writers; their records belong to batch
@@ -766,10 +775,7 @@ impl Segments {
     /// by the cleaner's transaction, not by a batch.)
     pub fn seal_writers(&self, writers: usize, batch_no: u64) -> Result<()> {
         for writer in &self.writers[..writers] {
-            let mut guard = writer.open.lock();
-            if let Some(o) = guard.take() {
-                self.seal(writer, o, batch_no)?;
-            }
+            self.seal(writer, &mut writer.open.lock(), batch_no)?;
         }
         Ok(())
     }

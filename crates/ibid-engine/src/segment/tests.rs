@@ -542,3 +542,51 @@ fn one_writers_sync_makes_its_records_durable() {
         }
     }
 }
+
+/// A write that fails while a segment is sealed (the next record does not fit) leaves the
+/// segment open with its records buffered: they still read back, the next append seals it, and
+/// after a sync they survive a power cut. (The segment used to be dropped with its buffer, and
+/// the next commit made map entries durable that pointed at records the file never held.)
+#[test]
+fn a_failed_seal_keeps_the_records_for_the_next_sync() {
+    for errno in [libc::EIO, libc::ENOSPC] {
+        let disk = SimDisk::new(1, 1 << 30);
+        let options = SegmentOptions {
+            writers: 1,
+            segment_bytes_max: 64 << 10,
+            next_id: 1,
+            direct_io: false,
+            threads: false,
+        };
+        let dir = Path::new("/p");
+        let (segs, _) = Segments::open_on(Arc::new(disk.clone()), dir, options).unwrap();
+        let len = 4000;
+        let fit = (options.segment_bytes_max - format::SEGMENT_HEADER_BYTES) as usize
+            / (RECORD_HEADER_BYTES + len);
+        let mut placed = Vec::new();
+        for i in 0..fit as u64 {
+            let p = payload(i, len);
+            placed.push((segs.append(0, i, 0, &p, 1).unwrap(), p));
+        }
+        disk.inject(Fault {
+            op: FaultOp::Write,
+            path_contains: ".seg".into(),
+            nth: 1,
+            errno,
+        });
+        let next = payload(fit as u64, len);
+        assert!(
+            segs.append(0, fit as u64, 0, &next, 1).is_err(),
+            "the seal's write did not fail"
+        );
+        read_back(&segs, &placed).unwrap();
+        placed.push((segs.append(0, fit as u64, 0, &next, 1).unwrap(), next));
+        assert_ne!(placed[fit].0.segment, placed[0].0.segment, "not sealed");
+        segs.sync().unwrap();
+        drop(segs);
+        disk.power_cut();
+        let (segs, found) = Segments::open_on(Arc::new(disk.clone()), dir, options).unwrap();
+        assert_eq!(found.len(), 2, "errno {errno}");
+        read_back(&segs, &placed).unwrap();
+    }
+}
