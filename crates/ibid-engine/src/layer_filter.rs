@@ -99,6 +99,15 @@ impl LayerFilters {
         blocks.rank(b1 - 1) > below
     }
 
+    /// How many blocks `layer`'s ready filter holds: at least the layer's entries (removed
+    /// ones stay counted). `None` while it has no ready filter.
+    pub(crate) fn count(&self, layer: u64) -> Option<u64> {
+        let f = self.get(layer)?;
+        f.ready
+            .load(Ordering::Acquire)
+            .then(|| f.blocks.read().len())
+    }
+
     /// Whether `layer` has a ready filter that lacks `block` (for verification).
     pub(crate) fn excludes(&self, layer: u64, block: u64) -> bool {
         self.get(layer)

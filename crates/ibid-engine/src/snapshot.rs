@@ -15,6 +15,7 @@ use crate::commit_state::CommitState;
 use crate::error::{Error, Result};
 use crate::format::{self, Frame, VolumeFormat, VolumeRecord, LAYERS_MAX};
 use crate::inner::Inner;
+use crate::layer_filter::LayerFilters;
 use crate::meta;
 use crate::pool::{validate_volume_name, Pool};
 use crate::ref_log::RefLog;
@@ -467,9 +468,13 @@ impl Inner {
         Ok(None)
     }
 
-    /// Merges one private frozen layer of `v` into the layer above it. Entries the upper layer
-    /// overrides are dropped (their references released at the next commit); the others move
-    /// up. Runs with the volume quiesced; cost is proportional to the merged layer's entries.
+    /// Merges one private frozen layer of `v` with the layer above it, moving the entries of
+    /// the one with fewer into the other ([`merge_up`], or [`merge_down`] when the upper layer
+    /// is private too): entries the upper layer overrides are dropped (their references
+    /// released at the next commit). Runs with the volume quiesced, so its cost is what holds
+    /// writers up: proportional to the smaller layer's entries. (Merging a frozen layer of a
+    /// whole copied or snapshotted volume up into a nearly empty top moved every one of its
+    /// entries, 8.5 s for 1 Mi entries with every write of the pool waiting.)
     fn flatten_one(&self, v: &VolumeState) -> Result<bool> {
         let stack = v.map.lock().stack.clone();
         if self.private_frozen_layer(&stack)?.is_none() {
@@ -480,9 +485,29 @@ impl Inner {
                 return Ok(false);
             };
             let (lower, upper) = (map.stack[i].layer, map.stack[i + 1].layer);
+            let mut txn = inner.db.write()?;
+            let upper_private = map.stack.iter().filter(|f| f.layer == upper).count() == 1
+                && txn.get(meta::LAYERS, &upper)? == Some(1);
+            let smaller_above = match (
+                inner.layer_filters.count(lower),
+                inner.layer_filters.count(upper),
+            ) {
+                (Some(l), Some(u)) => u < l,
+                _ => false,
+            };
             let mut released: BTreeMap<u64, i64> = BTreeMap::new();
             let mut stack = map.stack.clone();
-            stack.remove(i);
+            let filters = &inner.layer_filters;
+            let gone = if upper_private && smaller_above {
+                merge_down(&mut txn, filters, lower, upper, i == 0, &mut released)?;
+                stack.remove(i + 1);
+                upper
+            } else {
+                merge_up(&mut txn, filters, lower, upper, i == 0, &mut released)?;
+                stack.remove(i);
+                lower
+            };
+            txn.remove(meta::LAYERS, &gone);
             let record = VolumeRecord {
                 id: v.id,
                 size: map.size,
@@ -491,45 +516,96 @@ impl Inner {
                 layers: stack.clone(),
                 format: v.format(),
             };
-            let mut txn = inner.db.write()?;
-            {
-                let (lo, hi) = (format::map_key(lower, 0), format::map_key(lower, u64::MAX));
-                let moved: Vec<(u64, u64)> = txn
-                    .extract_range_if(meta::MAP, lo..=hi, |_, _| true)?
-                    .into_iter()
-                    .map(|(k, val)| (format::decode_map_key(&k).1, val))
-                    .collect();
-                // The upper layer's filter learns every moved block before the commit.
-                inner
-                    .layer_filters
-                    .grow(upper, moved.iter().map(|&(block, _)| block));
-                for (block, id) in moved {
-                    let key = format::map_key(upper, block);
-                    if txn.get(meta::MAP, &key)?.is_some() {
-                        if id != format::ZERO_TOMBSTONE {
-                            *released.entry(id).or_default() -= 1;
-                        }
-                    } else if id != format::ZERO_TOMBSTONE || i > 0 {
-                        txn.insert(meta::MAP, &key, &id);
-                    }
-                }
-                if i == 0 {
-                    // The upper layer is now the bottom: its tombstones hide nothing.
-                    let (lo, hi) = (format::map_key(upper, 0), format::map_key(upper, u64::MAX));
-                    txn.extract_range_if(meta::MAP, lo..=hi, |_, &val| {
-                        val == format::ZERO_TOMBSTONE
-                    })?;
-                }
-                txn.remove(meta::LAYERS, &lower);
-                txn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
-                // Drop the overridden entries' references in the same transaction, so a crash
-                // never leaves a count too high.
-                cs.ref_log
-                    .append(&mut txn, &crate::ref_log::by_slice(&released));
-            }
+            txn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
+            // Drop the overridden entries' references in the same transaction, so a crash
+            // never leaves a count too high.
+            cs.ref_log
+                .append(&mut txn, &crate::ref_log::by_slice(&released));
             txn.commit()?;
+            inner.layer_filters.forget(gone);
             map.stack = stack;
             Ok(true)
         })
     }
+}
+
+/// The map key range of `layer`'s entries.
+fn layer_keys(layer: u64) -> std::ops::RangeInclusive<[u8; 16]> {
+    format::map_key(layer, 0)..=format::map_key(layer, u64::MAX)
+}
+
+/// Moves frozen layer `lower`'s entries up into `upper`, the layer above it, where `upper` has
+/// none (an entry `upper` has overrides; its reference goes to `released`). `bottom`: `lower`
+/// is the stack's lowest layer, so `upper` becomes it and its tombstones hide nothing.
+fn merge_up(
+    txn: &mut WriteTxn,
+    filters: &LayerFilters,
+    lower: u64,
+    upper: u64,
+    bottom: bool,
+    released: &mut BTreeMap<u64, i64>,
+) -> Result<()> {
+    let moved = txn.extract_range_if(meta::MAP, layer_keys(lower), |_, _| true)?;
+    // The upper layer's blocks in one range read, not a lookup per moved entry.
+    let above: std::collections::HashSet<u64> = txn
+        .range(meta::MAP, layer_keys(upper))?
+        .into_iter()
+        .map(|(k, _)| format::decode_map_key(&k).1)
+        .collect();
+    // The upper layer's filter learns every moved block before the commit.
+    filters.grow(
+        upper,
+        moved.iter().map(|(k, _)| format::decode_map_key(k).1),
+    );
+    for (k, id) in moved {
+        let block = format::decode_map_key(&k).1;
+        if above.contains(&block) {
+            if id != format::ZERO_TOMBSTONE {
+                *released.entry(id).or_default() -= 1;
+            }
+        } else if id != format::ZERO_TOMBSTONE || !bottom {
+            txn.insert(meta::MAP, &format::map_key(upper, block), &id);
+        }
+    }
+    if bottom {
+        // The upper layer is now the bottom: its tombstones hide nothing.
+        txn.extract_range_if(meta::MAP, layer_keys(upper), |_, &val| {
+            val == format::ZERO_TOMBSTONE
+        })?;
+    }
+    Ok(())
+}
+
+/// Moves layer `upper`'s entries down into frozen layer `lower`, the layer below it, which
+/// then takes its place in the stack (both are private to the stack). An entry of `upper`
+/// replaces `lower`'s (whose reference goes to `released`); a tombstone of `upper` removes
+/// `lower`'s entry when `lower` is the stack's lowest layer (`bottom`: it hides nothing), and
+/// replaces it otherwise.
+fn merge_down(
+    txn: &mut WriteTxn,
+    filters: &LayerFilters,
+    lower: u64,
+    upper: u64,
+    bottom: bool,
+    released: &mut BTreeMap<u64, i64>,
+) -> Result<()> {
+    let moved = txn.extract_range_if(meta::MAP, layer_keys(upper), |_, _| true)?;
+    filters.grow(
+        lower,
+        moved.iter().map(|(k, _)| format::decode_map_key(k).1),
+    );
+    for (k, id) in moved {
+        let key = format::map_key(lower, format::decode_map_key(&k).1);
+        if let Some(old) = txn.get(meta::MAP, &key)? {
+            if old != format::ZERO_TOMBSTONE {
+                *released.entry(old).or_default() -= 1;
+            }
+        }
+        if id == format::ZERO_TOMBSTONE && bottom {
+            txn.remove(meta::MAP, &key);
+        } else {
+            txn.insert(meta::MAP, &key, &id);
+        }
+    }
+    Ok(())
 }

@@ -50,8 +50,9 @@ use std::time::{Duration, Instant};
 pub(crate) const COPY_FRAMES_MAX: usize = 64;
 /// How long after its last range copy the background makes a volume's copies permanent.
 pub(crate) const MATERIALIZE_DELAY: Duration = Duration::from_secs(5);
-/// Blocks examined per step when counting or materializing (bounds memory).
-const WALK_WINDOW_BLOCKS: u64 = 1 << 20;
+/// Blocks examined per step when counting or materializing (bounds memory, and how long a
+/// materializing walk takes to notice that the pool is closing: ~0.1 s).
+const WALK_WINDOW_BLOCKS: u64 = 1 << 17;
 
 impl Inner {
     /// Makes blocks `[db, db + n)` of `dst` show what blocks `[sb, sb + n)` of `src` show now.
@@ -352,10 +353,12 @@ impl Inner {
     }
 
     /// Makes `v`'s windowed frames permanent (see the module doc). Returns whether it did.
-    /// Holds the commit lock throughout (commits and catalog operations wait); writes and
-    /// reads of the volume go on, and see the same data through either stack. Once `stop` is
-    /// set it gives up between walk windows, having written nothing. `walked`, if given, is
-    /// set to the bytes of the volume walked before each window.
+    /// The walk over the frames (frozen: nothing changes them) runs without locks; the commit
+    /// lock is taken for the transaction that writes the new layer and swaps the stack, which
+    /// is given up if the stack changed meanwhile. Writes and reads of the volume go on
+    /// throughout, and see the same data through either stack. Once `stop` is set it gives up
+    /// between walk windows, having written nothing. `walked`, if given, is set to the bytes of
+    /// the volume walked before each window.
     pub(crate) fn materialize_frames(
         &self,
         v: &VolumeState,
@@ -365,7 +368,6 @@ impl Inner {
         if v.read_only || v.map.lock().stack.iter().all(Frame::is_plain) {
             return Ok(false);
         }
-        let mut cs = self.commit.lock();
         let (stack, size) = {
             let m = v.map.lock();
             if m.deleted {
@@ -378,18 +380,9 @@ impl Inner {
         };
         let k = stack.len() - 1;
         let (lower, upper) = (&stack[..j], &stack[j..k]);
-        let layer = cs.record.next_layer_id;
+        // The frames below the top are frozen: a snapshot shows what they show for as long as
+        // the stack holds them (checked again under the commit lock).
         let txn = self.db.read()?;
-        let mut record = match txn.get(meta::VOLUMES, v.name.as_str())? {
-            Some(r) => format::VolumeRecord::decode(&r)?,
-            None => return Ok(false),
-        };
-        if record.layers != stack {
-            return Err(Error::Corrupt(format!(
-                "{}: stored stack differs from the open volume's",
-                v.name
-            )));
-        }
         // The new layer: what the upper frames show, plus tombstones where they hide data
         // of the lower frames (a floor, or a tombstone of the source).
         let mut entries: Vec<(u64, u64)> = Vec::new();
@@ -432,6 +425,21 @@ impl Inner {
             w0 = w1;
         }
         drop(txn);
+        let mut cs = self.commit.lock();
+        if v.map.lock().stack != stack {
+            return Ok(false);
+        }
+        let mut record = match self.db.read()?.get(meta::VOLUMES, v.name.as_str())? {
+            Some(r) => format::VolumeRecord::decode(&r)?,
+            None => return Ok(false),
+        };
+        if record.layers != stack {
+            return Err(Error::Corrupt(format!(
+                "{}: stored stack differs from the open volume's",
+                v.name
+            )));
+        }
+        let layer = cs.record.next_layer_id;
         let mut new_stack = lower.to_vec();
         new_stack.push(Frame::plain(layer));
         new_stack.push(stack[k]);
