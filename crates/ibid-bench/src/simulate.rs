@@ -31,6 +31,9 @@ pub struct SimulateArgs {
     /// implies `--threads`.
     #[arg(long)]
     background: bool,
+    /// After every operation, read every volume and compare it with the model.
+    #[arg(long)]
+    check_each_step: bool,
     /// Print one line per seed.
     #[arg(long)]
     verbose: bool,
@@ -59,6 +62,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         cut_within_io: a.cut_within_io.max(1),
         threads: a.threads,
         background: a.background,
+        check_each_step: a.check_each_step,
     };
     let seeds = seed_range(&a.seeds)?;
     let started = Instant::now();

@@ -56,6 +56,10 @@ pub struct SimOptions {
     /// Also run the background thread ([`PoolConfig::background`]: the committer that commits
     /// when writes pile up or time passes, and the segment cleaner); implies `threads`.
     pub background: bool,
+    /// After every operation, read every volume whole and compare it with the model (slower:
+    /// catches a wrong in-memory state at the operation that made it, not at the next cut, and
+    /// the reads' timing shakes the background's races differently).
+    pub check_each_step: bool,
 }
 
 impl Default for SimOptions {
@@ -65,6 +69,7 @@ impl Default for SimOptions {
             cut_within_io: 400,
             threads: false,
             background: false,
+            check_each_step: false,
         }
     }
 }
@@ -303,7 +308,7 @@ impl Sim {
         while self.operations < self.options.operations {
             self.operations += 1;
             let before = self.model.clone();
-            match self.step() {
+            match self.step().and_then(|()| self.check_each_step()) {
                 Ok(()) => {}
                 Err(Stop::Cut) => self.recover(before)?,
                 Err(Stop::Failed(why)) => return Err(why),
@@ -312,6 +317,29 @@ impl Sim {
         self.disk.disarm();
         self.note("final power cut".into());
         self.recover(self.model.clone())
+    }
+
+    /// With [`SimOptions::check_each_step`]: every volume reads as the model holds it now.
+    fn check_each_step(&mut self) -> Step {
+        if !self.options.check_each_step {
+            return Ok(());
+        }
+        let pool = self.pool().clone();
+        for (name, vol) in &self.model.vols {
+            let handle = pool.volume(name).map_err(|e| self.engine("open", e))?;
+            let mut buf = vec![0u8; vol.size() as usize];
+            handle
+                .read(0, &mut buf)
+                .map_err(|e| self.engine("read", e))?;
+            if buf != vol.image {
+                let at = buf.iter().zip(&vol.image).position(|(a, b)| a != b);
+                let block = at.unwrap_or(0) as u64 / BLOCK;
+                return Err(Stop::Failed(format!(
+                    "{name} block {block} differs from the model's after the operation (no cut)"
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn arm(&mut self) {
