@@ -534,6 +534,24 @@ fn layer_keys(layer: u64) -> std::ops::RangeInclusive<[u8; 16]> {
     format::map_key(layer, 0)..=format::map_key(layer, u64::MAX)
 }
 
+/// Removes every entry of layer `from` in `txn` and returns them as (block, chunk id), having
+/// grown layer `into`'s filter with their blocks (before the commit, as the filters require:
+/// `layer_filter.rs`).
+fn take_entries(
+    txn: &mut WriteTxn,
+    filters: &LayerFilters,
+    from: u64,
+    into: u64,
+) -> Result<Vec<(u64, u64)>> {
+    let taken: Vec<(u64, u64)> = txn
+        .extract_range_if(meta::MAP, layer_keys(from), |_, _| true)?
+        .into_iter()
+        .map(|(k, id)| (format::decode_map_key(&k).1, id))
+        .collect();
+    filters.grow(into, taken.iter().map(|&(block, _)| block));
+    Ok(taken)
+}
+
 /// Moves frozen layer `lower`'s entries up into `upper`, the layer above it, where `upper` has
 /// none (an entry `upper` has overrides; its reference goes to `released`). `bottom`: `lower`
 /// is the stack's lowest layer, so `upper` becomes it and its tombstones hide nothing.
@@ -545,20 +563,14 @@ fn merge_up(
     bottom: bool,
     released: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
-    let moved = txn.extract_range_if(meta::MAP, layer_keys(lower), |_, _| true)?;
+    let moved = take_entries(txn, filters, lower, upper)?;
     // The upper layer's blocks in one range read, not a lookup per moved entry.
     let above: std::collections::HashSet<u64> = txn
         .range(meta::MAP, layer_keys(upper))?
         .into_iter()
         .map(|(k, _)| format::decode_map_key(&k).1)
         .collect();
-    // The upper layer's filter learns every moved block before the commit.
-    filters.grow(
-        upper,
-        moved.iter().map(|(k, _)| format::decode_map_key(k).1),
-    );
-    for (k, id) in moved {
-        let block = format::decode_map_key(&k).1;
+    for (block, id) in moved {
         if above.contains(&block) {
             if id != format::ZERO_TOMBSTONE {
                 *released.entry(id).or_default() -= 1;
@@ -589,13 +601,8 @@ fn merge_down(
     bottom: bool,
     released: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
-    let moved = txn.extract_range_if(meta::MAP, layer_keys(upper), |_, _| true)?;
-    filters.grow(
-        lower,
-        moved.iter().map(|(k, _)| format::decode_map_key(k).1),
-    );
-    for (k, id) in moved {
-        let key = format::map_key(lower, format::decode_map_key(&k).1);
+    for (block, id) in take_entries(txn, filters, upper, lower)? {
+        let key = format::map_key(lower, block);
         if let Some(old) = txn.get(meta::MAP, &key)? {
             if old != format::ZERO_TOMBSTONE {
                 *released.entry(old).or_default() -= 1;
