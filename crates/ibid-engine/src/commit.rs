@@ -74,6 +74,10 @@ struct Applied {
     unmapped: Vec<(Arc<VolumeState>, u64)>,
     /// Zeroed ranges left for later commits, per volume (also in the `zeroing` table).
     rest: Vec<LeftToSettle>,
+    /// The ids of the chunks that died (for the event log).
+    freed: Vec<u64>,
+    /// Chunks left without a reference but kept for a newer write (for the event log).
+    kept: Vec<u64>,
 }
 
 impl Inner {
@@ -83,8 +87,14 @@ impl Inner {
         self.check_failed()?;
         self.note_io();
         match self.journal.flush(&self.segments, &self.batches) {
-            Ok(FlushOutcome::Done) => Ok(()),
-            Ok(FlushOutcome::NeedsCommit) => self.commit(),
+            Ok(FlushOutcome::Done) => {
+                self.event(|| format!("flush: journaled (batch {})", self.batches.stamp()));
+                Ok(())
+            }
+            Ok(FlushOutcome::NeedsCommit) => {
+                self.event(|| "flush: needs a commit".into());
+                self.commit()
+            }
             Err(e) => {
                 // Changes may have left the pending list without reaching the disk.
                 self.fail(&e);
@@ -174,11 +184,13 @@ impl Inner {
         let mut applied = match outcome {
             Ok(a) => a,
             Err(e) => {
+                self.event(|| format!("commit {} failed: {e}", batch.no));
                 self.fail(&e);
                 return Err(e);
             }
         };
         cs.record = record;
+        self.event(|| describe_commit(&batch, &applied, &fold));
         self.after_apply(&mut applied);
         self.space.commit(
             batch.new_bytes,
@@ -560,6 +572,7 @@ impl Inner {
                     chunks.put(txn, id, rec)?;
                 }
                 txn.insert(meta::ORPHANS, &id, &());
+                applied.kept.push(id);
                 continue;
             }
             if orphan_ids.contains(&id) {
@@ -573,6 +586,7 @@ impl Inner {
             record.live_chunks -= 1;
             record.live_bytes -= rec.physical_bytes();
             applied.died.push((shard, rec.fingerprint));
+            applied.freed.push(id);
         }
         chunks.write(txn);
         applied.runs = index.finish(txn, batch.no, self.run_policy())?;
@@ -798,6 +812,42 @@ impl Span<'_> {
         }
         Ok(found)
     }
+}
+
+/// One line for the event log: what a commit changed.
+fn describe_commit(batch: &Batch, applied: &Applied, fold: &[usize]) -> String {
+    use std::fmt::Write;
+    let mut line = format!("commit {}:", batch.no);
+    for (v, overlay, rec) in &batch.volumes {
+        let _ = write!(
+            line,
+            " {} {} entries {}",
+            v.name,
+            format::describe_stack(&rec.layers),
+            crate::event_log::block_runs(overlay.all_entries().map(|(b, _)| b))
+        );
+        let zeroed: Vec<(u64, u64)> = overlay.zeroed().collect();
+        if !zeroed.is_empty() {
+            let _ = write!(line, " zeroed {zeroed:?}");
+        }
+        if let Some((_, rest)) = applied.rest.iter().find(|(r, _)| Arc::ptr_eq(r, v)) {
+            let _ = write!(line, " left {rest:?}");
+        }
+        line.push(';');
+    }
+    for v in &batch.deleted {
+        let _ = write!(line, " deleted {};", v.name);
+    }
+    let new: usize = batch.shards.iter().map(|s| s.new_chunks.len()).sum();
+    let _ = write!(line, " {new} new chunks, folded slices {fold:?}");
+    if !applied.freed.is_empty() {
+        let ids: Vec<String> = applied.freed.iter().map(|id| format!("{id:#x}")).collect();
+        let _ = write!(line, ", freed {}", ids.join(" "));
+    }
+    if !applied.kept.is_empty() {
+        let _ = write!(line, ", kept {:x?}", applied.kept);
+    }
+    line
 }
 
 /// `ranges` (disjoint, in order) without the blocks in `holes`.

@@ -90,6 +90,9 @@ pub struct PoolConfig {
     /// [`read_cache_bytes_default`]: a sixteenth of the machine's RAM, at most 2 GiB. Taken
     /// as blocks are cached, not at open.
     pub read_cache_bytes: u64,
+    /// Where the engine logs its internal steps for diagnosis (see `event_log.rs`; `None`, the
+    /// default: nowhere).
+    pub events: Option<std::sync::Arc<crate::event_log::EventLog>>,
 }
 
 /// The read cache's default size: a sixteenth of the memory the process may use — the
@@ -140,6 +143,7 @@ impl Default for PoolConfig {
             disk: crate::disk::fs(),
             threads: true,
             read_cache_bytes: read_cache_bytes_default(),
+            events: None,
         }
     }
 }

@@ -370,6 +370,30 @@ impl Frame {
     }
 }
 
+/// `7` for a plain frame of layer 7, `7[10..20@0]` for one showing its blocks from 0 at
+/// volume blocks 10..20, `floor[10..20]` (logs and diagnostics).
+impl std::fmt::Display for Frame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_floor() {
+            write!(f, "floor[{}..{}]", self.lo, self.hi)
+        } else if self.is_plain() {
+            write!(f, "{}", self.layer)
+        } else {
+            write!(
+                f,
+                "{}[{}..{}@{}]",
+                self.layer, self.lo, self.hi, self.src_lo
+            )
+        }
+    }
+}
+
+/// A stack of frames, bottom first, as `[3 7[10..20@0] 9]` (logs and diagnostics).
+pub fn describe_stack(stack: &[Frame]) -> String {
+    let frames: Vec<String> = stack.iter().map(Frame::to_string).collect();
+    format!("[{}]", frames.join(" "))
+}
+
 /// The layers a stack references, once per frame that shows them (floors reference none):
 /// what the `layers` table counts.
 pub fn referenced_layers(stack: &[Frame]) -> impl Iterator<Item = u64> + '_ {

@@ -323,6 +323,7 @@ impl Inner {
         } else {
             self.relocate_segment(seg)?;
         }
+        self.event(|| format!("cleaner: segment {seg:#x} ({live} live bytes) queued"));
         tracing::debug!(
             "cleaned segment {seg:#x}: {live} live bytes moved in {:.1} ms",
             t0.elapsed().as_secs_f64() * 1e3
@@ -376,6 +377,16 @@ impl Inner {
         if queued.is_empty() {
             return Ok(());
         }
+        self.event(|| {
+            let moves: Vec<String> = queued
+                .iter()
+                .map(|r| {
+                    let ids: Vec<String> = r.moved.iter().map(|m| format!("{:#x}", m.0)).collect();
+                    format!("{:#x} [{}]", r.segment, ids.join(" "))
+                })
+                .collect();
+            format!("relocations applied: {}", moves.join("; "))
+        });
         let applied = self.relocations_txn(&queued).and_then(|()| {
             queued
                 .iter()

@@ -192,7 +192,15 @@ impl Inner {
 
     pub(crate) fn fail(&self, e: &Error) {
         tracing::error!("pool {} failed: {e}", self.dir.display());
+        self.event(|| format!("pool failed: {e}"));
         self.health.fail(|| e.to_string());
+    }
+
+    /// Logs an internal step to [`PoolConfig::events`], if set (`line` is built only then).
+    pub(crate) fn event(&self, line: impl FnOnce() -> String) {
+        if let Some(log) = &self.config.events {
+            log.push(line());
+        }
     }
 
     pub(crate) fn wake_background(&self) {

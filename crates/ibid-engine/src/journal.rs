@@ -40,8 +40,12 @@
 //! # Recovery
 //! Open reads the last committed batch `C` and replays each file whose batch is newer, lower
 //! stamp first, each up to the first record that is torn, fails its checksum or carries another
-//! stamp. Flushes are serialized and each ends with an fdatasync, so the records replayed are a
-//! prefix of what was journaled, and a completed flush's records are all in it. Replay runs the
+//! stamp. Flushes are serialized and each ends with an fdatasync, and a flush that carries two
+//! batches (the rest of the one being committed, the first changes of the next) writes and
+//! fdatasyncs the older one's file before it writes the newer one's: so the records replayed
+//! are a prefix of what was journaled — never a newer batch's changes without all of the older
+//! one's, on which they may depend (a chunk it wrote) — and a completed flush's records are
+//! all in it. Replay runs the
 //! changes through the normal write path (reference counts are recomputed, not journaled) and
 //! one commit makes them durable. The commit counter then resumes past every stamp a record can
 //! carry (the highest replayed, and at least [`BATCHES_IN_FLIGHT`] + [`EMPTY_BATCHES_MAX`]
@@ -591,24 +595,22 @@ impl Journal {
             p.recount();
             return Ok(FlushOutcome::NeedsCommit);
         };
-        let mut touched = [false; 2];
         let Files {
             files: journal_files,
             staging,
             ..
         } = &mut *files;
+        // Oldest batch first, each file synced before the next is written: the newer batch's
+        // changes may depend on the older one's (an entry referencing a chunk it wrote), and
+        // recovery replays each file up to its first damaged record — so a newer batch's
+        // records must never reach the disk while the older one's are still in flight.
         for (stamp, bytes) in &out {
-            let i = (*stamp % 2) as usize;
-            let f = &mut journal_files[i];
+            let f = &mut journal_files[(*stamp % 2) as usize];
             if f.stamp != *stamp {
                 f.restart(*stamp);
             }
             f.append(bytes, staging)?;
-            touched[i] = true;
-        }
-        for (i, _) in touched.iter().enumerate().filter(|(_, t)| **t) {
-            files.files[i]
-                .file
+            f.file
                 .sync_data()
                 .map_err(|e| Error::io("sync journal", e))?;
         }
@@ -664,6 +666,7 @@ fn encode_batches(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::disk::{Disk, SimDisk};
     use proptest::prelude::*;
 
     fn chunk(id: u64, inline: Option<Vec<u8>>) -> Change {
@@ -803,6 +806,72 @@ mod tests {
             crate::fuzzing::journal_bytes(&bytes);
             assert!(!parse(&bytes, 3).is_empty());
         }
+    }
+
+    /// A flush that carries the rest of the batch being committed (5) and the first changes of
+    /// the next (6), cut at every point and with every way the disk may keep its unsynced
+    /// writes: batch 6's changes are replayed only when all of batch 5's are, since they may
+    /// depend on them (an entry of 6 referencing a chunk 5 wrote: replayed without it, the
+    /// pool would not open).
+    #[test]
+    fn a_batch_is_replayed_only_behind_the_whole_batch_before_it() {
+        let dir = Path::new("/p");
+        let earlier: Vec<Change> = (0..40)
+            .map(|i| chunk(0x100 + i, Some(vec![i as u8; 600])))
+            .collect();
+        let later = vec![
+            Change::Install {
+                volume: 3,
+                entries: vec![(5, Entry::Data(0x100)), (6, Entry::Zero)],
+            },
+            Change::Zero {
+                volume: 3,
+                b0: 10,
+                b1: 20,
+            },
+        ];
+        let mut broke = 0;
+        for seed in 0..64 {
+            for cut in 1..=6 {
+                let disk = SimDisk::new(seed, 1 << 30);
+                disk.create_dir_all(dir).expect("dir");
+                let shared: Arc<dyn crate::disk::Disk> = Arc::new(disk.clone());
+                let (segments, _) = Segments::open_on(
+                    shared.clone(),
+                    &dir.join("segments"),
+                    crate::segment::SegmentOptions {
+                        writers: 1,
+                        segment_bytes_max: 1 << 20,
+                        next_id: 1,
+                        direct_io: false,
+                        threads: false,
+                    },
+                )
+                .expect("segments");
+                let journal = Journal::open(&disk, dir, false).expect("open");
+                // Batch 5 is being committed (cut; batch 4 committed); batch 6 is dirty.
+                let batches = Batches::resume(4);
+                batches.cut();
+                for c in &earlier {
+                    journal.append(5, c.clone());
+                }
+                for c in &later {
+                    journal.append(6, c.clone());
+                }
+                disk.cut_after(cut);
+                let flushed = journal.flush(&segments, &batches).is_ok();
+                disk.power_cut();
+                let (replayed, _) = read(&disk, dir, 4).expect("read");
+                let of = |stamp| replayed.iter().filter(|(s, _)| *s == stamp).count();
+                if flushed {
+                    assert_eq!((of(5), of(6)), (earlier.len(), later.len()), "seed {seed}");
+                }
+                if of(6) > 0 && of(5) < earlier.len() {
+                    broke += 1;
+                }
+            }
+        }
+        assert_eq!(broke, 0, "runs replaying batch 6 without all of batch 5");
     }
 
     proptest! {

@@ -37,6 +37,7 @@ mod dedup_key;
 mod direct_io;
 pub mod disk;
 pub mod error;
+pub mod event_log;
 mod fingerprint;
 pub mod format;
 mod fs_space;

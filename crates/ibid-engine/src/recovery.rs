@@ -80,7 +80,15 @@ pub(crate) fn open(
     let segments = open_chunk_store(&config, dir, &catalog, &journaled)?;
     let journal = Journal::open(&*config.disk, dir, config.direct_io)?;
     let zeroing = std::mem::take(&mut catalog.zeroing);
+    let committed = catalog.record.commits;
     let inner = assemble(dir, config, lock, db, fs_space, segments, journal, catalog);
+    inner.event(|| {
+        format!(
+            "open: batches resume after {committed}; {} journaled changes; left to settle {:?}",
+            journaled.len(),
+            zeroing
+        )
+    });
     resume_zeroing(&inner, zeroing);
     replay_journal(&inner, journaled, dir)?;
     Ok(inner)
@@ -393,7 +401,11 @@ impl Inner {
             .into_iter()
             .map(|v| (v.id, v))
             .collect();
-        for (_, change) in changes {
+        let mut replayed: Vec<String> = Vec::new();
+        for (stamp, change) in changes {
+            if self.config.events.is_some() {
+                replayed.push(describe_change(stamp, &change, &volumes));
+            }
             match change {
                 Change::Chunk {
                     id,
@@ -441,6 +453,36 @@ impl Inner {
                 }
             }
         }
+        self.event(|| format!("replayed: {}", replayed.join("; ")));
         Ok(())
+    }
+}
+
+/// A journaled change in a few words (for the event log).
+fn describe_change(
+    stamp: u64,
+    change: &Change,
+    volumes: &std::collections::HashMap<u64, Arc<crate::volume_state::VolumeState>>,
+) -> String {
+    let name = |id: &u64| volumes.get(id).map_or("(deleted)", |v| v.name.as_str());
+    match change {
+        Change::Chunk { id, inline, .. } => {
+            format!(
+                "{stamp}: chunk {id:#x}{}",
+                if inline.is_some() { " inline" } else { "" }
+            )
+        }
+        Change::Install { volume, entries } => {
+            let ids: Vec<String> = entries
+                .iter()
+                .take(64)
+                .map(|(b, e)| match e {
+                    crate::overlay::Entry::Data(id) => format!("{b}={id:#x}"),
+                    crate::overlay::Entry::Zero => format!("{b}=0"),
+                })
+                .collect();
+            format!("{stamp}: install {} {}", name(volume), ids.join(" "))
+        }
+        Change::Zero { volume, b0, b1 } => format!("{stamp}: zero {} {b0}..{b1}", name(volume)),
     }
 }

@@ -30,6 +30,7 @@
 
 use crate::disk::{Fault, FaultOp, Rng, SimDisk};
 use crate::error::Error;
+use crate::event_log::EventLog;
 use crate::format::VolumeFormat;
 use crate::{Pool, PoolConfig};
 use std::collections::BTreeMap;
@@ -42,6 +43,8 @@ const SECTOR: u64 = 512;
 const POOL_DIR: &str = "/pool";
 /// Operations kept for a failure's report.
 const LOG_KEEP: usize = 40;
+/// Engine steps and operations kept for a failure's report when the engine's threads run.
+const EVENTS_KEEP: usize = 400;
 
 /// How a run goes.
 #[derive(Debug, Clone)]
@@ -98,6 +101,9 @@ pub struct SimFailure {
     pub message: String,
     /// The last operations before it, oldest first.
     pub log: Vec<String>,
+    /// With the engine's threads running: the last engine steps interleaved with the
+    /// operations (`op:`), oldest first (see `event_log.rs`).
+    pub events: Vec<String>,
 }
 
 impl std::fmt::Display for SimFailure {
@@ -105,6 +111,12 @@ impl std::fmt::Display for SimFailure {
         writeln!(f, "seed {}: {}", self.seed, self.message)?;
         for line in &self.log {
             writeln!(f, "  {line}")?;
+        }
+        if !self.events.is_empty() {
+            writeln!(f, "engine steps and operations, oldest first:")?;
+            for line in &self.events {
+                writeln!(f, "  {line}")?;
+            }
         }
         Ok(())
     }
@@ -202,6 +214,7 @@ pub fn run(seed: u64, options: &SimOptions) -> Result<SimOutcome, SimFailure> {
         Err(message) => Err(SimFailure {
             seed,
             message,
+            events: sim.events.as_ref().map_or_else(Vec::new, |e| e.recent()),
             log: sim.log,
         }),
     }
@@ -217,6 +230,8 @@ struct Sim {
     /// Injected faults that had fired at the last recovery.
     faults_seen: u64,
     log: Vec<String>,
+    /// Where the pool and the run log their steps, when the engine's threads run.
+    events: Option<Arc<EventLog>>,
 }
 
 /// An operation's result: done, or the power went during it (`Err(Cut)`), or a failed check.
@@ -237,6 +252,8 @@ impl Sim {
     fn new(seed: u64, options: SimOptions) -> Sim {
         let mut rng = Rng::new(seed);
         let disk = SimDisk::new(rng.next_u64(), 1 << 30);
+        let events =
+            (options.threads || options.background).then(|| Arc::new(EventLog::new(EVENTS_KEEP)));
         Sim {
             rng,
             disk,
@@ -246,6 +263,7 @@ impl Sim {
             operations: 0,
             faults_seen: 0,
             log: Vec::new(),
+            events,
         }
     }
 
@@ -271,11 +289,15 @@ impl Sim {
             dedup_merge_slices: 3,
             zero_settle_entries_max: 64,
             disk: Arc::new(self.disk.clone()),
+            events: self.events.clone(),
             ..PoolConfig::default()
         }
     }
 
     fn note(&mut self, line: String) {
+        if let Some(events) = &self.events {
+            events.push(format_args!("op: {line}"));
+        }
         if self.log.len() == LOG_KEEP {
             self.log.remove(0);
         }

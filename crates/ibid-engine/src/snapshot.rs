@@ -498,7 +498,8 @@ impl Inner {
             let mut released: BTreeMap<u64, i64> = BTreeMap::new();
             let mut stack = map.stack.clone();
             let filters = &inner.layer_filters;
-            let gone = if upper_private && smaller_above {
+            let down = upper_private && smaller_above;
+            let gone = if down {
                 merge_down(&mut txn, filters, lower, upper, i == 0, &mut released)?;
                 stack.remove(i + 1);
                 upper
@@ -507,6 +508,15 @@ impl Inner {
                 stack.remove(i);
                 lower
             };
+            inner.event(|| {
+                format!(
+                    "flatten {}: layer {upper} merged {} layer {lower}: {} -> {}",
+                    v.name,
+                    if down { "down into" } else { "up from" },
+                    format::describe_stack(&map.stack),
+                    format::describe_stack(&stack)
+                )
+            });
             txn.remove(meta::LAYERS, &gone);
             let record = VolumeRecord {
                 id: v.id,

@@ -298,6 +298,14 @@ impl Inner {
             for i in changed {
                 let map = &mut maps[i];
                 inner.note_mapped_change(plain[i], mapped[i] as i64 - map.mapped_blocks as i64);
+                inner.event(|| {
+                    format!(
+                        "copy by frames into {}: {} -> {}",
+                        plain[i].name,
+                        format::describe_stack(&map.stack),
+                        format::describe_stack(&stacks[i])
+                    )
+                });
                 map.mapped_blocks = mapped[i];
                 map.stack = std::mem::take(&mut stacks[i]);
             }
@@ -335,6 +343,7 @@ impl Inner {
         if !holds {
             return Ok(stack[..stack.len() - 1].to_vec());
         }
+        self.event(|| format!("copy freezes the top of {}", src.name));
         let new_top = cs.record.next_layer_id;
         let mut frozen = stack.clone();
         frozen.push(Frame::plain(new_top));
@@ -427,6 +436,7 @@ impl Inner {
         drop(txn);
         let mut cs = self.commit.lock();
         if v.map.lock().stack != stack {
+            self.event(|| format!("materialize {}: the stack changed during the walk", v.name));
             return Ok(false);
         }
         let mut record = match self.db.read()?.get(meta::VOLUMES, v.name.as_str())? {
@@ -464,8 +474,18 @@ impl Inner {
         // move and walks again (the old frames' layers may be gone after this commit).
         let mut map = v.map.lock();
         if map.deleted || map.stack != stack {
+            self.event(|| format!("materialize {}: the stack changed", v.name));
             return Ok(false);
         }
+        self.event(|| {
+            format!(
+                "materialize {}: {} -> {}, {} entries",
+                v.name,
+                format::describe_stack(&stack),
+                format::describe_stack(&new_stack),
+                entries.len()
+            )
+        });
         self.layer_filters.fresh(layer);
         self.layer_filters
             .grow(layer, entries.iter().map(|&(b, _)| b));

@@ -758,8 +758,13 @@ impl Segments {
             self.truncated_to(&o.file, end);
         }
         let o = open.take().expect("the open segment");
-        writer.segment.store(NO_SEGMENT, Ordering::Release);
+        // Listed as sealed before it stops being the writer's open segment: the cleaner and
+        // the commit look at the open segments first, then the sealed ones, and a segment
+        // that is in neither counts as one of the pool's older files (committed, cleanable):
+        // in between, a segment whose records no commit has made live yet would have been
+        // cleaned away (its file deleted) under the batch about to reference them.
         self.sealed.lock().insert(o.id, commit_no);
+        writer.segment.store(NO_SEGMENT, Ordering::Release);
         if let Some(sync) = &self.sealed_sync {
             // If the thread is gone, the next sync fsyncs the file: it is still unsynced.
             let _ = sync.send((o.id, o.file.clone()));
@@ -998,16 +1003,18 @@ impl Segments {
     /// Segments that are sealed and whose every record was committed by commit `committed_no`:
     /// only these may be cleaned.
     pub fn cleanable(&self, committed_no: u64) -> Vec<u64> {
+        // Files first, then the open segments, then the sealed ones: a segment is published
+        // as open before its file is listed and listed as sealed before it stops being open,
+        // so each file listed here is seen open, or sealed, or is an older file.
+        let files: Vec<u64> = self.files.read().keys().copied().collect();
         let open: Vec<u64> = self
             .writers
             .iter()
             .map(|w| w.segment.load(Ordering::Acquire))
             .collect();
         let sealed = self.sealed.lock();
-        self.files
-            .read()
-            .keys()
-            .copied()
+        files
+            .into_iter()
             .filter(|id| !open.contains(id))
             .filter(|id| sealed.get(id).is_none_or(|&c| c <= committed_no))
             .collect()

@@ -590,3 +590,38 @@ fn a_failed_seal_keeps_the_records_for_the_next_sync() {
         read_back(&segs, &placed).unwrap();
     }
 }
+
+/// While a writer seals segment after segment, the cleaner's view never offers one of them:
+/// their records are of batch 1 and later, and nothing is committed. (A seal used to clear
+/// the writer's open segment before listing it as sealed; in between, the segment looked
+/// like an older, committed file, and the cleaner could delete it under the batch about to
+/// reference its records.)
+#[test]
+fn a_segment_being_sealed_is_never_cleanable() {
+    let disk = SimDisk::new(3, 1 << 30);
+    let (segs, _) = open_on(Arc::new(disk), Path::new("/p"), 1, 1 << 20, 1, false).unwrap();
+    let segs = Arc::new(segs);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (segs, stop) = (segs.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut looks = 0u64;
+            while !stop.load(Ordering::Acquire) {
+                let offered = segs.cleanable(0);
+                assert!(
+                    offered.is_empty(),
+                    "uncommitted segments offered: {offered:?}"
+                );
+                looks += 1;
+            }
+            looks
+        })
+    };
+    for i in 0..1_000u64 {
+        segs.append(0, i, 0, &payload(i, 64), 1).unwrap();
+        segs.seal_writers(1, 1).unwrap();
+    }
+    stop.store(true, Ordering::Release);
+    let looks = watcher.join().expect("no uncommitted segment was offered");
+    assert!(looks > 0);
+}
