@@ -97,6 +97,46 @@ mod tests {
         assert!(log.recent().is_empty());
     }
 
+    /// A pool given a log records its flushes, commits (with the blocks they wrote) and, after
+    /// a crash, its recovery and the changes it replayed.
+    #[test]
+    fn a_pool_logs_its_flushes_commits_and_recovery() {
+        use crate::disk::SimDisk;
+        use crate::{Pool, PoolConfig};
+        use std::sync::Arc;
+        let disk = SimDisk::new(1, 1 << 30);
+        let log = Arc::new(EventLog::new(100));
+        let config = || PoolConfig {
+            capacity_bytes: Some(64 << 20),
+            background: false,
+            threads: false,
+            meta_backend: crate::store::Backend::Redb,
+            disk: Arc::new(disk.clone()),
+            events: Some(log.clone()),
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create("/pool", config()).expect("create");
+        let v = pool.create_volume("v", 1 << 20).expect("volume");
+        v.write(0, &[7u8; 8192], false).expect("write");
+        pool.commit_once().expect("commit");
+        v.write(3 << 12, &[9u8; 4096], false).expect("write");
+        v.flush().expect("flush");
+        drop(v);
+        pool.simulate_crash();
+        disk.power_cut();
+        let pool = Pool::open("/pool", config()).expect("reopen");
+        let lines = log.recent();
+        let has = |what: &[&str]| lines.iter().any(|l| what.iter().all(|w| l.contains(w)));
+        assert!(has(&["commit ", " v [", "entries 0..2"]), "{lines:#?}");
+        assert!(has(&["flush: journaled"]), "{lines:#?}");
+        assert!(
+            has(&["open: batches resume after", "journaled changes"]),
+            "{lines:#?}"
+        );
+        assert!(has(&["replayed: ", "install v 3=0x"]), "{lines:#?}");
+        drop(pool);
+    }
+
     #[test]
     fn blocks_print_as_runs() {
         assert_eq!(block_runs([3, 4, 9, 12, 13, 14]), "3..5 9 12..15");
