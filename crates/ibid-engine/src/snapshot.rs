@@ -508,15 +508,6 @@ impl Inner {
                 stack.remove(i);
                 lower
             };
-            inner.event(|| {
-                format!(
-                    "flatten {}: layer {upper} merged {} layer {lower}: {} -> {}",
-                    v.name,
-                    if down { "down into" } else { "up from" },
-                    format::describe_stack(&map.stack),
-                    format::describe_stack(&stack)
-                )
-            });
             txn.remove(meta::LAYERS, &gone);
             let record = VolumeRecord {
                 id: v.id,
@@ -533,6 +524,16 @@ impl Inner {
                 .append(&mut txn, &crate::ref_log::by_slice(&released));
             txn.commit()?;
             inner.layer_filters.forget(gone);
+            inner.event(|| {
+                let (from, to) = if down { (upper, lower) } else { (lower, upper) };
+                format!(
+                    "flatten {}: layer {from} merged {} layer {to}: {} -> {}",
+                    v.name,
+                    if down { "down into" } else { "up into" },
+                    format::describe_stack(&map.stack),
+                    format::describe_stack(&stack)
+                )
+            });
             map.stack = stack;
             Ok(true)
         })

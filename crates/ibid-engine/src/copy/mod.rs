@@ -477,6 +477,10 @@ impl Inner {
             self.event(|| format!("materialize {}: the stack changed", v.name));
             return Ok(false);
         }
+        self.layer_filters.fresh(layer);
+        self.layer_filters
+            .grow(layer, entries.iter().map(|&(b, _)| b));
+        wtxn.commit()?;
         self.event(|| {
             format!(
                 "materialize {}: {} -> {}, {} entries",
@@ -486,10 +490,6 @@ impl Inner {
                 entries.len()
             )
         });
-        self.layer_filters.fresh(layer);
-        self.layer_filters
-            .grow(layer, entries.iter().map(|&(b, _)| b));
-        wtxn.commit()?;
         cs.record = pool_rec;
         map.stack = new_stack;
         map.generation += 1;
