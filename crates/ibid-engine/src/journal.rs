@@ -835,9 +835,8 @@ mod tests {
             for cut in 1..=6 {
                 let disk = SimDisk::new(seed, 1 << 30);
                 disk.create_dir_all(dir).expect("dir");
-                let shared: Arc<dyn crate::disk::Disk> = Arc::new(disk.clone());
                 let (segments, _) = Segments::open_on(
-                    shared.clone(),
+                    Arc::new(disk.clone()),
                     &dir.join("segments"),
                     crate::segment::SegmentOptions {
                         writers: 1,
