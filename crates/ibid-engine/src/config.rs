@@ -78,6 +78,10 @@ pub struct PoolConfig {
     /// `commit.rs`): a large zeroed range is settled over several commits, so each stays
     /// short and its memory bounded.
     pub zero_settle_entries_max: u64,
+    /// Map entries one step of flattening moves (see `snapshot.rs`): a merge of two large
+    /// layers runs as several short steps, each holding the pool's writes for its own
+    /// transaction only, and a closing pool waits for one step at most.
+    pub flatten_step_entries: u64,
     /// Where the pool's files live: the real filesystem ([`crate::disk::FsDisk`], the
     /// default) or a simulated disk ([`crate::disk::SimDisk`]).
     pub disk: std::sync::Arc<dyn crate::disk::Disk>,
@@ -140,6 +144,7 @@ impl Default for PoolConfig {
             dedup_runs_max: 32,
             dedup_merge_slices: 16,
             zero_settle_entries_max: 64 << 10,
+            flatten_step_entries: 16 << 10,
             disk: crate::disk::fs(),
             threads: true,
             read_cache_bytes: read_cache_bytes_default(),

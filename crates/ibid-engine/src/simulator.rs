@@ -288,6 +288,7 @@ impl Sim {
             dedup_runs_max: 6,
             dedup_merge_slices: 3,
             zero_settle_entries_max: 64,
+            flatten_step_entries: 16,
             disk: Arc::new(self.disk.clone()),
             events: self.events.clone(),
             ..PoolConfig::default()

@@ -440,7 +440,7 @@ impl Inner {
             }
         }
         for v in volumes {
-            while !stopped() && self.flatten_one(&v)? {
+            while !stopped() && self.flatten_one(&v, stop)? {
                 merged += 1;
             }
         }
@@ -471,91 +471,202 @@ impl Inner {
     /// Merges one private frozen layer of `v` with the layer above it, moving the entries of
     /// the one with fewer into the other ([`merge_up`], or [`merge_down`] when the upper layer
     /// is private too): entries the upper layer overrides are dropped (their references
-    /// released at the next commit). Runs with the volume quiesced, so its cost is what holds
-    /// writers up: proportional to the smaller layer's entries. (Merging a frozen layer of a
-    /// whole copied or snapshotted volume up into a nearly empty top moved every one of its
-    /// entries, 8.5 s for 1 Mi entries with every write of the pool waiting.)
-    fn flatten_one(&self, v: &VolumeState) -> Result<bool> {
-        let stack = v.map.lock().stack.clone();
-        if self.private_frozen_layer(&stack)?.is_none() {
+    /// released in the same transaction). The entries move in steps of
+    /// `PoolConfig::flatten_step_entries` blocks' worth ([`Inner::merge_step`]), each with the
+    /// volume quiesced, so what holds writers up is one step, not the layers' size (one
+    /// transaction for 1 Mi entries held every write of the pool for ~2.5 s, and a closing
+    /// pool waited for it). Gives up between steps once `stop` is set, or when the stack
+    /// changed meanwhile; every state between steps reads the same, and a later call merges
+    /// the rest. Returns whether the merge completed.
+    fn flatten_one(&self, v: &VolumeState, stop: &AtomicBool) -> Result<bool> {
+        let Some(merge) = self.plan_merge(v)? else {
             return Ok(false);
-        }
+        };
+        let t0 = std::time::Instant::now();
+        let (mut start, mut steps) = (0, 0);
+        let outcome = loop {
+            steps += 1;
+            match self.merge_step(v, &merge, start)? {
+                MergeStep::Done => break "done",
+                MergeStep::Changed => break "stopped: the stack changed",
+                MergeStep::More(next) => start = next,
+            }
+            if stop.load(Ordering::Acquire) {
+                break "stopped: the pool is closing";
+            }
+        };
+        tracing::debug!(
+            "flatten {}: layers {} and {} ({}): {outcome} after {steps} steps in {:?}",
+            v.name,
+            merge.lower,
+            merge.upper,
+            if merge.down { "down" } else { "up" },
+            t0.elapsed()
+        );
+        Ok(outcome == "done")
+    }
+
+    /// Which layers of `v`'s stack [`Inner::flatten_one`] merges, and which way.
+    fn plan_merge(&self, v: &VolumeState) -> Result<Option<Merge>> {
+        let stack = v.map.lock().stack.clone();
+        let Some(i) = self.private_frozen_layer(&stack)? else {
+            return Ok(None);
+        };
+        let (lower, upper) = (stack[i].layer, stack[i + 1].layer);
+        let upper_private = stack.iter().filter(|f| f.layer == upper).count() == 1
+            && self.db.read()?.get(meta::LAYERS, &upper)? == Some(1);
+        let smaller_above = match (
+            self.layer_filters.count(lower),
+            self.layer_filters.count(upper),
+        ) {
+            (Some(l), Some(u)) => u < l,
+            _ => false,
+        };
+        Ok(Some(Merge {
+            at: i,
+            lower,
+            upper,
+            down: upper_private && smaller_above,
+        }))
+    }
+
+    /// One step of `merge`: moves the moving layer's entries with blocks from `start` up to
+    /// the block of its `flatten_step_entries`-th entry after it, in one transaction with the
+    /// volume quiesced. The last step takes every entry left (for a merge down, also those
+    /// the top received between steps), removes the emptied layer from the stack and writes
+    /// the volume's record.
+    fn merge_step(&self, v: &VolumeState, merge: &Merge, start: u64) -> Result<MergeStep> {
+        let moving = if merge.down { merge.upper } else { merge.lower };
+        let step = self.config.flatten_step_entries.max(1) as usize;
+        // The window's end, read without locks: the step moves whatever the window holds
+        // when it runs, so a write meanwhile changes only how many entries that is.
+        let end = {
+            let txn = self.db.read()?;
+            let mut entries = txn.range(
+                meta::MAP,
+                format::map_key(moving, start)..=format::map_key(moving, u64::MAX),
+            )?;
+            match entries.nth(step) {
+                Some(entry) => Some(format::decode_map_key(&entry?.0).1),
+                None => None,
+            }
+        };
         self.with_quiesced(v, |inner, cs, map| {
-            let Some(i) = inner.private_frozen_layer(&map.stack)? else {
-                return Ok(false);
-            };
-            let (lower, upper) = (map.stack[i].layer, map.stack[i + 1].layer);
+            let (at, lower, upper) = (merge.at, merge.lower, merge.upper);
+            if inner.private_frozen_layer(&map.stack)? != Some(at)
+                || map.stack[at].layer != lower
+                || map.stack[at + 1].layer != upper
+            {
+                return Ok(MergeStep::Changed);
+            }
             let mut txn = inner.db.write()?;
-            let upper_private = map.stack.iter().filter(|f| f.layer == upper).count() == 1
-                && txn.get(meta::LAYERS, &upper)? == Some(1);
-            let smaller_above = match (
-                inner.layer_filters.count(lower),
-                inner.layer_filters.count(upper),
-            ) {
-                (Some(l), Some(u)) => u < l,
-                _ => false,
-            };
-            let mut released: BTreeMap<u64, i64> = BTreeMap::new();
-            let mut stack = map.stack.clone();
+            if merge.down
+                && (map.stack.iter().filter(|f| f.layer == upper).count() != 1
+                    || txn.get(meta::LAYERS, &upper)? != Some(1))
+            {
+                return Ok(MergeStep::Changed);
+            }
+            let bottom = at == 0;
             let filters = &inner.layer_filters;
-            let down = upper_private && smaller_above;
-            let gone = if down {
-                merge_down(&mut txn, filters, lower, upper, i == 0, &mut released)?;
-                stack.remove(i + 1);
-                upper
+            let mut released: BTreeMap<u64, i64> = BTreeMap::new();
+            let window = start..=end.map_or(u64::MAX, |e| e - 1);
+            if merge.down {
+                // The top may have received entries below `start` since the earlier steps:
+                // the last step takes them too, since the layer leaves the stack.
+                let window = if end.is_none() { 0..=u64::MAX } else { window };
+                merge_down(&mut txn, filters, lower, upper, bottom, window, &mut released)?;
             } else {
-                merge_up(&mut txn, filters, lower, upper, i == 0, &mut released)?;
-                stack.remove(i);
-                lower
-            };
-            txn.remove(meta::LAYERS, &gone);
-            let record = VolumeRecord {
-                id: v.id,
-                size: map.size,
-                mapped_blocks: map.mapped_blocks,
-                created_unix_s: v.created_unix_s,
-                layers: stack.clone(),
-                format: v.format(),
-            };
-            txn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
-            // Drop the overridden entries' references in the same transaction, so a crash
-            // never leaves a count too high.
+                // `lower` is frozen: nothing is written to it between the steps.
+                merge_up(&mut txn, filters, lower, upper, bottom, window, &mut released)?;
+            }
             cs.ref_log
                 .append(&mut txn, &crate::ref_log::by_slice(&released));
+            let Some(end) = end else {
+                let mut stack = map.stack.clone();
+                let gone = if merge.down {
+                    stack.remove(at + 1);
+                    upper
+                } else {
+                    stack.remove(at);
+                    lower
+                };
+                txn.remove(meta::LAYERS, &gone);
+                let record = inner.record_of(v, map, stack.clone());
+                txn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
+                txn.commit()?;
+                inner.layer_filters.forget(gone);
+                inner.event(|| {
+                    let (from, to) = if merge.down {
+                        (upper, lower)
+                    } else {
+                        (lower, upper)
+                    };
+                    format!(
+                        "flatten {}: layer {from} merged {} layer {to} from block {start}: {} -> {}",
+                        v.name,
+                        if merge.down { "down into" } else { "up into" },
+                        format::describe_stack(&map.stack),
+                        format::describe_stack(&stack)
+                    )
+                });
+                map.stack = stack;
+                return Ok(MergeStep::Done);
+            };
             txn.commit()?;
-            inner.layer_filters.forget(gone);
             inner.event(|| {
-                let (from, to) = if down { (upper, lower) } else { (lower, upper) };
                 format!(
-                    "flatten {}: layer {from} merged {} layer {to}: {} -> {}",
+                    "flatten {}: layer {moving} blocks {start}..{end} moved {} layer {}",
                     v.name,
-                    if down { "down into" } else { "up into" },
-                    format::describe_stack(&map.stack),
-                    format::describe_stack(&stack)
+                    if merge.down { "down into" } else { "up into" },
+                    if merge.down { lower } else { upper },
                 )
             });
-            map.stack = stack;
-            Ok(true)
+            Ok(MergeStep::More(end))
         })
     }
 }
 
-/// The map key range of `layer`'s entries.
-fn layer_keys(layer: u64) -> std::ops::RangeInclusive<[u8; 16]> {
-    format::map_key(layer, 0)..=format::map_key(layer, u64::MAX)
+/// Two adjacent layers of a stack that flattening merges: `lower` (frozen, private to the
+/// stack) at index `at` and `upper` above it; `down`: `upper`'s entries move into `lower`,
+/// which takes its place, else `lower`'s move up.
+struct Merge {
+    at: usize,
+    lower: u64,
+    upper: u64,
+    down: bool,
 }
 
-/// Removes every entry of layer `from` in `txn` and returns them as (block, chunk id), having
-/// grown layer `into`'s filter with their blocks (before the commit, as the filters require:
-/// `layer_filter.rs`).
+/// The outcome of one [`Inner::merge_step`].
+#[derive(Debug, PartialEq, Eq)]
+enum MergeStep {
+    /// The next step starts at this block.
+    More(u64),
+    /// The merge is complete: one layer left the stack.
+    Done,
+    /// The stack changed since the merge was planned; nothing was moved by this step.
+    Changed,
+}
+
+/// The map key range of `layer`'s entries with blocks in `blocks`.
+fn layer_keys(
+    layer: u64,
+    blocks: &std::ops::RangeInclusive<u64>,
+) -> std::ops::RangeInclusive<[u8; 16]> {
+    format::map_key(layer, *blocks.start())..=format::map_key(layer, *blocks.end())
+}
+
+/// Removes the entries of layer `from` with blocks in `blocks` in `txn` and returns them as
+/// (block, chunk id), having grown layer `into`'s filter with their blocks (before the
+/// commit, as the filters require: `layer_filter.rs`).
 fn take_entries(
     txn: &mut WriteTxn,
     filters: &LayerFilters,
     from: u64,
     into: u64,
+    blocks: &std::ops::RangeInclusive<u64>,
 ) -> Result<Vec<(u64, u64)>> {
     let taken: Vec<(u64, u64)> = txn
-        .extract_range_if(meta::MAP, layer_keys(from), |_, _| true)?
+        .extract_range_if(meta::MAP, layer_keys(from, blocks), |_, _| true)?
         .into_iter()
         .map(|(k, id)| (format::decode_map_key(&k).1, id))
         .collect();
@@ -563,21 +674,23 @@ fn take_entries(
     Ok(taken)
 }
 
-/// Moves frozen layer `lower`'s entries up into `upper`, the layer above it, where `upper` has
-/// none (an entry `upper` has overrides; its reference goes to `released`). `bottom`: `lower`
-/// is the stack's lowest layer, so `upper` becomes it and its tombstones hide nothing.
+/// Moves frozen layer `lower`'s entries with blocks in `blocks` up into `upper`, the layer
+/// above it, where `upper` has none (an entry `upper` has overrides; its reference goes to
+/// `released`). `bottom`: `lower` is the stack's lowest layer, so once its entries in
+/// `blocks` are gone, `upper`'s tombstones there hide nothing and go too.
 fn merge_up(
     txn: &mut WriteTxn,
     filters: &LayerFilters,
     lower: u64,
     upper: u64,
     bottom: bool,
+    blocks: std::ops::RangeInclusive<u64>,
     released: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
-    let moved = take_entries(txn, filters, lower, upper)?;
+    let moved = take_entries(txn, filters, lower, upper, &blocks)?;
     // The upper layer's blocks in one range read, not a lookup per moved entry.
     let above: std::collections::HashSet<u64> = txn
-        .range(meta::MAP, layer_keys(upper))?
+        .range(meta::MAP, layer_keys(upper, &blocks))?
         .into_iter()
         .map(|(k, _)| format::decode_map_key(&k).1)
         .collect();
@@ -591,16 +704,16 @@ fn merge_up(
         }
     }
     if bottom {
-        // The upper layer is now the bottom: its tombstones hide nothing.
-        txn.extract_range_if(meta::MAP, layer_keys(upper), |_, &val| {
+        txn.extract_range_if(meta::MAP, layer_keys(upper, &blocks), |_, &val| {
             val == format::ZERO_TOMBSTONE
         })?;
     }
     Ok(())
 }
 
-/// Moves layer `upper`'s entries down into frozen layer `lower`, the layer below it, which
-/// then takes its place in the stack (both are private to the stack). An entry of `upper`
+/// Moves layer `upper`'s entries with blocks in `blocks` down into frozen layer `lower`, the
+/// layer below it, which takes its place in the stack once all have moved (both are private
+/// to the stack). An entry of `upper`
 /// replaces `lower`'s (whose reference goes to `released`); a tombstone of `upper` removes
 /// `lower`'s entry when `lower` is the stack's lowest layer (`bottom`: it hides nothing), and
 /// replaces it otherwise.
@@ -610,9 +723,10 @@ fn merge_down(
     lower: u64,
     upper: u64,
     bottom: bool,
+    blocks: std::ops::RangeInclusive<u64>,
     released: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
-    for (block, id) in take_entries(txn, filters, upper, lower)? {
+    for (block, id) in take_entries(txn, filters, upper, lower, &blocks)? {
         let key = format::map_key(lower, block);
         if let Some(old) = txn.get(meta::MAP, &key)? {
             if old != format::ZERO_TOMBSTONE {
@@ -626,4 +740,134 @@ fn merge_down(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PoolConfig;
+
+    const BLOCK: usize = 4096;
+    const BLOCKS: u64 = 64;
+
+    fn block(seed: u64) -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..BLOCK)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// A merge between its steps reads the same and takes writes in the windows moved and not
+    /// yet moved; its remaining steps then complete it, or, left as a closing pool leaves it,
+    /// it survives a reopen and the background completes it: one merge up (a rewritten
+    /// volume's deleted snapshot) and one down (a snapshot's layer under a few writes; its
+    /// last step must also take what the top received behind the steps), each with `verify`
+    /// passing at every stage.
+    #[test]
+    fn a_merge_stopped_between_steps_reads_the_same_and_completes_later() {
+        for (few_above, reopen) in [(false, false), (true, false), (false, true), (true, true)] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let path = dir.path().join("pool");
+            let config = PoolConfig {
+                capacity_bytes: Some(1 << 30),
+                capacity_force: true,
+                background: false,
+                flatten_step_entries: 8,
+                ..PoolConfig::default()
+            };
+            let pool = Pool::create(&path, config.clone()).expect("create");
+            let v = pool
+                .create_volume("v", BLOCKS * BLOCK as u64)
+                .expect("volume");
+            let mut want: Vec<Vec<u8>> = (0..BLOCKS).map(|b| block(b + 1)).collect();
+            let put = |want: &mut Vec<Vec<u8>>, b: u64, seed: u64| {
+                if seed == 0 {
+                    v.write_zeroes(b * BLOCK as u64, BLOCK as u64, false)
+                        .expect("zero");
+                    want[b as usize] = vec![0; BLOCK];
+                } else {
+                    v.write(b * BLOCK as u64, &block(seed), false)
+                        .expect("write");
+                    want[b as usize] = block(seed);
+                }
+            };
+            for b in 0..BLOCKS {
+                put(&mut want, b, b + 1);
+            }
+            pool.create_snapshot("v", "s").expect("snapshot");
+            let rewritten = if few_above { 0..20 } else { 0..BLOCKS };
+            for b in rewritten {
+                put(&mut want, b, 100 + b);
+            }
+            pool.sync().expect("sync");
+            pool.delete_snapshot("v", "s").expect("delete snapshot");
+
+            let inner = &pool.inner;
+            let merge = inner
+                .plan_merge(v.state())
+                .expect("plan")
+                .expect("a layer to merge");
+            assert_eq!(merge.down, few_above, "direction");
+            let next = match inner.merge_step(v.state(), &merge, 0).expect("step") {
+                MergeStep::More(next) => next,
+                other => panic!("first step: {other:?}"),
+            };
+            assert_eq!(v.stack_depth(), 2, "both layers stay until the last step");
+            let check = |want: &Vec<Vec<u8>>, when: &str| {
+                let v = pool.volume("v").expect("volume");
+                for (b, w) in want.iter().enumerate() {
+                    let mut one = vec![0u8; BLOCK];
+                    v.read(b as u64 * BLOCK as u64, &mut one).expect("read");
+                    assert!(
+                        &one == w,
+                        "{when} (down: {few_above}, reopen: {reopen}): block {b}"
+                    );
+                }
+                let mapped = want.iter().filter(|w| w.iter().any(|&x| x != 0)).count();
+                assert_eq!(v.mapped_blocks(), mapped as u64, "{when}: mapped");
+                pool.verify()
+                    .unwrap_or_else(|e| panic!("{when} (down: {few_above}): verify: {e}"));
+            };
+            check(&want, "after one step");
+            // Writes and zeroes in the moved window and beyond it.
+            let (moved, not_moved) = (next - 1, BLOCKS - 2);
+            put(&mut want, moved, 7000);
+            put(&mut want, 0, 0);
+            put(&mut want, not_moved, 7001);
+            put(&mut want, not_moved + 1, 0);
+            pool.sync().expect("sync");
+            check(&want, "written between steps");
+            if !reopen {
+                let mut start = next;
+                while let MergeStep::More(next) =
+                    inner.merge_step(v.state(), &merge, start).expect("step")
+                {
+                    start = next;
+                }
+                assert_eq!(v.stack_depth(), 1, "merged by its steps");
+                check(&want, "merged by its steps");
+            }
+            drop(v);
+            pool.close().expect("close");
+
+            let pool = Pool::open(&path, config).expect("open");
+            let v = pool.volume("v").expect("volume");
+            assert_eq!(v.stack_depth(), if reopen { 2 } else { 1 }, "reopened");
+            pool.gc_now().expect("gc");
+            assert_eq!(v.stack_depth(), 1, "merged after the reopen");
+            for (b, w) in want.iter().enumerate() {
+                let mut one = vec![0u8; BLOCK];
+                v.read(b as u64 * BLOCK as u64, &mut one).expect("read");
+                assert!(&one == w, "merged (down: {few_above}): block {b}");
+            }
+            let mapped = want.iter().filter(|w| w.iter().any(|&x| x != 0)).count();
+            assert_eq!(v.mapped_blocks(), mapped as u64, "merged: mapped");
+            pool.verify().expect("verify once merged");
+        }
+    }
 }

@@ -125,12 +125,25 @@ fn every_generation_of_a_deep_clone_chain_reads_its_own_writes_over_its_ancestor
 /// down (the frozen layer becomes the top), and a few writes frozen under a fully rewritten
 /// top move up; at the bottom of the stack and in its middle (where a zeroed block's
 /// tombstone must keep hiding the layers below). Every block reads as before each merge,
-/// `verify` passes (references, mapped counts, filters), and again after a reopen.
+/// `verify` passes (references, mapped counts, filters), and again after a reopen. Once with
+/// each merge in one step, once in steps of three entries.
 #[test]
 fn flattening_moves_the_smaller_layers_entries() {
+    for step in [u64::MAX, 3] {
+        flatten_in_steps_of(step);
+    }
+}
+
+fn flatten_in_steps_of(step: u64) {
+    let events = std::sync::Arc::new(ibid_engine::event_log::EventLog::new(100_000));
+    let config = ibid_engine::PoolConfig {
+        flatten_step_entries: step,
+        events: Some(events.clone()),
+        ..quiet_config(1 << 30)
+    };
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("pool");
-    let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+    let pool = Pool::create(&path, config.clone()).expect("create");
     let v = pool.create_volume("v", BLOCKS * BLOCK).expect("volume");
     let mut want: Vec<Vec<u8>> = (0..BLOCKS).map(|b| random_block(b + 1)).collect();
     let write = |want: &mut Vec<Vec<u8>>, b: u64, seed: u64| {
@@ -151,7 +164,7 @@ fn flattening_moves_the_smaller_layers_entries() {
         for (b, w) in want.iter().enumerate() {
             let mut one = vec![0u8; BLOCK as usize];
             v.read(b as u64 * BLOCK, &mut one).expect("read");
-            assert!(&one == w, "{when}: block {b}");
+            assert!(&one == w, "{when} (steps of {step}): block {b}");
         }
         let mapped = want.iter().filter(|w| w.iter().any(|&x| x != 0)).count() as u64;
         assert_eq!(v.mapped_blocks(), mapped, "{when}: mapped blocks");
@@ -208,9 +221,27 @@ fn flattening_moves_the_smaller_layers_entries() {
     pool.gc_now().expect("gc");
     assert_eq!(v.stack_depth(), 1, "the base merged");
     check(&want, "merged up at the bottom");
+    // The partial steps each merge took (the last step of each is logged as the merge).
+    let steps = events
+        .recent()
+        .iter()
+        .filter(|l| l.contains("flatten v:") && l.contains(" moved "))
+        .count();
+    let merges = events
+        .recent()
+        .iter()
+        .filter(|l| l.contains("flatten v:") && l.contains(" merged "))
+        .count();
+    assert_eq!(merges, 4, "merges");
+    if step == u64::MAX {
+        assert_eq!(steps, 0, "one step per merge");
+    } else {
+        // The base's 64 entries moved up in steps of three, at least.
+        assert!(steps >= 64 / 3, "{steps} partial steps in steps of {step}");
+    }
     drop(v);
     pool.close().expect("close");
-    let pool = Pool::open(&path, quiet_config(1 << 30)).expect("open");
+    let pool = Pool::open(&path, config).expect("open");
     let v = pool.volume("v").expect("volume");
     for (b, w) in want.iter().enumerate() {
         let mut one = vec![0u8; BLOCK as usize];

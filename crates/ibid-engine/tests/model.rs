@@ -238,6 +238,7 @@ impl Harness {
             dedup_runs_max: 3,
             // Zeroed ranges settle over several transactions of each commit.
             zero_settle_entries_max: 4,
+            flatten_step_entries: 3,
             ..PoolConfig::default()
         };
         let pool = Pool::create(dir.path().join("pool"), config.clone()).expect("create pool");

@@ -216,6 +216,41 @@ fn zeroed_ranges_left_by_a_commit_stay_hidden_and_survive_a_crash() {
     assert_eq!(report.chunks, m.0.iter().flatten().count() as u64);
 }
 
+/// A close commits once and leaves what that commit did not settle of a large zeroed range in
+/// the store (a close never runs a commit per part of it), and the reopened pool hides the
+/// data under it at once and settles it.
+#[test]
+fn a_close_leaves_a_large_zeroed_range_to_the_next_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    let pool = Pool::create(&path, config(5)).expect("create");
+    let v = pool.create_volume("v", 256 * BLOCK).expect("v");
+    let mut m = Model::new(256);
+    for b in 0..160 {
+        m.write(&v, b, b);
+    }
+    pool.sync().expect("sync");
+    m.zero(&v, 0, 200);
+    m.write(&v, 70, 5000);
+    drop(v);
+    pool.close().expect("close");
+    let rows = {
+        let store = ibid_engine::store::Store::open(&path).expect("store");
+        let txn = store.read().expect("read");
+        txn.iter(ibid_engine::meta::ZEROING)
+            .expect("zeroing rows")
+            .count()
+    };
+    assert_eq!(rows, 1, "the close left the range's rest in the store");
+    let pool = Pool::open(&path, config(5)).expect("reopen");
+    let v = pool.volume("v").expect("v");
+    m.check(&v, "after reopen");
+    pool.sync().expect("sync");
+    m.check(&v, "settled");
+    let report = pool.verify().expect("verify");
+    assert_eq!(report.chunks, m.0.iter().flatten().count() as u64);
+}
+
 /// A thick volume whose blocks are all zeroed and written again before the zero settles
 /// counts more mapped blocks than it has (the hidden committed ones, until the settlement
 /// subtracts them). Deleting it, or making it thin, in that state must take out of the pool's
