@@ -197,11 +197,11 @@ impl Pool {
         self.inner.spawn_filter_work(true);
     }
 
-    /// Stops the background thread, commits everything, and closes the pool. Background work
-    /// is left for the next open, so a close takes one bounded commit: the reference log's
-    /// folds (`ref_log.rs`) and the part of large zeroed ranges a commit does not settle,
-    /// which stays in the `zeroing` table (`commit.rs`; settling 16 GiB of zeroed data took
-    /// a close 64 commits).
+    /// Stops the background thread, makes everything written durable with one commit, and
+    /// closes the pool. Background work is left for the next open, so a close takes one
+    /// bounded commit: the reference log's folds (`ref_log.rs`) and the part of large zeroed
+    /// ranges a commit does not settle, which stays in the `zeroing` table (`commit.rs`;
+    /// settling 16 GiB of zeroed data took a close 64 commits).
     pub fn close(self) -> Result<()> {
         self.stop_background();
         self.inner.commit()
