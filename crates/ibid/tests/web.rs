@@ -6,8 +6,19 @@ mod webdriver;
 
 use common::{api_call_as, run, Server};
 use serde_json::json;
+use std::sync::{RwLock, RwLockReadGuard};
 use std::time::Duration;
 use webdriver::{Driver, Session};
+
+/// The timed page-load test measures with this held for writing; every other test holds it
+/// for reading, so the timing is taken with no other server or browser of this binary busy
+/// beside it (on two cores, the parallel web tests made it 1.5-2x slower).
+static TIMING: RwLock<()> = RwLock::new(());
+
+/// Held for a whole test that must not run while the timed test measures.
+fn shared() -> RwLockReadGuard<'static, ()> {
+    TIMING.read().unwrap_or_else(|e| e.into_inner())
+}
 
 const TOKEN: &str = "web-test-token";
 const HOSTILE: &str = "<img src=x onerror=alert(1)>";
@@ -90,6 +101,7 @@ fn screenshots_dir() -> Option<std::path::PathBuf> {
 /// no errors in the browser console.
 #[test]
 fn dashboard_in_chromium() {
+    let _quiet = shared();
     common::require("chromium");
     common::require("chromedriver");
     let srv = Server::start(&[
@@ -636,6 +648,7 @@ fn code_of(body: &str) -> String {
 /// nothing; the server's own kind of request still works; every answer carries the CSP.
 #[test]
 fn hostile_requests_are_refused() {
+    let _quiet = shared();
     let srv = Server::start(&["--no-default-volume", "--http-allowed-host", "array.test"]);
     let addr = srv.http.clone().expect("API");
     let port = addr.rsplit(':').next().expect("port").to_string();
@@ -780,6 +793,7 @@ fn hostile_requests_are_refused() {
 /// rebound name (`--host-resolver-rules`) loads the dashboard. None gets through.
 #[test]
 fn hostile_page_in_chromium_changes_nothing() {
+    let _quiet = shared();
     common::require("chromium");
     common::require("chromedriver");
     let srv = Server::start(&["--no-default-volume"]);
@@ -903,6 +917,7 @@ fn overview_renders_fast_with_1000_volumes_and_10000_snapshots() {
     eprintln!("space breakdown: {} ms", b["took_ms"]);
     let driver = Driver::start();
     let s = driver.session(1280, 800);
+    let _alone = TIMING.write().unwrap_or_else(|e| e.into_inner());
     for (route, goal_ms) in [("/", 300.0), ("/volumes", 300.0)] {
         let mut ready = Vec::new();
         let mut paint = Vec::new();
@@ -936,6 +951,7 @@ fn overview_renders_fast_with_1000_volumes_and_10000_snapshots() {
 /// unknown parameters are refused with JSON errors.
 #[test]
 fn stats_history_follows_real_io() {
+    let _quiet = shared();
     let srv = Server::start(&["--no-default-volume", "--volume", "h1=64M"]);
     std::thread::sleep(Duration::from_millis(1500));
     run(
@@ -1008,6 +1024,7 @@ fn stats_history_follows_real_io() {
 /// raw error; the API answers 503 `pool_failed`.
 #[test]
 fn failed_pool_banner_in_chromium() {
+    let _quiet = shared();
     common::require("chromium");
     common::require("chromedriver");
     common::require("fusermount");
@@ -1089,6 +1106,7 @@ fn failed_pool_banner_in_chromium() {
 /// together stay under the 300 KiB.
 #[test]
 fn assets_are_served_gzipped() {
+    let _quiet = shared();
     let srv = Server::start(&["--no-default-volume"]);
     let url = base(&srv);
     let web = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("web");
@@ -1180,6 +1198,7 @@ fn assets_are_served_gzipped() {
 /// next runs' were made first) brings up the health banner naming the volume and the error.
 #[test]
 fn failing_schedule_in_health_banner() {
+    let _quiet = shared();
     common::require("chromium");
     common::require("chromedriver");
     let srv = Server::start(&["--no-default-volume", "--volume", "sch=16M"]);
