@@ -4,12 +4,16 @@
 
 use crate::meta::PoolRecord;
 use crate::ref_log::RefLog;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Committed counters and the reference-count log, owned by the committer.
 pub(crate) struct CommitState {
     pub record: PoolRecord,
     pub ref_log: RefLog,
+    /// Layers a running build owns (`copy/layer_build.rs`); the other layers listed as being
+    /// built are abandoned.
+    pub building: BTreeSet<u64>,
 }
 
 /// The batch numbering. Writers stamp each change with the batch it belongs to, the one after

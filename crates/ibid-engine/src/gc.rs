@@ -124,6 +124,9 @@ pub(crate) fn background_loop(
         if let Err(e) = inner.flatten_all(false, &stop) {
             tracing::error!("flatten volume layers: {e}");
         }
+        if let Err(e) = inner.discard_abandoned_layers(&stop) {
+            tracing::error!("discard abandoned layers: {e}");
+        }
         let bloom = inner.dedup.filter();
         if bloom.needs_rebuild(inner.space.live_chunks()) {
             inner.spawn_filter_work(false);

@@ -68,6 +68,8 @@ mod space;
 mod stack;
 pub mod stats;
 pub mod store;
+#[cfg(test)]
+mod test_data;
 pub mod units;
 pub mod verify;
 mod volume;

@@ -4,6 +4,7 @@
 //! |------------|--------------------------------------|----------------------------------------|
 //! | `pool`     | `"pool"`                             | [`PoolRecord`]                         |
 //! | `pool`     | `"fps.merged"` ([`FPS_MERGED_KEY`])   | per slice of the dedup index's key space, the commit that last merged it (u64 LE each; see `dedup_index.rs`) |
+//! | `pool`     | `"layers.building"` ([`BUILDING_KEY`]) | ids of layers being built, in no stack yet (u64 LE each, ascending; see `copy/layer_build.rs`) |
 //! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
 //! | `map`      | (layer u64 BE, block u64 BE)         | chunk id (absent = zero)               |
 //! | `chunk.pages` | chunk id >> 10                    | a page: the [`crate::format::ChunkRecord`]s of up to 16 neighbouring ids (see `chunk_table.rs`) |
@@ -40,6 +41,9 @@ pub const POOL: Def<str, [u8]> = Def::new(Table::Pool);
 /// run or gone row is kept, and in pools of format version 8 and older, whose rows hold only
 /// keys not merged yet).
 pub const FPS_MERGED_KEY: &str = "fps.merged";
+/// Key in [`POOL`] of the layers being built: their map entries are written in steps before
+/// any stack shows them (see `copy/layer_build.rs`; absent when there is none).
+pub const BUILDING_KEY: &str = "layers.building";
 /// Volumes by name.
 pub const VOLUMES: Def<str, [u8]> = Def::new(Table::Volumes);
 /// Volume maps: (layer, block) → chunk id.
@@ -128,7 +132,9 @@ pub const POOL_KEY: &str = "pool";
 /// reference log (`chunk.deltas`). 9 — dedup runs and gone rows are merged out a slice at a
 /// time without being rewritten, the slices merged marked in [`FPS_MERGED_KEY`]; a version 8
 /// pool has no marks (its rows hold only unmerged keys), but a build that knows only version
-/// 8 would take merged keys for unmerged ones.
+/// 8 would take merged keys for unmerged ones. 10 — map entries of layers in no stack yet,
+/// listed in [`BUILDING_KEY`]; a version 9 pool has none, but a build that knows only version
+/// 9 would take them for corruption and never delete them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -159,7 +165,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 9;
+pub const POOL_FORMAT_VERSION: u64 = 10;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

@@ -438,6 +438,8 @@ impl Pool {
                 .seal_writers(DATA_WRITERS, self.inner.batches.stamp())?;
         }
         self.inner.flatten_all(true, &AtomicBool::new(false))?;
+        self.inner
+            .discard_abandoned_layers(&AtomicBool::new(false))?;
         self.sync()?;
         // Only the segments there now. The segments the cleaner fills meanwhile and those
         // concurrent writers seal become eligible as soon as a commit runs, and overwrites keep

@@ -45,7 +45,7 @@ use crate::volume_state::new_volume_state;
 use parking_lot::{Mutex, RwLock};
 use rustc_hash::FxHashSet;
 use std::any::Any;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
@@ -352,7 +352,11 @@ fn assemble(
         threads: Threads::default(),
         copies: crate::copy::batch::Copies::default(),
         read_cache: Arc::new(crate::read_cache::ReadCache::new(config.read_cache_bytes)),
-        commit: Mutex::new(CommitState { record, ref_log }),
+        commit: Mutex::new(CommitState {
+            record,
+            ref_log,
+            building: BTreeSet::new(),
+        }),
         gc_lock: Mutex::new(()),
         config,
         _lock_file: lock,

@@ -750,17 +750,7 @@ mod tests {
     const BLOCK: usize = 4096;
     const BLOCKS: u64 = 64;
 
-    fn block(seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..BLOCK)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
-    }
+    use crate::test_data::noise_block as block;
 
     /// A merge between its steps reads the same and takes writes in the windows moved and not
     /// yet moved; its remaining steps then complete it, or, left as a closing pool leaves it,

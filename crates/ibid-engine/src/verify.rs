@@ -79,12 +79,18 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             "layer refcounts {layer_refs:?}, stacks say {expected_layer_refs:?}"
         )));
     }
+    // Layers being built are in no stack yet; their entries hold references like any other
+    // (`copy/layer_build.rs`).
+    let building = crate::copy::layer_build::listed(&txn)?;
+    if let Some(l) = building.iter().find(|l| layer_refs.contains_key(l)) {
+        return Err(fail(format!("layer {l} is being built and in a stack")));
+    }
     let mut refs: HashMap<u64, u64> = HashMap::new();
     let mut entries = crate::stack::LoadedMap::new();
     for item in txn.iter(meta::MAP)? {
         let (k, v) = item?;
         let (layer, block) = format::decode_map_key(&k);
-        if !layer_refs.contains_key(&layer) {
+        if !layer_refs.contains_key(&layer) && !building.contains(&layer) {
             return Err(fail(format!("map entry for unreferenced layer {layer}")));
         }
         if inner.layer_filters.excludes(layer, block) {

@@ -1143,6 +1143,7 @@ async fn clone_volume(
     let target = format!("{source} -> {} (full clone)", req.name);
     let work = {
         let progress = progress.clone();
+        let jobs = jobs.clone();
         async move {
             blocking(move || {
                 let pool = &api.pool;
@@ -1152,7 +1153,10 @@ async fn clone_volume(
                     progress.cancel_flag(),
                     &progress.bytes_done,
                 )?;
-                if progress.is_cancelled() {
+                // Stopped by the server's stop rather than cancelled: the clone reads right
+                // already (through its source's layers), and the background makes it
+                // permanent after the restart.
+                if progress.is_cancelled() && !jobs.stopping() {
                     pool.delete_volume(&req.name)?;
                     refresh_luns(&api);
                     return Err(ApiError::conflict("cancelled", "cancelled"));

@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -180,6 +181,8 @@ pub struct Jobs {
     path: Option<PathBuf>,
     /// Jobs a stop cut off that can run again: (id, resume request), until taken.
     interrupted: Mutex<Vec<(u64, Value)>>,
+    /// The server is stopping ([`Jobs::stop`]).
+    stopping: AtomicBool,
 }
 
 impl Jobs {
@@ -259,6 +262,25 @@ impl Jobs {
         Ok(jobs)
     }
 
+    /// Tells the running jobs that the server is stopping: each is asked to stop at its next
+    /// step (as a cancel does), and one that then ends in an error is left `running` in the
+    /// table, so that the next start lists it as `interrupted` and runs it again if it can. A
+    /// job may also finish what it can do at once instead (a full clone is made usable and
+    /// left for the background to make permanent).
+    pub fn stop(&self) {
+        self.stopping.store(true, Relaxed);
+        for job in self.jobs.lock().values() {
+            if matches!(job.state.lock().0, State::Running) {
+                job.progress.cancel();
+            }
+        }
+    }
+
+    /// Whether [`Jobs::stop`] was called.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Relaxed)
+    }
+
     /// The jobs a stop cut off that can run again, with the request that does (each once).
     pub fn take_interrupted(&self) -> Vec<(u64, Value)> {
         std::mem::take(&mut *self.interrupted.lock())
@@ -315,6 +337,11 @@ impl Jobs {
         let jobs = self.clone();
         let handle = tokio::spawn(async move {
             let outcome = work.await;
+            if outcome.is_err() && jobs.stopping() {
+                // Cut off by the stop: kept `running` in the table (see `Jobs::stop`).
+                runner.done.notify_waiters();
+                return outcome;
+            }
             let state = match &outcome {
                 Ok(v) => State::Succeeded(v.clone()),
                 Err(e) => State::Failed {
@@ -415,4 +442,77 @@ async fn cancel(Extension(jobs): Shared, Path(id): Path<String>) -> Result<Json<
     }
     job.progress.cancel();
     Ok(Json(job.view()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A job that runs until it is asked to stop, then fails as a cancelled one does, and
+    /// signals that its work has returned.
+    async fn until_stopped(
+        progress: Arc<Progress>,
+        ended: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Value, ApiError> {
+        while !progress.is_cancelled() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let _ = ended.send(());
+        Err(ApiError::conflict("cancelled", "cancelled"))
+    }
+
+    /// The server's stop asks running jobs to stop; one that then fails stays `running` in
+    /// the table, so the next start lists it as `interrupted` and offers its resume request.
+    /// A job cancelled before the stop is listed `cancelled` and is not run again.
+    #[tokio::test]
+    async fn a_job_cut_off_by_the_stop_is_listed_interrupted_and_runs_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = ibid_engine::PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            capacity_force: true,
+            ..ibid_engine::PoolConfig::default()
+        };
+        let pool =
+            ibid_engine::Pool::create(dir.path().join("pool"), config.clone()).expect("create");
+        let jobs = Arc::new(Jobs::open(&pool).expect("jobs"));
+        let mut ids = Vec::new();
+        for (kind, resume) in [("cancelled", json!({"c": 1})), ("stopped", json!({"s": 2}))] {
+            let progress = Arc::new(Progress::default());
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let work = until_stopped(progress.clone(), tx);
+            let (status, Json(view)) = jobs
+                .run(
+                    kind,
+                    kind.into(),
+                    true,
+                    progress.clone(),
+                    Some(resume),
+                    work,
+                )
+                .await
+                .expect("started");
+            assert_eq!(status, StatusCode::ACCEPTED);
+            let id = view["id"].as_u64().expect("id");
+            ids.push(id);
+            if kind == "cancelled" {
+                progress.cancel();
+            } else {
+                jobs.stop();
+                assert!(progress.is_cancelled(), "the stop reaches the running job");
+            }
+            rx.await.expect("the job's work returned");
+            // The runner records the outcome right after the work returns.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(jobs.get(ids[0]).expect("job").view()["state"], "cancelled");
+        assert_eq!(jobs.get(ids[1]).expect("job").view()["state"], "running");
+        drop(jobs);
+        let again = Jobs::open(&pool).expect("jobs after the restart");
+        assert_eq!(again.get(ids[0]).expect("job").view()["state"], "cancelled");
+        assert_eq!(again.get(ids[1]).expect("job").view()["state"], INTERRUPTED);
+        assert_eq!(again.take_interrupted(), vec![(ids[1], json!({"s": 2}))]);
+        drop(again);
+        pool.close().expect("close");
+    }
 }

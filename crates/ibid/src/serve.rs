@@ -276,10 +276,14 @@ async fn serve(
     let clients = Arc::new(crate::clients::Clients::default());
     let gates = Arc::new(crate::copy_gates::CopyGates::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        signalled.await;
-        let _ = stop_tx.send(true);
-    });
+    {
+        let jobs = jobs.clone();
+        tokio::spawn(async move {
+            signalled.await;
+            jobs.stop();
+            let _ = stop_tx.send(true);
+        });
+    }
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|&stop| stop).await;
     };

@@ -27,6 +27,7 @@
 //! source flatten its own layers again.
 
 pub(crate) mod batch;
+pub(crate) mod layer_build;
 
 use crate::commit::drop_layer_refs;
 use crate::commit_state::CommitState;
@@ -40,6 +41,7 @@ use crate::store::{ReadTxn, Reader};
 use crate::volume::resolve_stored;
 use crate::volume_state::{VolumeMap, VolumeState};
 use batch::{CopyRequest, Turn};
+use layer_build::LayerBuild;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -362,17 +364,34 @@ impl Inner {
     }
 
     /// Makes `v`'s windowed frames permanent (see the module doc). Returns whether it did.
-    /// The walk over the frames (frozen: nothing changes them) runs without locks; the commit
-    /// lock is taken for the transaction that writes the new layer and swaps the stack, which
-    /// is given up if the stack changed meanwhile. Writes and reads of the volume go on
-    /// throughout, and see the same data through either stack. Once `stop` is set it gives up
-    /// between walk windows, having written nothing. `walked`, if given, is set to the bytes of
-    /// the volume walked before each window.
+    /// The walk over the frames (frozen: nothing changes them) runs without locks; the new
+    /// layer's entries are written as it goes, in steps of `flatten_step_entries` under the
+    /// commit lock, into a layer no stack shows yet (`layer_build.rs`); the last step puts it in
+    /// the stack. It gives up, abandoning what it wrote to the background, if the stack
+    /// changed meanwhile. Writes and reads of the volume go on throughout, and see the same
+    /// data through either stack. Once `stop` is set it gives up between walk windows and
+    /// steps.
+    /// `walked`, if given, is set to the bytes of the volume walked before each window.
     pub(crate) fn materialize_frames(
         &self,
         v: &VolumeState,
         stop: &AtomicBool,
         walked: Option<&AtomicU64>,
+    ) -> Result<bool> {
+        let mut build = LayerBuild::default();
+        let done = self.materialize_in_steps(v, stop, walked, &mut build);
+        if !matches!(done, Ok(true)) {
+            self.abandon_build(&mut self.commit.lock(), &mut build);
+        }
+        done
+    }
+
+    fn materialize_in_steps(
+        &self,
+        v: &VolumeState,
+        stop: &AtomicBool,
+        walked: Option<&AtomicU64>,
+        build: &mut LayerBuild,
     ) -> Result<bool> {
         if v.read_only || v.map.lock().stack.iter().all(Frame::is_plain) {
             return Ok(false);
@@ -389,13 +408,20 @@ impl Inner {
         };
         let k = stack.len() - 1;
         let (lower, upper) = (&stack[..j], &stack[j..k]);
+        let step = self.config.flatten_step_entries.max(1) as usize;
+        // Whether `v` still shows `stack`'s frames (checked under the commit lock: only
+        // commits change stacks, and only these frames' layers keep the entries' chunks alive
+        // until the build's references are logged).
+        let unchanged = || {
+            let m = v.map.lock();
+            !m.deleted && m.stack == stack
+        };
         // The frames below the top are frozen: a snapshot shows what they show for as long as
-        // the stack holds them (checked again under the commit lock).
+        // the stack holds them.
         let txn = self.db.read()?;
         // The new layer: what the upper frames show, plus tombstones where they hide data
         // of the lower frames (a floor, or a tombstone of the source).
         let mut entries: Vec<(u64, u64)> = Vec::new();
-        let mut deltas: BTreeMap<u64, i64> = BTreeMap::new();
         let end = size.div_ceil(format::BLOCK_BYTES as u64);
         let mut w0 = 0;
         while w0 < end {
@@ -417,11 +443,9 @@ impl Inner {
                     .get(&b)
                     .is_some_and(|&id| id != format::ZERO_TOMBSTONE)
             };
+            let first = entries.len();
             for (&b, &id) in &shown.entries {
-                if id != format::ZERO_TOMBSTONE {
-                    entries.push((b, id));
-                    *deltas.entry(id).or_default() += 1;
-                } else if lower_has_data(b) {
+                if id != format::ZERO_TOMBSTONE || lower_has_data(b) {
                     entries.push((b, id));
                 }
             }
@@ -431,11 +455,27 @@ impl Inner {
                     entries.push((b, format::ZERO_TOMBSTONE));
                 }
             }
+            entries[first..].sort_unstable();
             w0 = w1;
+            while entries.len() >= step {
+                if stop.load(Ordering::Acquire) {
+                    return Ok(false);
+                }
+                let mut cs = self.commit.lock();
+                if !unchanged() {
+                    self.event(|| format!("materialize {}: the stack changed", v.name));
+                    return Ok(false);
+                }
+                let mut wtxn = self.db.write()?;
+                let mut deltas = BTreeMap::new();
+                self.write_build_step(&cs, &mut wtxn, build, &entries[..step], &mut deltas)?;
+                self.commit_build_step(&mut cs, wtxn, build, &deltas)?;
+                entries.drain(..step);
+            }
         }
         drop(txn);
         let mut cs = self.commit.lock();
-        if v.map.lock().stack != stack {
+        if !unchanged() {
             self.event(|| format!("materialize {}: the stack changed during the walk", v.name));
             return Ok(false);
         }
@@ -449,18 +489,15 @@ impl Inner {
                 v.name
             )));
         }
-        let layer = cs.record.next_layer_id;
+        let mut wtxn = self.db.write()?;
+        let mut deltas = BTreeMap::new();
+        let layer = self.write_build_step(&cs, &mut wtxn, build, &entries, &mut deltas)?;
         let mut new_stack = lower.to_vec();
         new_stack.push(Frame::plain(layer));
         new_stack.push(stack[k]);
         record.layers = new_stack.clone();
-        let mut pool_rec = cs.record.clone();
-        pool_rec.next_layer_id += 1;
-        let mut wtxn = self.db.write()?;
-        for &(b, id) in &entries {
-            wtxn.insert(meta::MAP, &format::map_key(layer, b), &id);
-        }
         wtxn.insert(meta::LAYERS, &layer, &1);
+        self.finish_build(&mut wtxn, build)?;
         drop_layer_refs(
             &mut wtxn,
             &self.layer_filters,
@@ -469,7 +506,6 @@ impl Inner {
         )?;
         cs.ref_log.append(&mut wtxn, &by_slice(&deltas));
         wtxn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
-        wtxn.insert(meta::POOL, meta::POOL_KEY, pool_rec.encode().as_slice());
         // Swap under the map lock: a reader that walked the old stack sees the generation
         // move and walks again (the old frames' layers may be gone after this commit).
         let mut map = v.map.lock();
@@ -477,20 +513,18 @@ impl Inner {
             self.event(|| format!("materialize {}: the stack changed", v.name));
             return Ok(false);
         }
-        self.layer_filters.fresh(layer);
-        self.layer_filters
-            .grow(layer, entries.iter().map(|&(b, _)| b));
         wtxn.commit()?;
+        self.built_step_committed(&mut cs, build);
         self.event(|| {
             format!(
                 "materialize {}: {} -> {}, {} entries",
                 v.name,
                 format::describe_stack(&stack),
                 format::describe_stack(&new_stack),
-                entries.len()
+                build.entries
             )
         });
-        cs.record = pool_rec;
+        self.end_build(&mut cs, build);
         map.stack = new_stack;
         map.generation += 1;
         drop(map);

@@ -1,0 +1,379 @@
+//! A new layer written in bounded steps before any stack shows it (making range-copy frames
+//! permanent, see the parent module), so that no single transaction, and no hold of the commit
+//! lock, grows with the layer.
+//!
+//! Each step is one transaction under the commit lock: the layer's next map entries and the
+//! chunk references they take (logged, `ref_log.rs`); the first step also allocates the
+//! layer's id and lists it in [`meta::BUILDING_KEY`]. The caller checks before each step that
+//! the stack the entries were read from still shows them: its layers keep the chunks alive
+//! until the new entries' references are logged. The caller's last step puts the layer in a
+//! stack and takes it off the list ([`Inner::finish_build`]).
+//!
+//! A listed layer that no running build owns ([`CommitState::building`]) is **abandoned**:
+//! its build gave up, or the pool closed or crashed during it. The background deletes an
+//! abandoned layer's entries in steps, dropping their references, and then takes it off the
+//! list ([`Inner::discard_abandoned_layers`]). Layer ids are never reused, so an abandoned layer
+//! stays abandoned. `verify` accepts map entries of listed layers and counts their references.
+
+use crate::commit_state::CommitState;
+use crate::error::{Error, Result};
+use crate::format;
+use crate::inner::Inner;
+use crate::meta;
+use crate::ref_log::{by_slice, Deltas};
+use crate::store::{Reader, WriteTxn};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The layers listed as being built in `txn`'s view.
+pub(crate) fn listed(txn: &impl Reader) -> Result<Vec<u64>> {
+    let Some(v) = txn.get(meta::POOL, meta::BUILDING_KEY)? else {
+        return Ok(Vec::new());
+    };
+    if v.len() % 8 != 0 {
+        return Err(Error::Corrupt(format!(
+            "the list of layers being built is {} bytes long",
+            v.len()
+        )));
+    }
+    Ok(v.chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
+/// Writes the list of layers being built (removing the row when it is empty).
+fn write_list(txn: &mut WriteTxn, layers: &[u64]) {
+    if layers.is_empty() {
+        txn.remove(meta::POOL, meta::BUILDING_KEY);
+        return;
+    }
+    let bytes: Vec<u8> = layers.iter().flat_map(|l| l.to_le_bytes()).collect();
+    txn.insert(meta::POOL, meta::BUILDING_KEY, bytes.as_slice());
+}
+
+/// One build: the layer once its first step has allocated it.
+#[derive(Debug, Default)]
+pub(crate) struct LayerBuild {
+    layer: Option<u64>,
+    /// The pool record with the layer allocated, until the allocating step commits.
+    allocating: Option<meta::PoolRecord>,
+    /// Entries written so far.
+    pub entries: u64,
+}
+
+impl Inner {
+    /// Adds `entries` (block, chunk id or tombstone) to `build`'s layer in `txn`, allocating the
+    /// layer first if this is the build's first step; the references the entries take are
+    /// added to `deltas`. Call holding the commit lock, then [`Inner::commit_build_step`] (or
+    /// finish the build in the same transaction). Returns the layer.
+    pub(crate) fn write_build_step(
+        &self,
+        cs: &CommitState,
+        txn: &mut WriteTxn,
+        build: &mut LayerBuild,
+        entries: &[(u64, u64)],
+        deltas: &mut Deltas,
+    ) -> Result<u64> {
+        let layer = match build.layer {
+            Some(l) => l,
+            None => {
+                let layer = cs.record.next_layer_id;
+                let mut rec = cs.record.clone();
+                rec.next_layer_id += 1;
+                txn.insert(meta::POOL, meta::POOL_KEY, rec.encode().as_slice());
+                let mut list = listed(txn)?;
+                list.push(layer);
+                write_list(txn, &list);
+                self.layer_filters.fresh(layer);
+                build.layer = Some(layer);
+                build.allocating = Some(rec);
+                layer
+            }
+        };
+        for &(b, id) in entries {
+            txn.insert(meta::MAP, &format::map_key(layer, b), &id);
+            if id != format::ZERO_TOMBSTONE {
+                *deltas.entry(id).or_default() += 1;
+            }
+        }
+        // Before the commit (see layer_filter.rs).
+        self.layer_filters
+            .grow(layer, entries.iter().map(|&(b, _)| b));
+        build.entries += entries.len() as u64;
+        Ok(layer)
+    }
+
+    /// Commits a step [`Inner::write_build_step`] wrote, with its references logged.
+    pub(crate) fn commit_build_step(
+        &self,
+        cs: &mut CommitState,
+        mut txn: WriteTxn,
+        build: &mut LayerBuild,
+        deltas: &Deltas,
+    ) -> Result<()> {
+        cs.ref_log.append(&mut txn, &by_slice(deltas));
+        txn.commit()?;
+        self.built_step_committed(cs, build);
+        Ok(())
+    }
+
+    /// Takes the build's layer off the list in `txn`, the transaction that puts it in a stack;
+    /// call [`Inner::built_step_committed`] once it commits.
+    pub(crate) fn finish_build(&self, txn: &mut WriteTxn, build: &LayerBuild) -> Result<()> {
+        let Some(layer) = build.layer else {
+            return Ok(());
+        };
+        let mut list = listed(txn)?;
+        list.retain(|&l| l != layer);
+        write_list(txn, &list);
+        Ok(())
+    }
+
+    /// Records in the commit state what a committed step of `build` changed: the layer it
+    /// allocated is owned by the build, a layer it finished no longer.
+    pub(crate) fn built_step_committed(&self, cs: &mut CommitState, build: &mut LayerBuild) {
+        if let Some(rec) = build.allocating.take() {
+            cs.record = rec;
+            cs.building.extend(build.layer);
+        }
+    }
+
+    /// Gives up `build`: its layer, if any, becomes abandoned (deleted by the background).
+    pub(crate) fn abandon_build(&self, cs: &mut CommitState, build: &mut LayerBuild) {
+        if let Some(layer) = build.layer.take() {
+            cs.building.remove(&layer);
+            self.event(|| format!("layer {layer} abandoned after {} entries", build.entries));
+        }
+    }
+
+    /// Marks a finished build's layer as no longer being built (it is in a stack now).
+    pub(crate) fn end_build(&self, cs: &mut CommitState, build: &mut LayerBuild) {
+        if let Some(layer) = build.layer.take() {
+            cs.building.remove(&layer);
+        }
+    }
+
+    /// Deletes the entries of abandoned layers (see the module doc), `flatten_step_entries`
+    /// per transaction, and takes each emptied layer off the list. Gives up between steps once
+    /// `stop` is set. Returns the entries deleted.
+    pub(crate) fn discard_abandoned_layers(&self, stop: &AtomicBool) -> Result<u64> {
+        let layers = listed(&self.db.read()?)?;
+        let step = self.config.flatten_step_entries.max(1) as usize;
+        let mut deleted = 0;
+        for layer in layers {
+            if self.commit.lock().building.contains(&layer) {
+                continue;
+            }
+            loop {
+                if stop.load(Ordering::Acquire) {
+                    return Ok(deleted);
+                }
+                let lo = format::map_key(layer, 0);
+                let end = {
+                    let txn = self.db.read()?;
+                    let mut entries =
+                        txn.range(meta::MAP, lo..=format::map_key(layer, u64::MAX))?;
+                    match entries.nth(step) {
+                        Some(entry) => Some(entry?.0),
+                        None => None,
+                    }
+                };
+                let mut cs = self.commit.lock();
+                let mut txn = self.db.write()?;
+                let taken = match end {
+                    Some(end) => txn.extract_range_if(meta::MAP, lo..end, |_, _| true)?,
+                    None => txn.extract_range_if(
+                        meta::MAP,
+                        lo..=format::map_key(layer, u64::MAX),
+                        |_, _| true,
+                    )?,
+                };
+                let mut deltas = Deltas::new();
+                for (_, id) in &taken {
+                    if *id != format::ZERO_TOMBSTONE {
+                        *deltas.entry(*id).or_default() -= 1;
+                    }
+                }
+                if end.is_none() {
+                    let mut list = listed(&txn)?;
+                    list.retain(|&l| l != layer);
+                    write_list(&mut txn, &list);
+                }
+                cs.ref_log.append(&mut txn, &by_slice(&deltas));
+                txn.commit()?;
+                drop(cs);
+                deleted += taken.len() as u64;
+                if end.is_none() {
+                    self.layer_filters.forget(layer);
+                    self.event(|| format!("abandoned layer {layer} discarded"));
+                    break;
+                }
+            }
+        }
+        Ok(deleted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_data::noise_block;
+    use crate::{Pool, PoolConfig};
+
+    const BLOCKS: u64 = 40;
+
+    fn listed_now(inner: &Inner) -> Vec<u64> {
+        listed(&inner.db.read().expect("read")).expect("the list")
+    }
+
+    /// A layer built part way (two steps, then the build given up, or the pool closed during
+    /// it) verifies clean with its entries' references counted, survives a reopen listed as
+    /// being built, keeps its chunks alive after the volume they came from is deleted, and is
+    /// discarded by the background in steps: every reference dropped, the chunks freed, the
+    /// list emptied.
+    #[test]
+    fn an_abandoned_layer_verifies_and_is_discarded_with_its_references() {
+        for reopen in [false, true] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let path = dir.path().join("pool");
+            let config = PoolConfig {
+                capacity_bytes: Some(1 << 30),
+                capacity_force: true,
+                background: false,
+                flatten_step_entries: 7,
+                ..PoolConfig::default()
+            };
+            let mut pool = Pool::create(&path, config.clone()).expect("create");
+            let v = pool.create_volume("v", BLOCKS * 4096).expect("volume");
+            for b in 0..BLOCKS {
+                v.write(b * 4096, &noise_block(b + 1), false)
+                    .expect("write");
+            }
+            pool.sync().expect("sync");
+            let chunks = pool.stats().unique_chunks;
+            assert_eq!(chunks, BLOCKS, "one chunk per block");
+            let inner = pool.inner.clone();
+            let top = v.state().map.lock().stack[0].layer;
+            let entries: Vec<(u64, u64)> = inner
+                .db
+                .read()
+                .expect("read")
+                .range(
+                    meta::MAP,
+                    format::map_key(top, 0)..=format::map_key(top, u64::MAX),
+                )
+                .expect("range")
+                .map(|e| {
+                    let (k, id) = e.expect("entry");
+                    (format::decode_map_key(&k).1, id)
+                })
+                .collect();
+            assert_eq!(entries.len() as u64, BLOCKS);
+            let mut build = LayerBuild::default();
+            for part in entries[..20].chunks(10) {
+                let mut cs = inner.commit.lock();
+                let mut txn = inner.db.write().expect("write txn");
+                let mut deltas = Deltas::new();
+                inner
+                    .write_build_step(&cs, &mut txn, &mut build, part, &mut deltas)
+                    .expect("step");
+                inner
+                    .commit_build_step(&mut cs, txn, &mut build, &deltas)
+                    .expect("commit step");
+            }
+            let layer = build.layer.expect("allocated");
+            assert_eq!(listed_now(&inner), vec![layer]);
+            assert_eq!(inner.commit.lock().building.iter().next(), Some(&layer));
+            pool.verify().expect("verify with a layer being built");
+            // Owned by a running build: the background leaves it alone.
+            assert_eq!(
+                inner
+                    .discard_abandoned_layers(&AtomicBool::new(false))
+                    .expect("discard"),
+                0
+            );
+            if reopen {
+                drop((v, inner));
+                pool.close().expect("close");
+                pool = Pool::open(&path, config.clone()).expect("reopen");
+            } else {
+                inner.abandon_build(&mut inner.commit.lock(), &mut build);
+                drop((v, inner));
+            }
+            let inner = pool.inner.clone();
+            assert_eq!(listed_now(&inner), vec![layer]);
+            assert!(inner.commit.lock().building.is_empty());
+            pool.verify().expect("verify an abandoned layer");
+            pool.delete_volume("v").expect("delete");
+            pool.sync().expect("sync");
+            assert_eq!(
+                pool.stats().unique_chunks,
+                20,
+                "the abandoned layer's chunks stay alive (reopen: {reopen})"
+            );
+            pool.verify().expect("verify with only the abandoned layer");
+            let deleted = inner
+                .discard_abandoned_layers(&AtomicBool::new(false))
+                .expect("discard");
+            assert_eq!(deleted, 20);
+            assert!(listed_now(&inner).is_empty());
+            pool.sync().expect("sync");
+            assert_eq!(pool.stats().unique_chunks, 0, "reopen: {reopen}");
+            pool.verify().expect("verify after the discard");
+            drop(inner);
+            pool.close().expect("close");
+        }
+    }
+
+    /// A full clone made in steps of three entries (a snapshot under overwrites and zeroed
+    /// ranges as its source, so the new layer takes data and tombstones) reads like its source,
+    /// verifies, lists no layer as being built, and outlives the source's deletion.
+    #[test]
+    fn a_full_clone_built_in_steps_reads_like_its_source() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            capacity_force: true,
+            background: false,
+            flatten_step_entries: 3,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+        let v = pool.create_volume("v", BLOCKS * 4096).expect("volume");
+        for b in 0..BLOCKS {
+            v.write(b * 4096, &noise_block(b + 1), false)
+                .expect("write");
+        }
+        pool.create_snapshot("v", "s").expect("snapshot");
+        for b in (0..BLOCKS).step_by(3) {
+            v.write(b * 4096, &noise_block(1000 + b), false)
+                .expect("overwrite");
+        }
+        v.write_zeroes(10 * 4096, 9 * 4096, false).expect("zero");
+        pool.sync().expect("sync");
+        let read_all = |name: &str| -> Vec<u8> {
+            let vol = pool.volume(name).expect("volume");
+            let mut out = vec![0u8; (BLOCKS * 4096) as usize];
+            vol.read(0, &mut out).expect("read");
+            out
+        };
+        let want = read_all("v");
+        let clone = pool.full_clone("v", "c").expect("full clone");
+        assert_eq!(read_all("c"), want, "the clone reads like its source");
+        assert!(clone
+            .state()
+            .map
+            .lock()
+            .stack
+            .iter()
+            .all(format::Frame::is_plain));
+        assert!(listed_now(&pool.inner).is_empty());
+        assert!(pool.inner.commit.lock().building.is_empty());
+        pool.verify().expect("verify after the clone");
+        drop(clone);
+        pool.delete_snapshot("v", "s").expect("delete snapshot");
+        pool.delete_volume("v").expect("delete source");
+        pool.gc_now().expect("gc");
+        assert_eq!(read_all("c"), want, "the clone outlives its source");
+        pool.verify().expect("verify after the source's deletion");
+    }
+}
