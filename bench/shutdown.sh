@@ -172,8 +172,13 @@ h.flush()'
     for vol in "${!WANT[@]}"; do
         want=${WANT[$vol]}
         if [ "$want" = maybe ]; then
-            # A full clone cut off by the stop either finished or left no volume.
-            cli volume list 2>/dev/null | grep -qw "$vol" || continue
+            # A full clone the stop cut off is kept (since session 46) or, before, either
+            # finished or left no volume: say which.
+            if ! cli volume list 2>/dev/null | grep -qw "$vol"; then
+                DATA="$DATA, $vol gone"
+                continue
+            fi
+            DATA="$DATA, $vol kept"
             want=$SEED_MD5
         fi
         got=$(md5 "$vol")

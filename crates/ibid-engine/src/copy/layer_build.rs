@@ -128,8 +128,8 @@ impl Inner {
         Ok(())
     }
 
-    /// Records in the commit state what a committed step of `build` changed: the layer it
-    /// allocated is owned by the build, a layer it finished no longer.
+    /// Records in the commit state what a committed step of `build` changed: the pool record
+    /// with the layer allocated, and the layer owned by the build.
     pub(crate) fn built_step_committed(&self, cs: &mut CommitState, build: &mut LayerBuild) {
         if let Some(rec) = build.allocating.take() {
             cs.record = rec;

@@ -378,8 +378,22 @@ impl Inner {
         stop: &AtomicBool,
         walked: Option<&AtomicU64>,
     ) -> Result<bool> {
+        let t0 = std::time::Instant::now();
         let mut build = LayerBuild::default();
         let done = self.materialize_in_steps(v, stop, walked, &mut build);
+        if build.entries > 0 {
+            tracing::debug!(
+                "materialize {}: {} after {} entries in {:?}",
+                v.name,
+                if matches!(done, Ok(true)) {
+                    "done"
+                } else {
+                    "gave up"
+                },
+                build.entries,
+                t0.elapsed()
+            );
+        }
         if !matches!(done, Ok(true)) {
             self.abandon_build(&mut self.commit.lock(), &mut build);
         }
