@@ -157,12 +157,15 @@ impl Inner {
     /// `stop` is set. Returns the entries deleted.
     pub(crate) fn discard_abandoned_layers(&self, stop: &AtomicBool) -> Result<u64> {
         let layers = listed(&self.db.read()?)?;
+        self.discard_if_abandoned(&layers, stop)
+    }
+
+    /// [`Inner::discard_abandoned_layers`] for `layers`, a list read earlier: each is checked
+    /// again, under the commit lock, before every step.
+    fn discard_if_abandoned(&self, layers: &[u64], stop: &AtomicBool) -> Result<u64> {
         let step = self.config.flatten_step_entries.max(1) as usize;
         let mut deleted = 0;
-        for layer in layers {
-            if self.commit.lock().building.contains(&layer) {
-                continue;
-            }
+        for &layer in layers {
             loop {
                 if stop.load(Ordering::Acquire) {
                     return Ok(deleted);
@@ -179,6 +182,12 @@ impl Inner {
                 };
                 let mut cs = self.commit.lock();
                 let mut txn = self.db.write()?;
+                // Checked under the commit lock, which every change to the list and to the
+                // builds' ownership holds: a build may have finished (and put the layer in a
+                // stack) since the list above was read.
+                if cs.building.contains(&layer) || !listed(&txn)?.contains(&layer) {
+                    break;
+                }
                 let taken = match end {
                     Some(end) => txn.extract_range_if(meta::MAP, lo..end, |_, _| true)?,
                     None => txn.extract_range_if(
@@ -335,6 +344,8 @@ mod tests {
             capacity_force: true,
             background: false,
             flatten_step_entries: 3,
+            // Range copies by frames (not by block references) from one block up.
+            frame_copy_blocks_min: 1,
             ..PoolConfig::default()
         };
         let pool = Pool::create(dir.path().join("pool"), config).expect("create");
@@ -359,13 +370,37 @@ mod tests {
         let want = read_all("v");
         let clone = pool.full_clone("v", "c").expect("full clone");
         assert_eq!(read_all("c"), want, "the clone reads like its source");
-        assert!(clone
-            .state()
-            .map
-            .lock()
-            .stack
-            .iter()
-            .all(format::Frame::is_plain));
+        let stack = clone.state().map.lock().stack.clone();
+        assert!(stack.iter().all(format::Frame::is_plain));
+        assert_eq!(
+            stack.len(),
+            2,
+            "the built layer under the clone's top: {stack:?}"
+        );
+        let built_entries = pool
+            .inner
+            .db
+            .read()
+            .expect("read")
+            .range(
+                meta::MAP,
+                format::map_key(stack[0].layer, 0)..=format::map_key(stack[0].layer, u64::MAX),
+            )
+            .expect("range")
+            .count();
+        assert!(
+            built_entries > 9,
+            "{built_entries} entries: several steps of 3"
+        );
+        // A discard that read the list while the build ran must leave the finished layer alone
+        // (the simulator found the background deleting it).
+        let built = stack[0].layer;
+        let none = pool
+            .inner
+            .discard_if_abandoned(&[built], &AtomicBool::new(false))
+            .expect("discard");
+        assert_eq!(none, 0, "a finished layer was discarded");
+        assert_eq!(read_all("c"), want, "the clone after a stale discard");
         assert!(listed_now(&pool.inner).is_empty());
         assert!(pool.inner.commit.lock().building.is_empty());
         pool.verify().expect("verify after the clone");
