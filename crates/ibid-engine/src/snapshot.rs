@@ -594,6 +594,7 @@ impl Inner {
                 let record = inner.record_of(v, map, stack.clone());
                 txn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
                 txn.commit()?;
+                map.merge_steps += 1;
                 inner.layer_filters.forget(gone);
                 inner.event(|| {
                     let (from, to) = if merge.down {
@@ -613,6 +614,7 @@ impl Inner {
                 return Ok(MergeStep::Done);
             };
             txn.commit()?;
+            map.merge_steps += 1;
             inner.event(|| {
                 format!(
                     "flatten {}: layer {moving} blocks {start}..{end} moved {} layer {}",

@@ -41,6 +41,11 @@ pub(crate) struct VolumeMap {
     pub mapped_blocks: u64,
     /// Bumped whenever `committing` is cleared, so a writer knows its prefetch is stale.
     pub generation: u64,
+    /// Flattening steps applied to this stack's layers (with the commit lock held). A step
+    /// moves entries between two of its layers, a frozen one among them, and leaves the stack
+    /// as it was until the last: a copy being made permanent whose walk began before one
+    /// gives up (see `copy/`).
+    pub merge_steps: u64,
     /// The volume was deleted; its handles fail.
     pub deleted: bool,
     /// The size or record changed and must be written at the next commit.
@@ -90,6 +95,7 @@ pub(crate) fn new_volume_state(name: String, r: &VolumeRecord, read_only: bool) 
             committing: Arc::new(Overlay::new()),
             mapped_blocks: r.mapped_blocks,
             generation: 0,
+            merge_steps: 0,
             deleted: false,
             record_dirty: false,
         }),

@@ -12,8 +12,10 @@
 //! A listed layer that no running build owns ([`CommitState::building`]) is **abandoned**:
 //! its build gave up, or the pool closed or crashed during it. The background deletes an
 //! abandoned layer's entries in steps, dropping their references, and then takes it off the
-//! list ([`Inner::discard_abandoned_layers`]). Layer ids are never reused, so an abandoned layer
-//! stays abandoned. `verify` accepts map entries of listed layers and counts their references.
+//! list ([`Inner::discard_abandoned_layers`]), checking before each step, under the commit lock,
+//! that the layer is still listed and unowned (a build that finished meanwhile has put it in a
+//! stack and unlisted it). A committed layer id is never reused, so an abandoned layer stays
+//! abandoned. `verify` accepts map entries of listed layers and counts their references.
 
 use crate::commit_state::CommitState;
 use crate::error::{Error, Result};

@@ -410,12 +410,14 @@ impl Inner {
         if v.read_only || v.map.lock().stack.iter().all(Frame::is_plain) {
             return Ok(false);
         }
-        let (stack, size) = {
+        // Read before the walk's snapshot is taken: a flatten step committed after it moves
+        // this count.
+        let (stack, size, merge_steps) = {
             let m = v.map.lock();
             if m.deleted {
                 return Ok(false);
             }
-            (m.stack.clone(), m.size)
+            (m.stack.clone(), m.size, m.merge_steps)
         };
         let Some(j) = stack.iter().position(|f| !f.is_plain()) else {
             return Ok(false);
@@ -423,12 +425,14 @@ impl Inner {
         let k = stack.len() - 1;
         let (lower, upper) = (&stack[..j], &stack[j..k]);
         let step = self.config.flatten_step_entries.max(1) as usize;
-        // Whether `v` still shows `stack`'s frames (checked under the commit lock: only
-        // commits change stacks, and only these frames' layers keep the entries' chunks alive
-        // until the build's references are logged).
+        // Whether `v` still shows `stack`'s frames with the entries the walk read (checked
+        // under the commit lock: only commits change stacks, only these frames' layers keep
+        // the entries' chunks alive until the build's references are logged, and a flatten
+        // step — which moves entries between the layers, say the top's into the frozen layer
+        // below, without changing the stack — also runs under it).
         let unchanged = || {
             let m = v.map.lock();
-            !m.deleted && m.stack == stack
+            !m.deleted && m.stack == stack && m.merge_steps == merge_steps
         };
         // The frames below the top are frozen: a snapshot shows what they show for as long as
         // the stack holds them.
@@ -523,7 +527,7 @@ impl Inner {
         // Swap under the map lock: a reader that walked the old stack sees the generation
         // move and walks again (the old frames' layers may be gone after this commit).
         let mut map = v.map.lock();
-        if map.deleted || map.stack != stack {
+        if map.deleted || map.stack != stack || map.merge_steps != merge_steps {
             self.event(|| format!("materialize {}: the stack changed", v.name));
             return Ok(false);
         }
