@@ -141,10 +141,10 @@ impl Inner {
 
     /// Gives up `build`: its layer, if any, becomes abandoned (deleted by the background).
     pub(crate) fn abandon_build(&self, cs: &mut CommitState, build: &mut LayerBuild) {
-        if let Some(layer) = build.layer.take() {
-            cs.building.remove(&layer);
+        if let Some(layer) = build.layer {
             self.event(|| format!("layer {layer} abandoned after {} entries", build.entries));
         }
+        self.end_build(cs, build);
     }
 
     /// Marks a finished build's layer as no longer being built (it is in a stack now).
