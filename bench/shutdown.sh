@@ -11,20 +11,21 @@
 # Cases: writes (fio random writes running), copy-permanent (a `volume copy` across volumes
 # being made permanent, 5 s after it), flatten (a snapshot deleted under a volume rewritten
 # since), clone-full (a full clone running), zero-settle (the whole volume zeroed, the commits
-# settling it), cleaner (the volume rewritten, its garbage being cleaned), scrub (a scrub pass).
+# settling it), cleaner (the volume rewritten, its garbage being cleaned), scrub (a scrub pass),
+# delete (the volume deleted: its layer's entries being deleted; it must stay deleted).
 # Prints one row per case and exits 1 if a server failed to stop, to reopen, or to verify, or
 # data read back wrong.
 set -euo pipefail
 
 SIZE_MIB=4096 DELAY_MS=1500 KEEP=0
-CASES=writes,copy-permanent,flatten,clone-full,zero-settle,cleaner,scrub
+CASES=writes,copy-permanent,flatten,clone-full,zero-settle,cleaner,scrub,delete
 while [ $# -gt 0 ]; do
     case "$1" in
         --size-mib) SIZE_MIB=$2; shift ;;
         --delay-ms) DELAY_MS=$2; shift ;;
         --cases) CASES=$2; shift ;;
         --keep) KEEP=1 ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) IBID=$1 ;;
     esac
     shift
@@ -157,6 +158,10 @@ h.flush()'
         scrub)
             cli pool scrub >/dev/null
             WORK="a scrub pass" ;;
+        delete)
+            cli volume delete vm >/dev/null 2>&1 &
+            WANT=([vm]=deleted)
+            WORK="the volume deleted" ;;
         *) echo "unknown case $CASE" >&2; exit 2 ;;
     esac
     sleep "$(awk "BEGIN { print $DELAY_MS / 1000 }")"
@@ -171,6 +176,14 @@ h.flush()'
     DATA=ok
     for vol in "${!WANT[@]}"; do
         want=${WANT[$vol]}
+        if [ "$want" = deleted ]; then
+            if cli volume list 2>/dev/null | grep -qw "$vol"; then
+                DATA="$vol still there"; fail "$CASE: $vol came back"
+            else
+                DATA="$DATA, $vol gone"
+            fi
+            continue
+        fi
         if [ "$want" = maybe ]; then
             # A full clone the stop cut off is kept (since session 46) or, before, either
             # finished or left no volume: say which.

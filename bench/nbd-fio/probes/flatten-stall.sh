@@ -12,6 +12,8 @@
 # range copy by frames) DELAY seconds in: the background makes that copy permanent 5 s later,
 # which is what the writes then feel. FSYNC=N flushes after every N writes (0: never), as a
 # database's log does. TARGET=bench writes to the volume being merged instead of another.
+# WORK=delete deletes `bench` (filled once) DELAY seconds in, and prints how long the delete
+# took: the writes then feel its layer's entries being deleted.
 HTTP=${HTTP:-127.0.0.1:18990}
 export RUST_LOG=${RUST_LOG:-info,ibid_engine::snapshot=debug,ibid_engine::copy=debug}
 . "$(dirname "$0")/common.sh"
@@ -41,6 +43,12 @@ if [ "$WORK" = copy ]; then
     ( sleep "$DELAY"; cli volume copy bench dst > /dev/null ) &
     WORKER=$!
     writes 4 "random writes, bench copied to dst after ${DELAY} s"
+elif [ "$WORK" = delete ]; then
+    writes 3 "random writes, nothing deleted"
+    ( sleep "$DELAY"; t0=$(date +%s%3N); cli volume delete bench > /dev/null
+      echo "volume delete bench: $(( $(date +%s%3N) - t0 )) ms" ) &
+    WORKER=$!
+    writes 4 "random writes, bench deleted after ${DELAY} s"
 else
     cli snapshot create bench old > /dev/null
     fill 2
@@ -51,4 +59,4 @@ else
 fi
 wait "$WORKER"
 sleep 1
-grep -a "flatten\|materialize" "$SCRATCH/log" || echo "(nothing logged about flattening or copies)"
+grep -a "flatten\|materialize\|discard" "$SCRATCH/log" || echo "(nothing logged about flattening, copies or discards)"

@@ -55,6 +55,12 @@ impl Threads {
         self.wake.notify_one();
     }
 
+    /// Whether the committer has been woken since its last wait (work it does between waits
+    /// that can be put off gives way to the commit asked for).
+    pub(crate) fn wake_pending(&self) -> bool {
+        *self.woken.lock()
+    }
+
     /// Waits until woken or `interval` has passed, unless woken since the last wait or
     /// `stop` is set; clears the wake-up and answers whether there was one.
     pub(crate) fn wait(&self, interval: Duration, stop: &AtomicBool) -> bool {

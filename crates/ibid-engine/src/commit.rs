@@ -78,6 +78,8 @@ struct Applied {
     freed: Vec<u64>,
     /// Chunks left without a reference but kept for a newer write (for the event log).
     kept: Vec<u64>,
+    /// Layers the deleted volumes left in no stack, listed for deletion (for the event log).
+    dropped_layers: Vec<u64>,
 }
 
 impl Inner {
@@ -475,12 +477,9 @@ impl Inner {
             let mut unbounded = u64::MAX;
             self.write_overlay(txn, &stack, &committing, &mut deltas, &mut unbounded)?;
             txn.remove(meta::ZEROING, &v.id);
-            drop_layer_refs(
-                txn,
-                &self.layer_filters,
-                format::referenced_layers(&stack),
-                &mut deltas,
-            )?;
+            let dropped =
+                drop_layer_refs(txn, &self.layer_filters, format::referenced_layers(&stack))?;
+            applied.dropped_layers.extend(dropped);
             if v.read_only {
                 txn.remove(meta::SNAPSHOTS, v.name.as_str());
             } else {
@@ -603,14 +602,15 @@ impl Inner {
 }
 
 /// Drops one stack reference from each of `layers` (once per occurrence); a layer no stack
-/// includes any more has its entries removed, their chunk references dropped into `deltas`,
-/// and its filter forgotten.
+/// includes any more has its filter forgotten and is listed for the background to delete its
+/// entries, and drop their chunk references, in bounded steps (`copy/layer_build.rs`): the
+/// transaction does not grow with the layer. Returns the layers dropped.
 pub(crate) fn drop_layer_refs(
     txn: &mut WriteTxn,
     filters: &LayerFilters,
     layers: impl IntoIterator<Item = u64>,
-    deltas: &mut BTreeMap<u64, i64>,
-) -> Result<()> {
+) -> Result<Vec<u64>> {
+    let mut dropped = Vec::new();
     for layer in layers {
         let refs = txn.get(meta::LAYERS, &layer)?.unwrap_or(0);
         if refs > 1 {
@@ -619,14 +619,10 @@ pub(crate) fn drop_layer_refs(
         }
         txn.remove(meta::LAYERS, &layer);
         filters.forget(layer);
-        let (lo, hi) = (format::map_key(layer, 0), format::map_key(layer, u64::MAX));
-        for (_, chunk) in txn.extract_range_if(meta::MAP, lo..=hi, |_, _| true)? {
-            if chunk != format::ZERO_TOMBSTONE {
-                *deltas.entry(chunk).or_default() -= 1;
-            }
-        }
+        crate::copy::layer_build::list_dropped(txn, layer)?;
+        dropped.push(layer);
     }
-    Ok(())
+    Ok(dropped)
 }
 
 /// A committed chunk's record with `delta` added to its reference count (not written back).
@@ -837,6 +833,9 @@ fn describe_commit(batch: &Batch, applied: &Applied, fold: &[usize]) -> String {
     }
     for v in &batch.deleted {
         let _ = write!(line, " deleted {};", v.name);
+    }
+    if !applied.dropped_layers.is_empty() {
+        let _ = write!(line, " layers dropped {:?};", applied.dropped_layers);
     }
     let new: usize = batch.shards.iter().map(|s| s.new_chunks.len()).sum();
     let _ = write!(line, " {new} new chunks, folded slices {fold:?}");

@@ -124,7 +124,7 @@ pub(crate) fn background_loop(
         if let Err(e) = inner.flatten_all(false, &stop) {
             tracing::error!("flatten volume layers: {e}");
         }
-        if let Err(e) = inner.discard_abandoned_layers(&stop) {
+        if let Err(e) = inner.discard_abandoned_layers(&stop, true) {
             tracing::error!("discard abandoned layers: {e}");
         }
         let bloom = inner.dedup.filter();

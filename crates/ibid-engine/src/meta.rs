@@ -4,7 +4,7 @@
 //! |------------|--------------------------------------|----------------------------------------|
 //! | `pool`     | `"pool"`                             | [`PoolRecord`]                         |
 //! | `pool`     | `"fps.merged"` ([`FPS_MERGED_KEY`])   | per slice of the dedup index's key space, the commit that last merged it (u64 LE each; see `dedup_index.rs`) |
-//! | `pool`     | `"layers.building"` ([`BUILDING_KEY`]) | ids of layers being built, in no stack yet (u64 LE each, ascending; see `copy/layer_build.rs`) |
+//! | `pool`     | `"layers.building"` ([`BUILDING_KEY`]) | ids of layers in no stack whose entries are being written (a build) or deleted (a dropped or abandoned layer) (u64 LE each, ascending; see `copy/layer_build.rs`) |
 //! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
 //! | `map`      | (layer u64 BE, block u64 BE)         | chunk id (absent = zero)               |
 //! | `chunk.pages` | chunk id >> 10                    | a page: the [`crate::format::ChunkRecord`]s of up to 16 neighbouring ids (see `chunk_table.rs`) |
@@ -41,8 +41,12 @@ pub const POOL: Def<str, [u8]> = Def::new(Table::Pool);
 /// run or gone row is kept, and in pools of format version 8 and older, whose rows hold only
 /// keys not merged yet).
 pub const FPS_MERGED_KEY: &str = "fps.merged";
-/// Key in [`POOL`] of the layers being built: their map entries are written in steps before
-/// any stack shows them (see `copy/layer_build.rs`; absent when there is none).
+/// Key in [`POOL`] of the layers in no stack that still have map entries: layers being built
+/// (their entries written in steps before any stack shows them) and layers whose last stack
+/// reference went (their entries deleted in steps by the background); see
+/// `copy/layer_build.rs`. Absent when there is none. (The key's name is from format 10, when
+/// only builds were listed; a format 10 build treats a dropped layer as an abandoned build,
+/// which it deletes the same way.)
 pub const BUILDING_KEY: &str = "layers.building";
 /// Volumes by name.
 pub const VOLUMES: Def<str, [u8]> = Def::new(Table::Volumes);

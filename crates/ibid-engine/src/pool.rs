@@ -220,10 +220,21 @@ impl Pool {
     }
 
     /// Makes everything written so far durable and commits it to the metadata store, zeroed
-    /// ranges settled (a [`Volume::flush`] is cheaper: it only journals).
+    /// ranges settled, the entries of deleted layers deleted and the reference log folded, so
+    /// that the space figures are exact (a [`Volume::flush`] is cheaper: it only journals).
     pub fn sync(&self) -> Result<()> {
+        self.commit_all(true)
+    }
+
+    /// Commits everything written so far, zeroed ranges settled, and folds the reference log;
+    /// with `discard`, the entries of layers no stack shows are deleted first.
+    fn commit_all(&self, discard: bool) -> Result<()> {
         self.inner.commit()?;
         self.inner.settle_zeroed(None)?;
+        if discard {
+            self.inner
+                .discard_abandoned_layers(&AtomicBool::new(false), false)?;
+        }
         self.inner.fold_ref_log()
     }
 
@@ -438,8 +449,7 @@ impl Pool {
                 .seal_writers(DATA_WRITERS, self.inner.batches.stamp())?;
         }
         self.inner.flatten_all(true, &AtomicBool::new(false))?;
-        self.inner
-            .discard_abandoned_layers(&AtomicBool::new(false))?;
+        // Deletes the entries of layers no stack shows, too.
         self.sync()?;
         // Only the segments there now. The segments the cleaner fills meanwhile and those
         // concurrent writers seal become eligible as soon as a commit runs, and overwrites keep
@@ -464,9 +474,11 @@ impl Pool {
         Ok(cleaned)
     }
 
-    /// Checks every invariant of the pool's metadata and data (see [`crate::verify`]).
+    /// Checks every invariant of the pool's metadata and data (see [`crate::verify`]), after
+    /// committing what [`Pool::sync`] commits but for the deletion of dropped layers' entries.
     pub fn verify(&self) -> Result<crate::verify::VerifyReport> {
-        self.sync()?;
+        // The pool as it stands: layers no stack shows keep their entries (and references).
+        self.commit_all(false)?;
         crate::verify::verify(&self.inner)
     }
 

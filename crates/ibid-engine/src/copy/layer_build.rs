@@ -1,21 +1,27 @@
-//! A new layer written in bounded steps before any stack shows it (making range-copy frames
-//! permanent, see the parent module), so that no single transaction, and no hold of the commit
-//! lock, grows with the layer.
+//! Layers in no stack that still have map entries, listed in [`meta::BUILDING_KEY`]: a new
+//! layer written in bounded steps before any stack shows it (making range-copy frames
+//! permanent, see the parent module), and a layer whose last stack reference went (a deleted
+//! volume's or snapshot's, a copy's group's), whose entries are deleted in bounded steps — so
+//! that no single transaction, and no hold of the commit lock, grows with a layer.
 //!
-//! Each step is one transaction under the commit lock: the layer's next map entries and the
-//! chunk references they take (logged, `ref_log.rs`); the first step also allocates the
-//! layer's id and lists it in [`meta::BUILDING_KEY`]. The caller checks before each step that
-//! the stack the entries were read from still shows them: its layers keep the chunks alive
-//! until the new entries' references are logged. The caller's last step puts the layer in a
-//! stack and takes it off the list ([`Inner::finish_build`]).
+//! A build's steps are each one transaction under the commit lock: the layer's next map
+//! entries and the chunk references they take (logged, `ref_log.rs`); the first step also
+//! allocates the layer's id and lists it. The caller checks before each step that the stack
+//! the entries were read from still shows them: its layers keep the chunks alive until the new
+//! entries' references are logged. The caller's last step puts the layer in a stack and takes
+//! it off the list ([`Inner::finish_build`]).
 //!
 //! A listed layer that no running build owns ([`CommitState::building`]) is **abandoned**:
-//! its build gave up, or the pool closed or crashed during it. The background deletes an
-//! abandoned layer's entries in steps, dropping their references, and then takes it off the
-//! list ([`Inner::discard_abandoned_layers`]), checking before each step, under the commit lock,
-//! that the layer is still listed and unowned (a build that finished meanwhile has put it in a
-//! stack and unlisted it). A committed layer id is never reused, so an abandoned layer stays
-//! abandoned. `verify` accepts map entries of listed layers and counts their references.
+//! its build gave up, or the pool closed or crashed during it, or it was dropped
+//! ([`list_dropped`]: abandoned from the start). The background deletes an abandoned layer's
+//! entries in steps, dropping their references, and then takes it off the list
+//! ([`Inner::discard_abandoned_layers`]; [`crate::Pool::sync`] and a write that meets
+//! `NoSpace` do it too), checking before each step, under the commit lock, that the layer is
+//! still listed and unowned (a build that finished meanwhile has put it in a stack and
+//! unlisted it). A committed layer id is never reused, so an abandoned layer stays abandoned.
+//! `verify` accepts map entries of listed layers and counts their references: until its
+//! entries are gone, a dropped layer keeps its chunks alive, and the space they hold comes
+//! back as the steps go (and their slices of the reference log are folded).
 
 use crate::commit_state::CommitState;
 use crate::error::{Error, Result};
@@ -42,14 +48,27 @@ pub(crate) fn listed(txn: &impl Reader) -> Result<Vec<u64>> {
         .collect())
 }
 
-/// Writes the list of layers being built (removing the row when it is empty).
-fn write_list(txn: &mut WriteTxn, layers: &[u64]) {
+/// Writes the list of layers being built or deleted, ascending (removing the row when it is
+/// empty).
+fn write_list(txn: &mut WriteTxn, layers: &mut [u64]) {
     if layers.is_empty() {
         txn.remove(meta::POOL, meta::BUILDING_KEY);
         return;
     }
+    layers.sort_unstable();
     let bytes: Vec<u8> = layers.iter().flat_map(|l| l.to_le_bytes()).collect();
     txn.insert(meta::POOL, meta::BUILDING_KEY, bytes.as_slice());
+}
+
+/// Lists `layer`, whose last stack reference `txn` removes, for its entries to be deleted in
+/// steps by [`Inner::discard_abandoned_layers`] (no build owns it: it is abandoned at once).
+pub(crate) fn list_dropped(txn: &mut WriteTxn, layer: u64) -> Result<()> {
+    let mut list = listed(txn)?;
+    if !list.contains(&layer) {
+        list.push(layer);
+    }
+    write_list(txn, &mut list);
+    Ok(())
 }
 
 /// One build: the layer once its first step has allocated it.
@@ -84,7 +103,7 @@ impl Inner {
                 txn.insert(meta::POOL, meta::POOL_KEY, rec.encode().as_slice());
                 let mut list = listed(txn)?;
                 list.push(layer);
-                write_list(txn, &list);
+                write_list(txn, &mut list);
                 self.layer_filters.fresh(layer);
                 build.layer = Some(layer);
                 build.allocating = Some(rec);
@@ -126,7 +145,7 @@ impl Inner {
         };
         let mut list = listed(txn)?;
         list.retain(|&l| l != layer);
-        write_list(txn, &list);
+        write_list(txn, &mut list);
         Ok(())
     }
 
@@ -156,22 +175,57 @@ impl Inner {
 
     /// Deletes the entries of abandoned layers (see the module doc), `flatten_step_entries`
     /// per transaction, and takes each emptied layer off the list. Gives up between steps once
-    /// `stop` is set. Returns the entries deleted.
-    pub(crate) fn discard_abandoned_layers(&self, stop: &AtomicBool) -> Result<u64> {
+    /// `stop` is set, or, with `yield_to_commits` (the background thread, which is also the
+    /// committer), once a commit has been asked for: the next round goes on where this one
+    /// stopped. Returns the entries deleted.
+    pub(crate) fn discard_abandoned_layers(
+        &self,
+        stop: &AtomicBool,
+        yield_to_commits: bool,
+    ) -> Result<u64> {
         let layers = listed(&self.db.read()?)?;
-        self.discard_if_abandoned(&layers, stop)
+        let t0 = std::time::Instant::now();
+        let deleted = self.discard_if_abandoned(&layers, stop, yield_to_commits)?;
+        if deleted > 0 {
+            tracing::debug!(
+                "discard: {deleted} entries of layers no stack shows deleted in {:?} \
+                 ({} listed before)",
+                t0.elapsed(),
+                layers.len()
+            );
+            // Their references went to the log: fold it while the pool is idle (freed space
+            // shows within seconds).
+            self.wake_background();
+        }
+        Ok(deleted)
+    }
+
+    /// The entries of `inner`'s abandoned layers (a fresh reading of the list).
+    #[cfg(test)]
+    fn discard_now(&self) -> Result<u64> {
+        self.discard_abandoned_layers(&AtomicBool::new(false), false)
     }
 
     /// [`Inner::discard_abandoned_layers`] for `layers`, a list read earlier: each is checked
-    /// again, under the commit lock, before every step.
-    fn discard_if_abandoned(&self, layers: &[u64], stop: &AtomicBool) -> Result<u64> {
+    /// again, under the commit lock, before every step. A call yielding to commits makes at
+    /// least one step, so that writes that keep asking for commits do not starve it.
+    fn discard_if_abandoned(
+        &self,
+        layers: &[u64],
+        stop: &AtomicBool,
+        yield_to_commits: bool,
+    ) -> Result<u64> {
         let step = self.config.flatten_step_entries.max(1) as usize;
         let mut deleted = 0;
+        let mut stepped = false;
         for &layer in layers {
             loop {
-                if stop.load(Ordering::Acquire) {
+                if stop.load(Ordering::Acquire)
+                    || yield_to_commits && stepped && self.threads.wake_pending()
+                {
                     return Ok(deleted);
                 }
+                stepped = true;
                 let lo = format::map_key(layer, 0);
                 let end = {
                     let txn = self.db.read()?;
@@ -207,7 +261,7 @@ impl Inner {
                 if end.is_none() {
                     let mut list = listed(&txn)?;
                     list.retain(|&l| l != layer);
-                    write_list(&mut txn, &list);
+                    write_list(&mut txn, &mut list);
                 }
                 cs.ref_log.append(&mut txn, &by_slice(&deltas));
                 txn.commit()?;
@@ -215,7 +269,7 @@ impl Inner {
                 deleted += taken.len() as u64;
                 if end.is_none() {
                     self.layer_filters.forget(layer);
-                    self.event(|| format!("abandoned layer {layer} discarded"));
+                    self.event(|| format!("layer {layer} discarded (no stack showed it)"));
                     break;
                 }
             }
@@ -296,12 +350,7 @@ mod tests {
             assert_eq!(inner.commit.lock().building.iter().next(), Some(&layer));
             pool.verify().expect("verify with a layer being built");
             // Owned by a running build: the background leaves it alone.
-            assert_eq!(
-                inner
-                    .discard_abandoned_layers(&AtomicBool::new(false))
-                    .expect("discard"),
-                0
-            );
+            assert_eq!(inner.discard_now().expect("discard"), 0);
             if reopen {
                 drop((v, inner));
                 pool.close().expect("close");
@@ -315,16 +364,21 @@ mod tests {
             assert!(inner.commit.lock().building.is_empty());
             pool.verify().expect("verify an abandoned layer");
             pool.delete_volume("v").expect("delete");
-            pool.sync().expect("sync");
+            // The volume's own layer is dropped (listed, deleted in steps too); not `sync`,
+            // which would discard the abandoned layer as well.
+            assert_eq!(listed_now(&inner), vec![top, layer]);
+            let never = AtomicBool::new(false);
+            let dropped = inner
+                .discard_if_abandoned(&[top], &never, false)
+                .expect("discard the volume's layer");
+            assert_eq!(dropped, BLOCKS);
+            pool.verify().expect("verify with only the abandoned layer");
             assert_eq!(
                 pool.stats().unique_chunks,
                 20,
                 "the abandoned layer's chunks stay alive (reopen: {reopen})"
             );
-            pool.verify().expect("verify with only the abandoned layer");
-            let deleted = inner
-                .discard_abandoned_layers(&AtomicBool::new(false))
-                .expect("discard");
+            let deleted = inner.discard_now().expect("discard");
             assert_eq!(deleted, 20);
             assert!(listed_now(&inner).is_empty());
             pool.sync().expect("sync");
@@ -399,7 +453,7 @@ mod tests {
         let built = stack[0].layer;
         let none = pool
             .inner
-            .discard_if_abandoned(&[built], &AtomicBool::new(false))
+            .discard_if_abandoned(&[built], &AtomicBool::new(false), false)
             .expect("discard");
         assert_eq!(none, 0, "a finished layer was discarded");
         assert_eq!(read_all("c"), want, "the clone after a stale discard");
@@ -412,5 +466,85 @@ mod tests {
         pool.gc_now().expect("gc");
         assert_eq!(read_all("c"), want, "the clone outlives its source");
         pool.verify().expect("verify after the source's deletion");
+    }
+
+    /// Deleting a volume lists its private layer instead of deleting its entries in the
+    /// commit: the layer keeps its chunks alive (verify counts its entries' references), is
+    /// still listed after a reopen, and is discarded in steps — one step per call once a commit
+    /// has been asked for — after which every chunk but the snapshot's is freed. The layer of
+    /// the deleted volume's snapshot that a clone still shows is not dropped.
+    #[test]
+    fn a_deleted_volume_s_layer_is_discarded_in_steps() {
+        for reopen in [false, true] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let path = dir.path().join("pool");
+            let config = PoolConfig {
+                capacity_bytes: Some(1 << 30),
+                capacity_force: true,
+                background: false,
+                flatten_step_entries: 7,
+                ..PoolConfig::default()
+            };
+            let mut pool = Pool::create(&path, config.clone()).expect("create");
+            let v = pool.create_volume("v", BLOCKS * 4096).expect("volume");
+            for b in 0..4 {
+                v.write(b * 4096, &noise_block(b + 1), false)
+                    .expect("write");
+            }
+            pool.create_snapshot("v", "s").expect("snapshot");
+            drop(pool.clone_volume("v@s", "c").expect("clone"));
+            for b in 0..BLOCKS {
+                v.write(b * 4096, &noise_block(100 + b), false)
+                    .expect("write");
+            }
+            pool.sync().expect("sync");
+            assert_eq!(pool.stats().unique_chunks, BLOCKS + 4);
+            let stack = v.state().map.lock().stack.clone();
+            let (snapshot_layer, top) = (stack[0].layer, stack[1].layer);
+            drop(v);
+            pool.delete_volume("v")
+                .expect("delete the volume and its snapshot");
+            pool.verify().expect("verify with the dropped layer listed");
+            assert_eq!(listed_now(&pool.inner), vec![top], "only the private layer");
+            assert_eq!(
+                pool.stats().unique_chunks,
+                BLOCKS + 4,
+                "the dropped layer's entries keep their chunks"
+            );
+            if reopen {
+                pool.close().expect("close");
+                pool = Pool::open(&path, config.clone()).expect("reopen");
+                assert_eq!(listed_now(&pool.inner), vec![top], "listed after a reopen");
+                pool.verify().expect("verify after the reopen");
+            }
+            let inner = pool.inner.clone();
+            let never = AtomicBool::new(false);
+            // A commit asked for: one step, then the background thread commits.
+            inner.wake_background();
+            let step = inner
+                .discard_abandoned_layers(&never, true)
+                .expect("discard yielding");
+            assert_eq!(step, 7, "one step of 7 entries");
+            assert_eq!(listed_now(&inner), vec![top]);
+            pool.verify().expect("verify part way");
+            let rest = inner.discard_now().expect("discard the rest");
+            assert_eq!(step + rest, BLOCKS, "every entry of the layer deleted once");
+            assert!(listed_now(&inner).is_empty());
+            pool.sync().expect("sync");
+            assert_eq!(pool.stats().unique_chunks, 4, "only the clone's chunks");
+            let refs = inner
+                .db
+                .read()
+                .expect("read")
+                .get(meta::LAYERS, &snapshot_layer);
+            assert_eq!(refs.expect("layers"), Some(1), "the clone's reference");
+            let snap = pool.volume("c").expect("the clone");
+            let mut block = vec![0u8; 4096];
+            snap.read(3 * 4096, &mut block).expect("read");
+            assert_eq!(block, noise_block(4), "reopen: {reopen}");
+            pool.verify().expect("verify after the discard");
+            drop((snap, inner));
+            pool.close().expect("close");
+        }
     }
 }

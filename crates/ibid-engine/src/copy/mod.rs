@@ -293,7 +293,9 @@ impl Inner {
                 for k in &overwritten {
                     txn.remove(meta::MAP, k);
                 }
-                drop_layer_refs(txn, &inner.layer_filters, unshown, &mut deltas)?;
+                for layer in drop_layer_refs(txn, &inner.layer_filters, unshown)? {
+                    inner.event(|| format!("layer {layer} dropped"));
+                }
                 ref_log.append(txn, &by_slice(&deltas));
                 Ok(())
             })?;
@@ -516,12 +518,13 @@ impl Inner {
         record.layers = new_stack.clone();
         wtxn.insert(meta::LAYERS, &layer, &1);
         self.finish_build(&mut wtxn, build)?;
-        drop_layer_refs(
+        for layer in drop_layer_refs(
             &mut wtxn,
             &self.layer_filters,
             format::referenced_layers(upper),
-            &mut deltas,
-        )?;
+        )? {
+            self.event(|| format!("layer {layer} dropped"));
+        }
         cs.ref_log.append(&mut wtxn, &by_slice(&deltas));
         wtxn.insert(meta::VOLUMES, v.name.as_str(), record.encode().as_slice());
         // Swap under the map lock: a reader that walked the old stack sees the generation

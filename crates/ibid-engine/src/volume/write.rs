@@ -656,8 +656,9 @@ impl Inner {
         Ok(())
     }
 
-    /// Runs `op`; if it fails for lack of space, commits and folds the reference log (space
-    /// freed by overwrites, zeroing and deletes is only counted back then) and runs it once
+    /// Runs `op`; if it fails for lack of space, commits, deletes the entries of dropped
+    /// layers and folds the reference log (space freed by overwrites, zeroing and deletes is
+    /// only counted back then) and runs it once
     /// more, and again (up to [`RETRIES_AFTER_COMMIT_MAX`] times) while each commit freed
     /// space. If the pool still has room and only the filesystem refuses (garbage fills it: the
     /// cleaner fell behind the writes despite pacing, or has no thread), the writer cleans
@@ -675,7 +676,9 @@ impl Inner {
             }
             let before = self.space.used_now();
             self.commit()?;
-            // Overwritten chunks are freed when their reference changes are folded.
+            // A deleted volume's chunks are freed once its layers' entries are gone, and
+            // overwritten ones when their reference changes are folded.
+            self.discard_abandoned_layers(&std::sync::atomic::AtomicBool::new(false), false)?;
             self.fold_ref_log()?;
             let freed = self.space.used_now() < before;
             result = op();
