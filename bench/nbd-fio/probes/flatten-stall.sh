@@ -13,7 +13,8 @@
 # which is what the writes then feel. FSYNC=N flushes after every N writes (0: never), as a
 # database's log does. TARGET=bench writes to the volume being merged instead of another.
 # WORK=delete deletes `bench` (filled once) DELAY seconds in, and prints how long the delete
-# took: the writes then feel its layer's entries being deleted.
+# took: the writes then feel its layer's entries being deleted. QD=N runs the random writes at
+# queue depth N (default 1).
 HTTP=${HTTP:-127.0.0.1:18990}
 export RUST_LOG=${RUST_LOG:-info,ibid_engine::snapshot=debug,ibid_engine::copy=debug}
 . "$(dirname "$0")/common.sh"
@@ -21,13 +22,13 @@ BIN=$1
 start_ibid "$@"
 cli() { "$BIN" --server "http://$HTTP" "$@"; }
 SIZE=${SIZE:-4G} RUNTIME=${RUNTIME:-30} DELAY=${DELAY:-3} WORK=${WORK:-flatten} FSYNC=${FSYNC:-0}
-TARGET=${TARGET:-other}
+TARGET=${TARGET:-other} QD=${QD:-1}
 fill() {
     fio --name=w --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 --size="$SIZE" \
         --refill_buffers=1 --randseed="$1" --end_fsync=1 --output-format=json > /dev/null
 }
 writes() {
-    fio --name=r --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/$TARGET" --rw=randwrite --bs=4k --iodepth=1 --size="$SIZE" \
+    fio --name=r --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/$TARGET" --rw=randwrite --bs=4k --iodepth="$QD" --size="$SIZE" \
         --norandommap --refill_buffers=1 --randseed="$1" --time_based --runtime="$RUNTIME" --fsync="$FSYNC" \
         --lat_percentiles=1 --output-format=json > "$SCRATCH/r.json"
     fio_json "$SCRATCH/r.json" | python3 -c "

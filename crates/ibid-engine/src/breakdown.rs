@@ -21,7 +21,9 @@
 //! - **snapshot-only**: shown by no live volume: kept by snapshots alone, or by map entries
 //!   no stack shows — a deleted snapshot's layer that the volume overwrote, until the
 //!   background flattening merges it (seconds), or entries the windows of range-copied frames
-//!   hide; deleting snapshots (and that merging) is what frees it. Under load it also holds
+//!   hide, or a deleted volume's or snapshot's layer whose entries the background is still
+//!   deleting (`copy/layer_build.rs`; [`Pool::sync`] finishes it);
+//!   deleting snapshots (and that merging) is what frees it. Under load it also holds
 //!   chunks overwrites left with no reference that a commit has not freed yet (their
 //!   reference changes wait in the log, `ref_log.rs`; a quiet pool folds it within seconds).
 

@@ -473,9 +473,17 @@ impl Inner {
                 let m = v.map.lock();
                 (m.stack.clone(), m.committing.clone())
             };
-            // Its layers' entries all go below: nothing is left to settle.
-            let mut unbounded = u64::MAX;
-            self.write_overlay(txn, &stack, &committing, &mut deltas, &mut unbounded)?;
+            // A top layer only this stack shows is dropped below, and its entries deleted in
+            // the background's steps, each dropping its reference: its zeroed ranges need not
+            // settle here (which would cost their committed entries, unbounded). With no
+            // budget, only the blocks the overlay has entries for or settled are settled (see
+            // `write_overlay`): the rest keep their entries, whose references the discard
+            // drops once, as the settlement would have.
+            let top = stack.last().expect("a stack has a layer").layer;
+            let private = stack.iter().filter(|f| f.layer == top).count() == 1
+                && txn.get(meta::LAYERS, &top)? == Some(1);
+            let mut budget = if private { 0 } else { u64::MAX };
+            self.write_overlay(txn, &stack, &committing, &mut deltas, &mut budget)?;
             txn.remove(meta::ZEROING, &v.id);
             let dropped =
                 drop_layer_refs(txn, &self.layer_filters, format::referenced_layers(&stack))?;

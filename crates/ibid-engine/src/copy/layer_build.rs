@@ -547,4 +547,64 @@ mod tests {
             pool.close().expect("close");
         }
     }
+
+    /// The entries of `layer` in the last committed state.
+    fn entries_of(inner: &Inner, layer: u64) -> usize {
+        inner
+            .db
+            .read()
+            .expect("read")
+            .range(
+                meta::MAP,
+                format::map_key(layer, 0)..=format::map_key(layer, u64::MAX),
+            )
+            .expect("range")
+            .count()
+    }
+
+    /// A volume deleted with a zeroed range over its committed data still pending: the
+    /// deletion's commit does not settle the range (which costs its entries) but leaves them
+    /// to the discard — only a block written inside the range after the zero (its committed
+    /// entry's reference dropped there, the new entry written) and a block written before the
+    /// zero (its committed entry's reference already dropped by that write: removed without
+    /// dropping it again) are settled — and every chunk reference is dropped exactly once.
+    #[test]
+    fn a_volume_deleted_under_a_pending_zero_leaves_its_entries_to_the_discard() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            capacity_force: true,
+            background: false,
+            flatten_step_entries: 7,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.path().join("pool"), config).expect("create");
+        let v = pool.create_volume("v", BLOCKS * 4096).expect("volume");
+        for b in 0..BLOCKS {
+            v.write(b * 4096, &noise_block(b + 1), false)
+                .expect("write");
+        }
+        pool.sync().expect("sync");
+        let top = v.state().map.lock().stack[0].layer;
+        assert_eq!(entries_of(&pool.inner, top), BLOCKS as usize);
+        v.write(5 * 4096, &noise_block(500), false)
+            .expect("write before the zero");
+        v.write_zeroes(0, BLOCKS * 4096, false).expect("zero");
+        v.write(7 * 4096, &noise_block(700), false)
+            .expect("write inside the range");
+        drop(v);
+        pool.delete_volume("v").expect("delete");
+        assert_eq!(listed_now(&pool.inner), vec![top]);
+        assert_eq!(
+            entries_of(&pool.inner, top),
+            BLOCKS as usize - 1,
+            "only block 5's entry went in the deletion's commit"
+        );
+        pool.verify()
+            .expect("verify with the range left to the discard");
+        pool.sync().expect("sync: discard and fold");
+        assert!(listed_now(&pool.inner).is_empty());
+        assert_eq!(pool.stats().unique_chunks, 0, "every chunk freed once");
+        pool.verify().expect("verify after the discard");
+    }
 }
