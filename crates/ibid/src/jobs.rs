@@ -316,6 +316,10 @@ impl Jobs {
     where
         F: Future<Output = Result<Value, ApiError>> + Send + 'static,
     {
+        if self.stopping() {
+            // Early answer; `insert` checks again under the lock `stop` takes.
+            return Err(stopping_error());
+        }
         let id = {
             let mut n = self.next_id.lock();
             *n += 1;
@@ -331,7 +335,9 @@ impl Jobs {
             done: tokio::sync::Notify::new(),
             resume,
         });
-        self.insert(job.clone());
+        if !self.insert(job.clone()) {
+            return Err(stopping_error());
+        }
         self.write();
         let runner = job.clone();
         let jobs = self.clone();
@@ -365,8 +371,13 @@ impl Jobs {
         }
     }
 
-    fn insert(&self, job: Arc<Job>) {
+    /// Adds a job, unless the server is stopping (checked under the lock [`Jobs::stop`] takes
+    /// to cancel the running jobs, so that a job is either refused or cancelled by it).
+    fn insert(&self, job: Arc<Job>) -> bool {
         let mut jobs = self.jobs.lock();
+        if self.stopping() {
+            return false;
+        }
         jobs.insert(job.id, job);
         let finished: Vec<u64> = jobs
             .values()
@@ -379,6 +390,7 @@ impl Jobs {
         {
             jobs.remove(id);
         }
+        true
     }
 
     fn get(&self, id: u64) -> Result<Arc<Job>, ApiError> {
@@ -386,6 +398,17 @@ impl Jobs {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}"))
         })
     }
+}
+
+/// The answer to a request for a job once the server is stopping (a job started then would
+/// not be told of the stop, and the pool closes under it).
+fn stopping_error() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "stopping",
+        "the server is stopping: no new job is started; send the request again once it has \
+         restarted",
+    )
 }
 
 /// The status of a job's answer for a request that makes something (a volume): 201 when the
@@ -513,6 +536,34 @@ mod tests {
         assert_eq!(again.get(ids[1]).expect("job").view()["state"], INTERRUPTED);
         assert_eq!(again.take_interrupted(), vec![(ids[1], json!({"s": 2}))]);
         drop(again);
+        pool.close().expect("close");
+    }
+
+    /// Once the server is stopping, a request for a job is refused (503 `stopping`) and no job
+    /// is recorded: the stop has already told the running jobs, and would not tell this one.
+    #[tokio::test]
+    async fn a_job_asked_for_after_the_stop_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = ibid_engine::PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            capacity_force: true,
+            ..ibid_engine::PoolConfig::default()
+        };
+        let pool = ibid_engine::Pool::create(dir.path().join("pool"), config).expect("create");
+        let jobs = Arc::new(Jobs::open(&pool).expect("jobs"));
+        jobs.stop();
+        let progress = Arc::new(Progress::default());
+        let refused = jobs
+            .run("late", "late".into(), true, progress, None, async {
+                Ok(json!({}))
+            })
+            .await
+            .expect_err("refused");
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(refused.code(), "stopping");
+        assert!(jobs.jobs.lock().is_empty(), "no job recorded");
+        drop(jobs);
+        assert!(Jobs::open(&pool).expect("jobs").jobs.lock().is_empty());
         pool.close().expect("close");
     }
 }

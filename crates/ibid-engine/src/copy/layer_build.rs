@@ -200,7 +200,7 @@ impl Inner {
         Ok(deleted)
     }
 
-    /// The entries of `inner`'s abandoned layers (a fresh reading of the list).
+    /// Discards every abandoned layer to the end, without yielding (for tests).
     #[cfg(test)]
     fn discard_now(&self) -> Result<u64> {
         self.discard_abandoned_layers(&AtomicBool::new(false), false)
@@ -471,7 +471,7 @@ mod tests {
     /// Deleting a volume lists its private layer instead of deleting its entries in the
     /// commit: the layer keeps its chunks alive (verify counts its entries' references), is
     /// still listed after a reopen, and is discarded in steps — one step per call once a commit
-    /// has been asked for — after which every chunk but the snapshot's is freed. The layer of
+    /// has been asked for — after which every chunk but the clone's is freed. The layer of
     /// the deleted volume's snapshot that a clone still shows is not dropped.
     #[test]
     fn a_deleted_volume_s_layer_is_discarded_in_steps() {
