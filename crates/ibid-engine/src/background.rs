@@ -28,6 +28,9 @@ pub(crate) struct Threads {
     filters: Mutex<Option<JoinHandle<()>>>,
     woken: Mutex<bool>,
     wake: Condvar,
+    /// Set once the pool starts closing: work on the filter thread gives up (see
+    /// [`Threads::closing`]).
+    closing: AtomicBool,
 }
 
 impl Threads {
@@ -39,6 +42,7 @@ impl Threads {
 
     /// Tells the background threads to stop and waits for them (if they run).
     pub(crate) fn stop(&self) {
+        self.closing.store(true, Ordering::Release);
         let Some(bg) = self.background.lock().take() else {
             return;
         };
@@ -53,6 +57,13 @@ impl Threads {
     pub(crate) fn wake(&self) {
         *self.woken.lock() = true;
         self.wake.notify_one();
+    }
+
+    /// Whether the pool is closing: the filter thread's scans give up (a filter not finished
+    /// keeps answering through the one it replaces, or probes; the next open builds them
+    /// again), so that a close does not wait for a scan of the whole index.
+    pub(crate) fn closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
     }
 
     /// Whether the committer has been woken since its last wait (work it does between waits

@@ -30,6 +30,13 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
+/// Keys the filter thread's scans read between two looks at whether the pool is closing.
+#[cfg(not(test))]
+const CLOSING_CHECK_KEYS: u64 = 1 << 16;
+/// Small in tests, so that a scan of a few keys gives up.
+#[cfg(test)]
+const CLOSING_CHECK_KEYS: u64 = 4;
+
 /// Most commits [`Inner::settle_zeroed`] runs (each settles at least
 /// `PoolConfig::zero_settle_entries_max` entries or windows).
 pub(crate) const SETTLE_COMMITS_MAX: usize = 1 << 16;
@@ -268,10 +275,31 @@ impl Inner {
     /// index. New chunks go into the new filter as soon as it is installed; a commit right after
     /// makes sure every older chunk is in the index snapshot the scan reads.
     pub(crate) fn rebuild_bloom(&self) -> Result<()> {
+        if self.threads.closing() {
+            return Ok(());
+        }
         let capacity = bloom_capacity(self.space.live_chunks(), self.config.dedup_filter_min);
         let bloom = self.dedup.grow_filter(capacity);
         self.commit()?;
         let t0 = std::time::Instant::now();
+        match self.fill_bloom(&bloom)? {
+            Some(filled) => {
+                bloom.set_ready(self.space.live_chunks());
+                tracing::debug!(
+                    "dedup filter: {filled} fingerprints into a filter for {capacity} in {:.1} ms",
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
+            }
+            // The filter stays not ready: lookups go through the one it replaces.
+            None => tracing::debug!("dedup filter: rebuild given up, the pool is closing"),
+        }
+        Ok(())
+    }
+
+    /// Inserts every live fingerprint of the committed index into `bloom`; returns how many,
+    /// or `None` if the pool started closing meanwhile (checked every
+    /// [`CLOSING_CHECK_KEYS`] keys).
+    fn fill_bloom(&self, bloom: &crate::bloom::Bloom) -> Result<Option<u64>> {
         let txn = self.db.read()?;
         // Keys of chunks freed since the index's last merge are still in its B-tree (listed in
         // its gone rows until the merge removes them): left out, so the rebuilt filter holds
@@ -281,23 +309,23 @@ impl Inner {
             .map(|(_, key)| key)
             .collect();
         let mut filled = 0u64;
-        txn.for_each_key(meta::FPS, |key| {
+        let mut seen = 0u64;
+        let complete = txn.for_each_key_while(meta::FPS, |key| {
             if !gone.contains(&key) {
                 bloom.insert(meta::fps_key_prefix(key));
                 filled += 1;
             }
+            seen += 1;
+            !seen.is_multiple_of(CLOSING_CHECK_KEYS) || !self.threads.closing()
         })?;
-        drop(gone);
+        if !complete {
+            return Ok(None);
+        }
         for key in self.dedup.runs().keys() {
             bloom.insert(meta::fps_key_prefix(key));
             filled += 1;
         }
-        bloom.set_ready(self.space.live_chunks());
-        tracing::debug!(
-            "dedup filter: {filled} fingerprints into a filter for {capacity} in {:.1} ms",
-            t0.elapsed().as_secs_f64() * 1e3
-        );
-        Ok(())
+        Ok(Some(filled))
     }
 
     /// Completes the layer filters registered at open from one scan of each layer's entries
@@ -314,7 +342,11 @@ impl Inner {
                 crate::format::map_key(layer, 0),
                 crate::format::map_key(layer, u64::MAX),
             );
-            for item in txn.range(meta::MAP, lo..=hi)? {
+            for (i, item) in txn.range(meta::MAP, lo..=hi)?.enumerate() {
+                if (i as u64).is_multiple_of(CLOSING_CHECK_KEYS) && self.threads.closing() {
+                    // Pending filters exclude nothing: lookups probe the store.
+                    return Ok(());
+                }
                 blocks.insert(crate::format::decode_map_key(&item?.0).1);
             }
             self.layer_filters.complete(layer, blocks);
@@ -419,6 +451,61 @@ mod tests {
     use crate::format::{BLOCK_BYTES, RECORD_HEADER_BYTES};
     use crate::{Error, Pool, PoolConfig};
     use std::sync::{Arc, Barrier};
+
+    /// A dedup filter rebuild under way when the pool starts closing gives up within a few
+    /// keys (a close waited seconds for the scan of a large index): the grown filter stays not
+    /// ready, and every indexed fingerprint still answers "maybe" through the one it replaces.
+    #[test]
+    fn a_filter_rebuild_gives_up_when_the_pool_closes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            capacity_force: true,
+            background: false,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::create(dir.path().join("p"), config).expect("create");
+        let v = pool.create_volume("v", 1 << 20).expect("v");
+        for b in 0..40u64 {
+            v.write(b * 4096, &crate::test_data::noise_block(b + 1), false)
+                .expect("write");
+        }
+        pool.sync().expect("sync");
+        let inner = pool.inner.clone();
+        inner.threads.join_filters();
+        let keys: Vec<u128> = inner
+            .db
+            .read()
+            .expect("read")
+            .iter(crate::meta::FPS)
+            .expect("fps")
+            .map(|e| e.expect("key").0)
+            .collect();
+        let indexed = keys.len() as u64 + inner.dedup.runs().keys().count() as u64;
+        assert!(indexed >= 40, "{indexed} keys indexed");
+        inner.threads.stop();
+        assert!(inner.threads.closing());
+        inner.rebuild_bloom().expect("rebuild");
+        // Not even started once closing: the filter is the one built before.
+        assert!(inner.dedup.filter().inserted() >= 40);
+        // A rebuild that had started: its scan gives up after the first few keys.
+        let grown = inner.dedup.grow_filter(1 << 16);
+        assert_eq!(inner.fill_bloom(&grown).expect("fill"), None);
+        assert!(keys.len() > super::CLOSING_CHECK_KEYS as usize);
+        assert_eq!(
+            grown.inserted(),
+            super::CLOSING_CHECK_KEYS,
+            "given up at the first look"
+        );
+        for key in &keys {
+            assert!(
+                grown.may_contain(crate::meta::fps_key_prefix(*key)),
+                "an indexed fingerprint answers through the replaced filter"
+            );
+        }
+        drop((v, inner));
+        pool.close().expect("close");
+    }
 
     /// A held claim counts as used space at once, so a second claim cannot take the same
     /// bytes; a failed claim and a dropped one count nothing; writers claiming at once never

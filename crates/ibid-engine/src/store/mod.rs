@@ -596,14 +596,28 @@ impl ReadTxn<'_> {
             .map(|i| i.and_then(decode_pair::<K, V>)))
     }
 
-    /// Calls `f` with every key, in key order, without reading the values out.
-    pub fn for_each_key<K: Codec + ?Sized, V: ?Sized>(
+    /// Calls `f` with every key, in key order, without reading the values out, until `f`
+    /// answers `false`. Returns whether every key was seen.
+    pub fn for_each_key_while<K: Codec + ?Sized, V: ?Sized>(
         &self,
         def: Def<K, V>,
-        mut f: impl FnMut(K::Owned),
-    ) -> Result<()> {
-        self.snap
-            .for_each_key(def.table, &mut |k| K::decode(k).map(&mut f))
+        mut f: impl FnMut(K::Owned) -> bool,
+    ) -> Result<bool> {
+        let mut stopped = false;
+        let scanned = self.snap.for_each_key(def.table, &mut |k| {
+            if f(K::decode(k)?) {
+                Ok(())
+            } else {
+                // Ends the backend's scan; told apart from a real error by `stopped`.
+                stopped = true;
+                Err(Error::InvalidArgument("key scan stopped".into()))
+            }
+        });
+        match scanned {
+            Err(_) if stopped => Ok(false),
+            Err(e) => Err(e),
+            Ok(()) => Ok(true),
+        }
     }
 
     /// Every entry, in key order.
