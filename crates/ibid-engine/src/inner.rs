@@ -318,6 +318,7 @@ impl Inner {
             seen += 1;
             !seen.is_multiple_of(CLOSING_CHECK_KEYS) || !self.threads.closing()
         })?;
+        drop(gone);
         if !complete {
             return Ok(None);
         }

@@ -286,6 +286,26 @@ mod tests {
 
     const BLOCKS: u64 = 40;
 
+    /// A 1 GiB pool without background threads whose layers are built and discarded in
+    /// steps of 7 entries.
+    fn steps_of_7() -> PoolConfig {
+        PoolConfig {
+            capacity_bytes: Some(1 << 30),
+            capacity_force: true,
+            background: false,
+            flatten_step_entries: 7,
+            ..PoolConfig::default()
+        }
+    }
+
+    /// Writes each block `b` of `blocks` of `v` with `noise_block(seed + b)`.
+    fn write_noise(v: &crate::Volume, blocks: std::ops::Range<u64>, seed: u64) {
+        for b in blocks {
+            v.write(b * 4096, &noise_block(seed + b), false)
+                .expect("write");
+        }
+    }
+
     fn listed_now(inner: &Inner) -> Vec<u64> {
         listed(&inner.db.read().expect("read")).expect("the list")
     }
@@ -300,19 +320,10 @@ mod tests {
         for reopen in [false, true] {
             let dir = tempfile::tempdir().expect("tempdir");
             let path = dir.path().join("pool");
-            let config = PoolConfig {
-                capacity_bytes: Some(1 << 30),
-                capacity_force: true,
-                background: false,
-                flatten_step_entries: 7,
-                ..PoolConfig::default()
-            };
+            let config = steps_of_7();
             let mut pool = Pool::create(&path, config.clone()).expect("create");
             let v = pool.create_volume("v", BLOCKS * 4096).expect("volume");
-            for b in 0..BLOCKS {
-                v.write(b * 4096, &noise_block(b + 1), false)
-                    .expect("write");
-            }
+            write_noise(&v, 0..BLOCKS, 1);
             pool.sync().expect("sync");
             let chunks = pool.stats().unique_chunks;
             assert_eq!(chunks, BLOCKS, "one chunk per block");
@@ -406,10 +417,7 @@ mod tests {
         };
         let pool = Pool::create(dir.path().join("pool"), config).expect("create");
         let v = pool.create_volume("v", BLOCKS * 4096).expect("volume");
-        for b in 0..BLOCKS {
-            v.write(b * 4096, &noise_block(b + 1), false)
-                .expect("write");
-        }
+        write_noise(&v, 0..BLOCKS, 1);
         pool.create_snapshot("v", "s").expect("snapshot");
         for b in (0..BLOCKS).step_by(3) {
             v.write(b * 4096, &noise_block(1000 + b), false)
@@ -478,25 +486,13 @@ mod tests {
         for reopen in [false, true] {
             let dir = tempfile::tempdir().expect("tempdir");
             let path = dir.path().join("pool");
-            let config = PoolConfig {
-                capacity_bytes: Some(1 << 30),
-                capacity_force: true,
-                background: false,
-                flatten_step_entries: 7,
-                ..PoolConfig::default()
-            };
+            let config = steps_of_7();
             let mut pool = Pool::create(&path, config.clone()).expect("create");
             let v = pool.create_volume("v", BLOCKS * 4096).expect("volume");
-            for b in 0..4 {
-                v.write(b * 4096, &noise_block(b + 1), false)
-                    .expect("write");
-            }
+            write_noise(&v, 0..4, 1);
             pool.create_snapshot("v", "s").expect("snapshot");
             drop(pool.clone_volume("v@s", "c").expect("clone"));
-            for b in 0..BLOCKS {
-                v.write(b * 4096, &noise_block(100 + b), false)
-                    .expect("write");
-            }
+            write_noise(&v, 0..BLOCKS, 100);
             pool.sync().expect("sync");
             assert_eq!(pool.stats().unique_chunks, BLOCKS + 4);
             let stack = v.state().map.lock().stack.clone();
@@ -571,19 +567,10 @@ mod tests {
     #[test]
     fn a_volume_deleted_under_a_pending_zero_leaves_its_entries_to_the_discard() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let config = PoolConfig {
-            capacity_bytes: Some(1 << 30),
-            capacity_force: true,
-            background: false,
-            flatten_step_entries: 7,
-            ..PoolConfig::default()
-        };
+        let config = steps_of_7();
         let pool = Pool::create(dir.path().join("pool"), config).expect("create");
         let v = pool.create_volume("v", BLOCKS * 4096).expect("volume");
-        for b in 0..BLOCKS {
-            v.write(b * 4096, &noise_block(b + 1), false)
-                .expect("write");
-        }
+        write_noise(&v, 0..BLOCKS, 1);
         pool.sync().expect("sync");
         let top = v.state().map.lock().stack[0].layer;
         assert_eq!(entries_of(&pool.inner, top), BLOCKS as usize);
