@@ -25,6 +25,7 @@ use crate::format::{self, ChunkRecord, Frame, SegmentUsage, VolumeRecord};
 use crate::inner::Inner;
 use crate::journal::FlushOutcome;
 use crate::layer_filter::LayerFilters;
+use crate::map_table;
 use crate::meta;
 use crate::overlay::{Entry, Overlay};
 use crate::ref_log::{self, FoldRequest, RefLog};
@@ -687,6 +688,7 @@ impl Inner {
         } else {
             None
         };
+        let mut map = map_table::Changes::new();
         let mut span = Span {
             top,
             lower,
@@ -694,6 +696,7 @@ impl Inner {
             deltas,
             hide: &mut hide,
             unmapped: &mut unmapped,
+            map: &mut map,
         };
         for (b0, b1) in overlay.zeroed() {
             let read = read.as_ref().expect("opened when there are ranges");
@@ -707,7 +710,7 @@ impl Inner {
                 // A window costs one unit even when it finds nothing, so a range over an
                 // empty petabyte also settles in a bounded number of commits (64 at the
                 // defaults).
-                let found = span.settle(self, txn, read, w0, w1)?;
+                let found = span.settle(self, read, w0, w1)?;
                 *budget = budget.saturating_sub(1 + found);
                 w0 = w1;
             }
@@ -726,7 +729,7 @@ impl Inner {
                 )
                 .collect();
             for &b in &now {
-                span.settle(self, txn, read, b, b + 1)?;
+                span.settle(self, read, b, b + 1)?;
             }
             rest = without_blocks(&rest, &now);
         }
@@ -740,16 +743,16 @@ impl Inner {
             ),
         );
         for b in hide {
-            txn.insert(meta::MAP, &format::map_key(top, b), &format::ZERO_TOMBSTONE);
+            map.set(top, b, format::ZERO_TOMBSTONE);
         }
         for (block, entry) in overlay.all_entries() {
-            let key = format::map_key(top, block);
             match entry {
-                Entry::Data(id) => txn.insert(meta::MAP, &key, &id),
-                Entry::Zero if tombstones => txn.insert(meta::MAP, &key, &format::ZERO_TOMBSTONE),
-                Entry::Zero => txn.remove(meta::MAP, &key),
+                Entry::Data(id) => map.set(top, block, id),
+                Entry::Zero if tombstones => map.set(top, block, format::ZERO_TOMBSTONE),
+                Entry::Zero => map.remove(top, block),
             }
         }
+        map.write(txn)?;
         Ok((unmapped, rest))
     }
 }
@@ -764,6 +767,8 @@ struct Span<'a> {
     hide: &'a mut Vec<u64>,
     /// Blocks that stopped showing data and were not counted yet.
     unmapped: &'a mut u64,
+    /// The top layer's entries removed.
+    map: &'a mut map_table::Changes,
 }
 
 impl Span<'_> {
@@ -775,7 +780,6 @@ impl Span<'_> {
     fn settle(
         &mut self,
         inner: &Inner,
-        txn: &mut WriteTxn,
         read: &crate::store::ReadTxn,
         w0: u64,
         w1: u64,
@@ -787,7 +791,7 @@ impl Span<'_> {
         let mut found = removed.len() as u64;
         let mut top_had = HashSet::with_capacity(removed.len());
         for (b, chunk) in removed {
-            txn.remove(meta::MAP, &format::map_key(self.top, b));
+            self.map.remove(self.top, b);
             top_had.insert(b);
             if chunk != format::ZERO_TOMBSTONE && !self.overlay.settled(b) {
                 *self.deltas.entry(chunk).or_default() -= 1;

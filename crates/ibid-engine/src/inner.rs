@@ -339,16 +339,20 @@ impl Inner {
         let txn = self.db.read()?;
         for layer in pending {
             let mut blocks = roaring::RoaringTreemap::new();
-            let (lo, hi) = (
-                crate::format::map_key(layer, 0),
-                crate::format::map_key(layer, u64::MAX),
-            );
-            for (i, item) in txn.range(meta::MAP, lo..=hi)?.enumerate() {
-                if (i as u64).is_multiple_of(CLOSING_CHECK_KEYS) && self.threads.closing() {
-                    // Pending filters exclude nothing: lookups probe the store.
-                    return Ok(());
+            let mut seen = 0u64;
+            let mut closing = false;
+            crate::map_table::scan_while(&txn, layer, 0, u64::MAX, |b, _| {
+                if seen.is_multiple_of(CLOSING_CHECK_KEYS) && self.threads.closing() {
+                    closing = true;
+                    return false;
                 }
-                blocks.insert(crate::format::decode_map_key(&item?.0).1);
+                seen += 1;
+                blocks.insert(b);
+                true
+            })?;
+            if closing {
+                // Pending filters exclude nothing: lookups probe the store.
+                return Ok(());
             }
             self.layer_filters.complete(layer, blocks);
         }

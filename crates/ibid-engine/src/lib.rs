@@ -47,6 +47,7 @@ mod gc;
 mod inner;
 mod journal;
 mod layer_filter;
+pub mod map_table;
 pub mod meta;
 mod neighbours;
 mod overlay;

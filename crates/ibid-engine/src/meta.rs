@@ -6,7 +6,8 @@
 //! | `pool`     | `"fps.merged"` ([`FPS_MERGED_KEY`])   | per slice of the dedup index's key space, the commit that last merged it (u64 LE each; see `dedup_index.rs`) |
 //! | `pool`     | `"layers.building"` ([`BUILDING_KEY`]) | ids of layers in no stack whose entries are being written (a build) or deleted (a dropped or abandoned layer) (u64 LE each, ascending; see `copy/layer_build.rs`) |
 //! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
-//! | `map`      | (layer u64 BE, block u64 BE)         | chunk id (absent = zero)               |
+//! | `map.pages` | (layer u64 BE, block >> 4 u64 BE)   | a page: the entries (chunk id, absent = zero) of up to 16 neighbouring blocks (see `map_table.rs`) |
+//! | `map`      | (layer u64 BE, block u64 BE)         | chunk id; format version 10 and older only, moved into `map.pages` at open |
 //! | `chunk.pages` | chunk id >> 10                    | a page: the [`crate::format::ChunkRecord`]s of up to 16 neighbouring ids (see `chunk_table.rs`) |
 //! | `fps`      | (fingerprint prefix u64, chunk id) as u128 BE | () — the dedup index's B-tree |
 //! | `fps.runs` | commit number                        | a run: ascending `fps` keys, 16 B each, as written (merged out a slice at a time, never rewritten) |
@@ -50,8 +51,13 @@ pub const FPS_MERGED_KEY: &str = "fps.merged";
 pub const BUILDING_KEY: &str = "layers.building";
 /// Volumes by name.
 pub const VOLUMES: Def<str, [u8]> = Def::new(Table::Volumes);
-/// Volume maps: (layer, block) → chunk id.
+/// Volume maps of pools of format version 10 and older, one row per block: (layer, block) →
+/// chunk id. Emptied into [`MAP_PAGES`] when such a pool is opened
+/// ([`crate::map_table::upgrade`]).
 pub const MAP: Def<[u8; 16], u64> = Def::new(Table::Map);
+/// Volume maps: (layer, block >> 4) → a page of up to 16 entries (see [`crate::map_table`],
+/// the only module that reads or writes it).
+pub const MAP_PAGES: Def<[u8; 16], [u8]> = Def::new(Table::MapPages);
 /// Chunks: page key (`id >> chunk_table::PAGE_SHIFT`) → page of records (see
 /// [`crate::chunk_table`], the only module that reads or writes it).
 pub const CHUNK_PAGES: Def<u64, [u8]> = Def::new(Table::ChunkPages);
@@ -138,7 +144,8 @@ pub const POOL_KEY: &str = "pool";
 /// pool has no marks (its rows hold only unmerged keys), but a build that knows only version
 /// 8 would take merged keys for unmerged ones. 10 — map entries of layers in no stack yet,
 /// listed in [`BUILDING_KEY`]; a version 9 pool has none, but a build that knows only version
-/// 9 would take them for corruption and never delete them.
+/// 9 would take them for corruption and never delete them. 11 — map entries packed in pages
+/// (`map.pages`); a version 10 pool has its `map` rows moved into pages when opened.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -169,7 +176,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 10;
+pub const POOL_FORMAT_VERSION: u64 = 11;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

@@ -149,7 +149,7 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
         return Ok(false);
     }
     // The store moved its tables to this version's layout when it opened, and the chunk
-    // records move into pages here, in the transaction that rewrites the record, so older
+    // records and map entries move into pages here, in the transaction that rewrites the record, so older
     // builds refuse the pool from now on.
     tracing::info!(
         "pool {}: format version {} upgraded to {}",
@@ -163,6 +163,13 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
     if moved > 0 {
         tracing::info!(
             "pool {}: {moved} chunk records moved into pages",
+            dir.display()
+        );
+    }
+    let moved = crate::map_table::upgrade(&mut txn)?;
+    if moved > 0 {
+        tracing::info!(
+            "pool {}: {moved} map entries moved into pages",
             dir.display()
         );
     }

@@ -4,7 +4,7 @@
 //! the steps (the server's scrub thread, at a bounded rate) and keeps the cursor.
 
 use crate::error::{Error, Result};
-use crate::format::{self, VolumeRecord, BLOCK_BYTES};
+use crate::format::{VolumeRecord, BLOCK_BYTES};
 use crate::meta;
 use crate::pool::Pool;
 use std::collections::{BTreeMap, BTreeSet};
@@ -97,11 +97,10 @@ fn places_of(pool: &Pool, ids: &BTreeSet<u64>) -> Result<BTreeMap<u64, Vec<(Stri
         }
     }
     let mut entries = crate::stack::LoadedMap::new();
-    for item in txn.iter(meta::MAP)? {
-        let (k, v) = item?;
-        let (layer, block) = format::decode_map_key(&k);
+    crate::map_table::for_each(&txn, |layer, block, v| {
         entries.entry(layer).or_default().insert(block, v);
-    }
+        Ok(())
+    })?;
     let mut out: BTreeMap<u64, Vec<(String, u64)>> = BTreeMap::new();
     for (name, r) in &stacks {
         for (b, id) in crate::stack::resolve_loaded(&r.layers, &entries)? {

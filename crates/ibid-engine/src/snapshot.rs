@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, Frame, VolumeFormat, VolumeRecord, LAYERS_MAX};
 use crate::inner::Inner;
 use crate::layer_filter::LayerFilters;
+use crate::map_table;
 use crate::meta;
 use crate::pool::{validate_volume_name, Pool};
 use crate::ref_log::RefLog;
@@ -540,17 +541,7 @@ impl Inner {
         let step = self.config.flatten_step_entries.max(1) as usize;
         // The window's end, read without locks: the step moves whatever the window holds
         // when it runs, so a write meanwhile changes only how many entries that is.
-        let end = {
-            let txn = self.db.read()?;
-            let mut entries = txn.range(
-                meta::MAP,
-                format::map_key(moving, start)..=format::map_key(moving, u64::MAX),
-            )?;
-            match entries.nth(step) {
-                Some(entry) => Some(format::decode_map_key(&entry?.0).1),
-                None => None,
-            }
-        };
+        let end = map_table::nth_block(&self.db.read()?, moving, start, step)?;
         self.with_quiesced(v, |inner, cs, map| {
             let (at, lower, upper) = (merge.at, merge.lower, merge.upper);
             if inner.private_frozen_layer(&map.stack)? != Some(at)
@@ -649,12 +640,9 @@ enum MergeStep {
     Changed,
 }
 
-/// The map key range of `layer`'s entries with blocks in `blocks`.
-fn layer_keys(
-    layer: u64,
-    blocks: &std::ops::RangeInclusive<u64>,
-) -> std::ops::RangeInclusive<[u8; 16]> {
-    format::map_key(layer, *blocks.start())..=format::map_key(layer, *blocks.end())
+/// The block range `blocks` as `[b0, b1)`.
+fn span(blocks: &std::ops::RangeInclusive<u64>) -> (u64, u64) {
+    (*blocks.start(), blocks.end().saturating_add(1))
 }
 
 /// Removes the entries of layer `from` with blocks in `blocks` in `txn` and returns them as
@@ -667,11 +655,8 @@ fn take_entries(
     into: u64,
     blocks: &std::ops::RangeInclusive<u64>,
 ) -> Result<Vec<(u64, u64)>> {
-    let taken: Vec<(u64, u64)> = txn
-        .extract_range_if(meta::MAP, layer_keys(from, blocks), |_, _| true)?
-        .into_iter()
-        .map(|(k, id)| (format::decode_map_key(&k).1, id))
-        .collect();
+    let (b0, b1) = span(blocks);
+    let taken = map_table::take_all(txn, from, b0, b1)?;
     filters.grow(into, taken.iter().map(|&(block, _)| block));
     Ok(taken)
 }
@@ -690,27 +675,29 @@ fn merge_up(
     released: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
     let moved = take_entries(txn, filters, lower, upper, &blocks)?;
-    // The upper layer's blocks in one range read, not a lookup per moved entry.
-    let above: std::collections::HashSet<u64> = txn
-        .range(meta::MAP, layer_keys(upper, &blocks))?
+    let (b0, b1) = span(&blocks);
+    // The upper layer's entries in one range read, not a lookup per moved entry.
+    let above: BTreeMap<u64, u64> = map_table::entries(txn, upper, b0, b1)?
         .into_iter()
-        .map(|(k, _)| format::decode_map_key(&k).1)
         .collect();
+    let mut map = map_table::Changes::new();
     for (block, id) in moved {
-        if above.contains(&block) {
+        if above.contains_key(&block) {
             if id != format::ZERO_TOMBSTONE {
                 *released.entry(id).or_default() -= 1;
             }
         } else if id != format::ZERO_TOMBSTONE || !bottom {
-            txn.insert(meta::MAP, &format::map_key(upper, block), &id);
+            map.set(upper, block, id);
         }
     }
     if bottom {
-        txn.extract_range_if(meta::MAP, layer_keys(upper, &blocks), |_, &val| {
-            val == format::ZERO_TOMBSTONE
-        })?;
+        for (&block, &id) in &above {
+            if id == format::ZERO_TOMBSTONE {
+                map.remove(upper, block);
+            }
+        }
     }
-    Ok(())
+    map.write(txn)
 }
 
 /// Moves layer `upper`'s entries with blocks in `blocks` down into frozen layer `lower`, the
@@ -728,20 +715,25 @@ fn merge_down(
     blocks: std::ops::RangeInclusive<u64>,
     released: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
-    for (block, id) in take_entries(txn, filters, upper, lower, &blocks)? {
-        let key = format::map_key(lower, block);
-        if let Some(old) = txn.get(meta::MAP, &key)? {
+    let moved = take_entries(txn, filters, upper, lower, &blocks)?;
+    let (b0, b1) = span(&blocks);
+    let below: BTreeMap<u64, u64> = map_table::entries(txn, lower, b0, b1)?
+        .into_iter()
+        .collect();
+    let mut map = map_table::Changes::new();
+    for (block, id) in moved {
+        if let Some(&old) = below.get(&block) {
             if old != format::ZERO_TOMBSTONE {
                 *released.entry(old).or_default() -= 1;
             }
         }
         if id == format::ZERO_TOMBSTONE && bottom {
-            txn.remove(meta::MAP, &key);
+            map.remove(lower, block);
         } else {
-            txn.insert(meta::MAP, &key, &id);
+            map.set(lower, block, id);
         }
     }
-    Ok(())
+    map.write(txn)
 }
 
 #[cfg(test)]

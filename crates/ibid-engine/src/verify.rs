@@ -87,9 +87,10 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
     }
     let mut refs: HashMap<u64, u64> = HashMap::new();
     let mut entries = crate::stack::LoadedMap::new();
-    for item in txn.iter(meta::MAP)? {
-        let (k, v) = item?;
-        let (layer, block) = format::decode_map_key(&k);
+    if txn.iter(meta::MAP)?.next().is_some() {
+        return Err(fail("map rows of format 10 left beside the pages".into()));
+    }
+    crate::map_table::for_each(&txn, |layer, block, v| {
         if !layer_refs.contains_key(&layer) && !building.contains(&layer) {
             return Err(fail(format!("map entry for unreferenced layer {layer}")));
         }
@@ -103,7 +104,8 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         }
         entries.entry(layer).or_default().insert(block, v);
         report.map_entries += 1;
-    }
+        Ok(())
+    })?;
     for (name, r) in &stacks {
         let mut visible = crate::stack::resolve_loaded(&r.layers, &entries)?;
         visible.retain(|_, id| *id != format::ZERO_TOMBSTONE);

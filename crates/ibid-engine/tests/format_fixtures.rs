@@ -224,3 +224,8 @@ fn a_format_7_pool_with_snapshots_clones_frames_and_an_unreplayed_journal_opens(
 fn a_format_8_pool_left_by_a_crash_opens() {
     opens_and_lives_on("pool-v8.tar.gz", 8);
 }
+
+#[test]
+fn a_format_10_pool_has_its_map_moved_into_pages() {
+    opens_and_lives_on("pool-v10.tar.gz", 10);
+}

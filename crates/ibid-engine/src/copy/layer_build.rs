@@ -27,6 +27,7 @@ use crate::commit_state::CommitState;
 use crate::error::{Error, Result};
 use crate::format;
 use crate::inner::Inner;
+use crate::map_table;
 use crate::meta;
 use crate::ref_log::{by_slice, Deltas};
 use crate::store::{Reader, WriteTxn};
@@ -110,12 +111,14 @@ impl Inner {
                 layer
             }
         };
+        let mut map = map_table::Changes::new();
         for &(b, id) in entries {
-            txn.insert(meta::MAP, &format::map_key(layer, b), &id);
+            map.set(layer, b, id);
             if id != format::ZERO_TOMBSTONE {
                 *deltas.entry(id).or_default() += 1;
             }
         }
+        map.write(txn)?;
         // Before the commit (see layer_filter.rs).
         self.layer_filters
             .grow(layer, entries.iter().map(|&(b, _)| b));
@@ -226,16 +229,7 @@ impl Inner {
                     return Ok(deleted);
                 }
                 stepped = true;
-                let lo = format::map_key(layer, 0);
-                let end = {
-                    let txn = self.db.read()?;
-                    let mut entries =
-                        txn.range(meta::MAP, lo..=format::map_key(layer, u64::MAX))?;
-                    match entries.nth(step) {
-                        Some(entry) => Some(entry?.0),
-                        None => None,
-                    }
-                };
+                let end = map_table::nth_block(&self.db.read()?, layer, 0, step)?;
                 let mut cs = self.commit.lock();
                 let mut txn = self.db.write()?;
                 // Checked under the commit lock, which every change to the list and to the
@@ -244,14 +238,7 @@ impl Inner {
                 if cs.building.contains(&layer) || !listed(&txn)?.contains(&layer) {
                     break;
                 }
-                let taken = match end {
-                    Some(end) => txn.extract_range_if(meta::MAP, lo..end, |_, _| true)?,
-                    None => txn.extract_range_if(
-                        meta::MAP,
-                        lo..=format::map_key(layer, u64::MAX),
-                        |_, _| true,
-                    )?,
-                };
+                let taken = map_table::take_all(&mut txn, layer, 0, end.unwrap_or(u64::MAX))?;
                 let mut deltas = Deltas::new();
                 for (_, id) in &taken {
                     if *id != format::ZERO_TOMBSTONE {
@@ -329,20 +316,8 @@ mod tests {
             assert_eq!(chunks, BLOCKS, "one chunk per block");
             let inner = pool.inner.clone();
             let top = v.state().map.lock().stack[0].layer;
-            let entries: Vec<(u64, u64)> = inner
-                .db
-                .read()
-                .expect("read")
-                .range(
-                    meta::MAP,
-                    format::map_key(top, 0)..=format::map_key(top, u64::MAX),
-                )
-                .expect("range")
-                .map(|e| {
-                    let (k, id) = e.expect("entry");
-                    (format::decode_map_key(&k).1, id)
-                })
-                .collect();
+            let entries: Vec<(u64, u64)> =
+                map_table::layer_entries(&inner.db.read().expect("read"), top).expect("entries");
             assert_eq!(entries.len() as u64, BLOCKS);
             let mut build = LayerBuild::default();
             for part in entries[..20].chunks(10) {
@@ -441,17 +416,7 @@ mod tests {
             2,
             "the built layer under the clone's top: {stack:?}"
         );
-        let built_entries = pool
-            .inner
-            .db
-            .read()
-            .expect("read")
-            .range(
-                meta::MAP,
-                format::map_key(stack[0].layer, 0)..=format::map_key(stack[0].layer, u64::MAX),
-            )
-            .expect("range")
-            .count();
+        let built_entries = entries_of(&pool.inner, stack[0].layer);
         assert!(
             built_entries > 9,
             "{built_entries} entries: several steps of 3"
@@ -546,16 +511,9 @@ mod tests {
 
     /// The entries of `layer` in the last committed state.
     fn entries_of(inner: &Inner, layer: u64) -> usize {
-        inner
-            .db
-            .read()
-            .expect("read")
-            .range(
-                meta::MAP,
-                format::map_key(layer, 0)..=format::map_key(layer, u64::MAX),
-            )
-            .expect("range")
-            .count()
+        map_table::layer_entries(&inner.db.read().expect("read"), layer)
+            .expect("entries")
+            .len()
     }
 
     /// A volume deleted with a zeroed range over its committed data still pending: the

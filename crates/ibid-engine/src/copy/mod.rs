@@ -35,6 +35,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, Frame, FLOOR_LAYER};
 use crate::inner::Inner;
 use crate::layer_filter::LayerFilters;
+use crate::map_table;
 use crate::meta;
 use crate::ref_log::by_slice;
 use crate::store::{ReadTxn, Reader};
@@ -241,16 +242,12 @@ impl Inner {
                 // here is what each window showed before its copy.)
                 let before = count_data(&txn, &inner.layer_filters, old, c.db, c.db + c.n)?;
                 // Entries of dst's top layer in the window are overwritten by the copy.
-                for item in txn.range(
-                    meta::MAP,
-                    format::map_key(top.layer, c.db)..format::map_key(top.layer, c.db + c.n),
-                )? {
-                    let (k, id) = item?;
-                    overwritten.push(k);
+                map_table::scan(&txn, top.layer, c.db, c.db + c.n, |b, id| {
+                    overwritten.push((top.layer, b));
                     if id != format::ZERO_TOMBSTONE {
                         *deltas.entry(id).or_default() -= 1;
                     }
-                }
+                })?;
                 mapped[d] = (mapped[d] + after).checked_sub(before).ok_or_else(|| {
                     Error::Corrupt(format!(
                         "{}: {before} mapped blocks in the copy's window, {} in the volume",
@@ -290,9 +287,11 @@ impl Inner {
                 .map(|(&i, r)| (plain[i].name.as_str(), r))
                 .collect();
             inner.write_catalog_with(cs, &named, &[], &shown, &[], 0, |txn, ref_log| {
-                for k in &overwritten {
-                    txn.remove(meta::MAP, k);
+                let mut map = map_table::Changes::new();
+                for &(layer, b) in &overwritten {
+                    map.remove(layer, b);
                 }
+                map.write(txn)?;
                 for layer in drop_layer_refs(txn, &inner.layer_filters, unshown)? {
                     inner.event(|| format!("layer {layer} dropped"));
                 }
@@ -672,11 +671,12 @@ fn layer_ref_changes(old: &[Frame], new: &[Frame]) -> BTreeMap<u64, i64> {
 
 /// Whether `layer` has an entry (data or a zero tombstone) for a block in `[b0, b1)`.
 fn has_entry(txn: &ReadTxn, layer: u64, b0: u64, b1: u64) -> Result<bool> {
-    let mut it = txn.range(
-        meta::MAP,
-        format::map_key(layer, b0)..format::map_key(layer, b1),
-    )?;
-    Ok(it.next().transpose()?.is_some())
+    let mut found = false;
+    map_table::scan_while(txn, layer, b0, b1, |_, _| {
+        found = true;
+        false
+    })?;
+    Ok(found)
 }
 
 /// The frames of `embedded` (a frozen stack) that may show something in blocks `[b0, b1)`:
@@ -721,14 +721,13 @@ fn count_data(
             // One frame (a volume without snapshots or copies): count its entries in place.
             let (lo, hi) = (f.lo.max(b0), f.hi.min(b1));
             let mut count = 0;
-            for item in txn.range(
-                meta::MAP,
-                format::map_key(f.layer, f.source_block(lo))
-                    ..format::map_key(f.layer, f.source_block(hi - 1) + 1),
-            )? {
-                let (_, id) = item?;
-                count += u64::from(id != format::ZERO_TOMBSTONE);
-            }
+            map_table::scan(
+                txn,
+                f.layer,
+                f.source_block(lo),
+                f.source_block(hi - 1) + 1,
+                |_, id| count += u64::from(id != format::ZERO_TOMBSTONE),
+            )?;
             return Ok(count);
         }
     }

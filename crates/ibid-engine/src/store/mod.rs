@@ -37,7 +37,7 @@ pub enum Table {
     Pool,
     /// Volumes by name.
     Volumes,
-    /// Volume maps: (layer, block) → chunk id.
+    /// Volume maps one row per block (format version 10 and older; moved into pages at open).
     Map,
     /// Chunks one per row (format version 5 and older; emptied at open).
     Chunks,
@@ -64,10 +64,12 @@ pub enum Table {
     FpsGone,
     /// Reference-count changes to committed chunks not yet folded into their records.
     ChunkDeltas,
+    /// Volume maps in pages of neighbouring blocks: (layer, page) → entries.
+    MapPages,
 }
 
 /// Number of tables.
-pub const TABLES: usize = 15;
+pub const TABLES: usize = 16;
 
 impl Table {
     /// Every table, in index order.
@@ -87,6 +89,7 @@ impl Table {
         Table::ChunkPages,
         Table::FpsGone,
         Table::ChunkDeltas,
+        Table::MapPages,
     ];
 
     /// Position in [`Table::ALL`].
@@ -112,6 +115,7 @@ impl Table {
             Table::ChunkPages => "chunk.pages",
             Table::FpsGone => "fps.gone",
             Table::ChunkDeltas => "chunk.deltas",
+            Table::MapPages => "map.pages",
         }
     }
 }

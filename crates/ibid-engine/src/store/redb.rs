@@ -57,6 +57,8 @@ const FPS_DEAD: TableDefinition<u128, ()> = TableDefinition::new("fps.dead");
 const FPS_GONE: TableDefinition<u64, &[u8]> = TableDefinition::new("fps.gone");
 const ZEROING: TableDefinition<u64, &[u8]> = TableDefinition::new("zeroing");
 const CHUNK_DELTAS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunk.deltas");
+/// The map in pages (format version 11; see `map_table.rs`): byte-string keys like `map.bytes`.
+const MAP_PAGES: TableDefinition<&[u8], &[u8]> = TableDefinition::new("map.pages");
 
 /// Runs the generic function `$f` on the redb table of `$table`, with the other arguments.
 macro_rules! dispatch {
@@ -77,6 +79,7 @@ macro_rules! dispatch {
             Table::ChunkPages => $f(CHUNK_PAGES, $($arg),*),
             Table::FpsGone => $f(FPS_GONE, $($arg),*),
             Table::ChunkDeltas => $f(CHUNK_DELTAS, $($arg),*),
+            Table::MapPages => $f(MAP_PAGES, $($arg),*),
         }
     };
 }

@@ -378,19 +378,12 @@ pub(crate) fn scan_layer(
         return Ok(());
     }
     if b1 == b0 + 1 {
-        if let Some(v) = txn.get(meta::MAP, &format::map_key(layer, b0))? {
+        if let Some(v) = crate::map_table::get(txn, layer, b0)? {
             found(b0, v);
         }
         return Ok(());
     }
-    for item in txn.range(
-        meta::MAP,
-        format::map_key(layer, b0)..format::map_key(layer, b1),
-    )? {
-        let (k, v) = item?;
-        found(format::decode_map_key(&k).1, v);
-    }
-    Ok(())
+    crate::map_table::scan(txn, layer, b0, b1, found)
 }
 
 /// Checks a chunk's record `raw` (header and payload, as found at `rec`) and decodes its

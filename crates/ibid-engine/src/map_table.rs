@@ -1,0 +1,499 @@
+//! The volume maps: every layer's entries (block → chunk id, or a zero tombstone), packed in
+//! pages of neighbouring blocks.
+//!
+//! One row of [`meta::MAP_PAGES`] holds the entries of [`PAGE_BLOCKS`] consecutive blocks of
+//! one layer (key: [`page_key`], the layer and the block's page number, both big-endian, so a
+//! range scan walks a layer's blocks in order). A commit of 64 Ki new blocks written in order
+//! inserts 4 Ki rows instead of 64 Ki: each row costs the store a B-tree descent and its share
+//! of page handling whatever its size, and one row per block was, after the chunk records
+//! (`chunk_table.rs`), the largest per-block cost of a commit of new data.
+//!
+//! # Page format (the value of a `map.pages` row)
+//!
+//! ```text
+//! present u16 LE   bit i set: block (page << PAGE_BLOCKS_BITS) + i has an entry (never 0:
+//!                  a page left with no entry is deleted)
+//! value   u64 LE   one per set bit, in bit order: a chunk id, or format::ZERO_TOMBSTONE
+//! ```
+//!
+//! Pools of format version 10 and older kept one row per block in `map` ([`meta::MAP`]);
+//! [`upgrade`] moves them into pages when such a pool is opened.
+//!
+//! Every read and change of a map entry goes through this module. Reads see the committed
+//! state ([`ReadTxn`]) or a write transaction's own view ([`WriteTxn`]); changes inside a
+//! transaction are gathered in [`Changes`], which reads each page once, applies every change
+//! to it and writes it back once, or made by [`take`], which removes a range's entries.
+
+use crate::error::{Error, Result};
+use crate::format;
+use crate::meta;
+use crate::store::{ReadTxn, Reader, WriteTxn};
+use std::collections::BTreeMap;
+
+/// Blocks per page, as a power of two.
+pub const PAGE_BLOCKS_BITS: u32 = 4;
+/// Blocks per page.
+pub const PAGE_BLOCKS: u64 = 1 << PAGE_BLOCKS_BITS;
+/// Largest encoded page.
+const PAGE_BYTES_MAX: usize = 2 + 8 * PAGE_BLOCKS as usize;
+
+/// The key of the page holding `layer`'s entry for `block`.
+pub fn page_key(layer: u64, block: u64) -> [u8; 16] {
+    format::map_key(layer, block >> PAGE_BLOCKS_BITS)
+}
+
+/// One page, decoded: which of its blocks have an entry, and their values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Page {
+    present: u16,
+    values: [u64; PAGE_BLOCKS as usize],
+}
+
+impl Page {
+    fn decode(key: &[u8; 16], b: &[u8]) -> Result<Page> {
+        let corrupt = || {
+            let (layer, page) = format::decode_map_key(key);
+            Error::Corrupt(format!(
+                "map page {page} of layer {layer}: {} bytes",
+                b.len()
+            ))
+        };
+        if b.len() < 2 {
+            return Err(corrupt());
+        }
+        let present = u16::from_le_bytes([b[0], b[1]]);
+        if present == 0 || b.len() != 2 + 8 * present.count_ones() as usize {
+            return Err(corrupt());
+        }
+        let mut page = Page {
+            present,
+            ..Page::default()
+        };
+        let mut at = 2;
+        for i in 0..PAGE_BLOCKS as usize {
+            if present & (1 << i) != 0 {
+                page.values[i] = u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+                at += 8;
+            }
+        }
+        Ok(page)
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(PAGE_BYTES_MAX);
+        out.extend_from_slice(&self.present.to_le_bytes());
+        for i in 0..PAGE_BLOCKS as usize {
+            if self.present & (1 << i) != 0 {
+                out.extend_from_slice(&self.values[i].to_le_bytes());
+            }
+        }
+        out
+    }
+
+    fn get(&self, slot: usize) -> Option<u64> {
+        (self.present & (1 << slot) != 0).then_some(self.values[slot])
+    }
+
+    fn set(&mut self, slot: usize, value: Option<u64>) {
+        match value {
+            Some(v) => {
+                self.present |= 1 << slot;
+                self.values[slot] = v;
+            }
+            None => {
+                self.present &= !(1 << slot);
+                self.values[slot] = 0;
+            }
+        }
+    }
+
+    /// The (slot, value) pairs of its entries, ascending.
+    fn entries(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
+        (0..PAGE_BLOCKS as usize).filter_map(|i| self.get(i).map(|v| (i, v)))
+    }
+}
+
+fn slot(block: u64) -> usize {
+    (block & (PAGE_BLOCKS - 1)) as usize
+}
+
+/// Called with each page's key and encoded value in a scan; answers whether to go on.
+pub type PageVisitor<'a> = dyn FnMut(&[u8; 16], &[u8]) -> Result<bool> + 'a;
+
+/// A view of the map that can be scanned in key order: the committed state or a write
+/// transaction's.
+pub trait Source: Reader {
+    /// Calls `f(key, page)` for the pages with keys in `lo..=hi`, in key order, until it
+    /// answers `false`.
+    fn pages_while(&self, lo: [u8; 16], hi: [u8; 16], f: &mut PageVisitor<'_>) -> Result<()>;
+}
+
+impl Source for ReadTxn<'_> {
+    fn pages_while(&self, lo: [u8; 16], hi: [u8; 16], f: &mut PageVisitor<'_>) -> Result<()> {
+        for item in self.range(meta::MAP_PAGES, lo..=hi)? {
+            let (k, v) = item?;
+            if !f(&k, &v)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Source for WriteTxn<'_> {
+    fn pages_while(&self, lo: [u8; 16], hi: [u8; 16], f: &mut PageVisitor<'_>) -> Result<()> {
+        for (k, v) in self.range(meta::MAP_PAGES, lo..=hi)? {
+            if !f(&k, &v)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `layer`'s entry for `block`.
+pub fn get(r: &impl Reader, layer: u64, block: u64) -> Result<Option<u64>> {
+    let key = page_key(layer, block);
+    match r.get(meta::MAP_PAGES, &key)? {
+        Some(b) => Ok(Page::decode(&key, &b)?.get(slot(block))),
+        None => Ok(None),
+    }
+}
+
+/// Calls `f(block, value)` for `layer`'s entries with blocks in `[b0, b1)`, ascending, until
+/// it answers `false`.
+pub fn scan_while(
+    r: &impl Source,
+    layer: u64,
+    b0: u64,
+    b1: u64,
+    mut f: impl FnMut(u64, u64) -> bool,
+) -> Result<()> {
+    if b0 >= b1 {
+        return Ok(());
+    }
+    let (lo, hi) = (page_key(layer, b0), page_key(layer, b1 - 1));
+    r.pages_while(lo, hi, &mut |key, b| {
+        let page = Page::decode(key, b)?;
+        let base = format::decode_map_key(key).1 << PAGE_BLOCKS_BITS;
+        for (i, v) in page.entries() {
+            let block = base + i as u64;
+            if block >= b0 && block < b1 && !f(block, v) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })
+}
+
+/// Calls `f(block, value)` for every entry of `layer` with a block in `[b0, b1)`, ascending.
+pub fn scan(
+    r: &impl Source,
+    layer: u64,
+    b0: u64,
+    b1: u64,
+    mut f: impl FnMut(u64, u64),
+) -> Result<()> {
+    scan_while(r, layer, b0, b1, |b, v| {
+        f(b, v);
+        true
+    })
+}
+
+/// `layer`'s entries with blocks in `[b0, b1)` as (block, value), ascending.
+pub fn entries(r: &impl Source, layer: u64, b0: u64, b1: u64) -> Result<Vec<(u64, u64)>> {
+    let mut out = Vec::new();
+    scan(r, layer, b0, b1, |b, v| out.push((b, v)))?;
+    Ok(out)
+}
+
+/// Every entry of `layer`, as (block, value), ascending.
+pub fn layer_entries(r: &impl Source, layer: u64) -> Result<Vec<(u64, u64)>> {
+    entries(r, layer, 0, u64::MAX)
+}
+
+/// The block of `layer`'s `n`-th entry (counting from 0) at or after block `start`, if it has
+/// that many.
+pub fn nth_block(r: &impl Source, layer: u64, start: u64, n: usize) -> Result<Option<u64>> {
+    let mut seen = 0;
+    let mut found = None;
+    scan_while(r, layer, start, u64::MAX, |b, _| {
+        if seen == n {
+            found = Some(b);
+            return false;
+        }
+        seen += 1;
+        true
+    })?;
+    Ok(found)
+}
+
+/// Calls `f(layer, block, value)` for every entry of the map, in (layer, block) order.
+pub fn for_each(txn: &ReadTxn, mut f: impl FnMut(u64, u64, u64) -> Result<()>) -> Result<()> {
+    for item in txn.iter(meta::MAP_PAGES)? {
+        let (key, b) = item?;
+        let page = Page::decode(&key, &b)?;
+        let (layer, p) = format::decode_map_key(&key);
+        for (i, v) in page.entries() {
+            f(layer, (p << PAGE_BLOCKS_BITS) + i as u64, v)?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes `layer`'s entries with blocks in `[b0, b1)` for which `pick(value)` holds, in
+/// `txn`, and returns them as (block, value), ascending.
+pub fn take(
+    txn: &mut WriteTxn,
+    layer: u64,
+    b0: u64,
+    b1: u64,
+    mut pick: impl FnMut(u64) -> bool,
+) -> Result<Vec<(u64, u64)>> {
+    let mut out = Vec::new();
+    if b0 >= b1 {
+        return Ok(out);
+    }
+    let mut rewritten: Vec<([u8; 16], Page)> = Vec::new();
+    txn.pages_while(
+        page_key(layer, b0),
+        page_key(layer, b1 - 1),
+        &mut |key, b| {
+            let old = Page::decode(key, b)?;
+            let mut page = old;
+            let base = format::decode_map_key(key).1 << PAGE_BLOCKS_BITS;
+            for (i, v) in old.entries() {
+                let block = base + i as u64;
+                if block >= b0 && block < b1 && pick(v) {
+                    page.set(i, None);
+                    out.push((block, v));
+                }
+            }
+            if page != old {
+                rewritten.push((*key, page));
+            }
+            Ok(true)
+        },
+    )?;
+    for (key, page) in rewritten {
+        write_page(txn, &key, &page);
+    }
+    Ok(out)
+}
+
+/// Takes every entry of `layer` with a block in `[b0, b1)` (see [`take`]).
+pub fn take_all(txn: &mut WriteTxn, layer: u64, b0: u64, b1: u64) -> Result<Vec<(u64, u64)>> {
+    take(txn, layer, b0, b1, |_| true)
+}
+
+fn write_page(txn: &mut WriteTxn, key: &[u8; 16], page: &Page) {
+    if page.present == 0 {
+        txn.remove(meta::MAP_PAGES, key);
+    } else {
+        txn.insert(meta::MAP_PAGES, key, page.encode().as_slice());
+    }
+}
+
+/// Entries to set or remove in a write transaction, gathered by page: [`Changes::write`]
+/// reads each touched page once (as the transaction sees it), applies its changes (the last
+/// change of each block wins) and writes it back once.
+#[derive(Debug, Default)]
+pub struct Changes {
+    pages: BTreeMap<[u8; 16], Edit>,
+}
+
+/// The changes to one page: the entries set, and the slots removed.
+#[derive(Debug, Default)]
+struct Edit {
+    set: Page,
+    removed: u16,
+}
+
+impl Changes {
+    /// No changes.
+    pub fn new() -> Changes {
+        Changes::default()
+    }
+
+    /// Sets `layer`'s entry for `block` to `value` (a chunk id or a zero tombstone).
+    pub fn set(&mut self, layer: u64, block: u64, value: u64) {
+        let edit = self.pages.entry(page_key(layer, block)).or_default();
+        let s = slot(block);
+        edit.set.set(s, Some(value));
+        edit.removed &= !(1 << s);
+    }
+
+    /// Removes `layer`'s entry for `block` (absent or not).
+    pub fn remove(&mut self, layer: u64, block: u64) {
+        let edit = self.pages.entry(page_key(layer, block)).or_default();
+        let s = slot(block);
+        edit.set.set(s, None);
+        edit.removed |= 1 << s;
+    }
+
+    /// Whether nothing was changed.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// Applies the changes to `txn`.
+    pub fn write(self, txn: &mut WriteTxn) -> Result<()> {
+        for (key, edit) in self.pages {
+            let mut page = match txn.get(meta::MAP_PAGES, &key)? {
+                Some(b) => Page::decode(&key, &b)?,
+                None => Page::default(),
+            };
+            let before = page;
+            for i in 0..PAGE_BLOCKS as usize {
+                if edit.removed & (1 << i) != 0 {
+                    page.set(i, None);
+                }
+            }
+            for (i, v) in edit.set.entries() {
+                page.set(i, Some(v));
+            }
+            if page != before {
+                write_page(txn, &key, &page);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Moves the entries of a pool of format version 10 or older (one row per block in the `map`
+/// table) into pages, inside `txn`: the caller commits it with the pool record's new version,
+/// so a crash leaves either layout whole. Returns how many entries moved.
+pub fn upgrade(txn: &mut WriteTxn) -> Result<u64> {
+    let rows = txn.extract_range_if(meta::MAP, .., |_, _| true)?;
+    let moved = rows.len() as u64;
+    let mut changes = Changes::new();
+    for (k, v) in rows {
+        let (layer, block) = format::decode_map_key(&k);
+        changes.set(layer, block, v);
+    }
+    changes.write(txn)?;
+    Ok(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Backend, Store};
+
+    /// Entries set, removed and taken across page and layer boundaries read back as a
+    /// `BTreeMap` model says, through the committed state and the transaction's own view;
+    /// emptied pages are deleted.
+    #[test]
+    fn pages_follow_a_model() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let mut model: BTreeMap<(u64, u64), u64> = BTreeMap::new();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for round in 0..40 {
+            let mut txn = store.write()?;
+            let mut changes = Changes::new();
+            for _ in 0..50 {
+                let (layer, block) = (1 + next() % 3, next() % 100);
+                if next() % 3 == 0 {
+                    changes.remove(layer, block);
+                    model.remove(&(layer, block));
+                } else {
+                    let v = next() % 5;
+                    changes.set(layer, block, v);
+                    model.insert((layer, block), v);
+                }
+            }
+            changes.write(&mut txn)?;
+            if round % 4 == 3 {
+                let (layer, b0) = (1 + next() % 3, next() % 100);
+                let b1 = b0 + next() % 40;
+                let want: Vec<(u64, u64)> = model
+                    .range((layer, b0)..(layer, b1))
+                    .filter(|(_, &v)| v % 2 == 0)
+                    .map(|(&(_, b), &v)| (b, v))
+                    .collect();
+                let got = take(&mut txn, layer, b0, b1, |v| v % 2 == 0)?;
+                assert_eq!(got, want);
+                for (b, _) in got {
+                    model.remove(&(layer, b));
+                }
+            }
+            for layer in 1..=3 {
+                let want: Vec<(u64, u64)> = model
+                    .range((layer, 0)..=(layer, u64::MAX))
+                    .map(|(&(_, b), &v)| (b, v))
+                    .collect();
+                assert_eq!(layer_entries(&txn, layer)?, want, "write view");
+            }
+            txn.commit()?;
+            let r = store.read()?;
+            let mut all = BTreeMap::new();
+            for_each(&r, |layer, block, v| {
+                all.insert((layer, block), v);
+                Ok(())
+            })?;
+            assert_eq!(all, model, "round {round}");
+            for ((layer, block), v) in &model {
+                assert_eq!(get(&r, *layer, *block)?, Some(*v));
+            }
+            assert_eq!(get(&r, 2, 1000)?, None);
+            let want: Vec<(u64, u64)> = model
+                .range((2, 17)..(2, 61))
+                .map(|(&(_, b), &v)| (b, v))
+                .collect();
+            assert_eq!(entries(&r, 2, 17, 61)?, want);
+            let from: Vec<u64> = model
+                .range((1, 30)..=(1, u64::MAX))
+                .map(|(&(_, b), _)| b)
+                .collect();
+            assert_eq!(nth_block(&r, 1, 30, 3)?, from.get(3).copied());
+            for item in r.iter(meta::MAP_PAGES)? {
+                let (key, b) = item?;
+                assert!(Page::decode(&key, &b)?.present != 0, "no empty page stays");
+            }
+        }
+        Ok(())
+    }
+
+    /// A page whose bitmap is empty or disagrees with its length is corrupt, not misread.
+    #[test]
+    fn bad_pages_are_corrupt() {
+        let key = page_key(1, 0);
+        let mut page = Page::default();
+        page.set(3, Some(7));
+        page.set(9, Some(0));
+        let good = page.encode();
+        assert_eq!(Page::decode(&key, &good).expect("good"), page);
+        for bad in [&good[..good.len() - 1], &good[..1], &[0, 0][..], &[][..]] {
+            assert!(matches!(Page::decode(&key, bad), Err(Error::Corrupt(_))));
+        }
+    }
+
+    /// A pool's per-block rows (format 10) move into pages, and read back the same.
+    #[test]
+    fn rows_move_into_pages() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let mut txn = store.write()?;
+        let rows: Vec<(u64, u64, u64)> = (0..100).map(|i| (1 + i % 2, i * 7, i)).collect();
+        for &(layer, block, v) in &rows {
+            txn.insert(meta::MAP, &format::map_key(layer, block), &v);
+        }
+        txn.commit()?;
+        let mut txn = store.write()?;
+        assert_eq!(upgrade(&mut txn)?, 100);
+        txn.commit()?;
+        let r = store.read()?;
+        assert_eq!(r.iter(meta::MAP)?.count(), 0);
+        for &(layer, block, v) in &rows {
+            assert_eq!(get(&r, layer, block)?, Some(v));
+        }
+        Ok(())
+    }
+}
