@@ -409,6 +409,17 @@ mod tests {
                     model.insert((layer, block), v);
                 }
             }
+            // A run of neighbouring blocks (the common case: one page after another).
+            let (layer, start) = (1 + next() % 3, next() % 100);
+            for block in start..start + next() % 40 {
+                if next() % 4 == 0 {
+                    changes.remove(layer, block);
+                    model.remove(&(layer, block));
+                } else {
+                    changes.set(layer, block, block);
+                    model.insert((layer, block), block);
+                }
+            }
             changes.write(&mut txn)?;
             if round % 4 == 3 {
                 let (layer, b0) = (1 + next() % 3, next() % 100);
