@@ -388,13 +388,7 @@ mod tests {
         let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
         let store = Store::create(dir.path(), Backend::Redb)?;
         let mut model: BTreeMap<(u64, u64), u64> = BTreeMap::new();
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut next = crate::test_data::xorshift(0x9e37_79b9_7f4a_7c15);
         for round in 0..40 {
             let mut txn = store.write()?;
             let mut changes = Changes::new();

@@ -15,3 +15,14 @@ pub(crate) fn noise_block(seed: u64) -> Vec<u8> {
         })
         .collect()
 }
+
+/// A xorshift generator of u64 from `seed` (not 0), for tests' random operation sequences.
+pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}

@@ -452,13 +452,7 @@ fn writes_refused_by_a_filesystem_full_of_garbage_clean_and_go_on() {
     let pool = Pool::create(dir.path().join("p"), config).expect("create");
     let capacity = pool.stats().capacity_bytes;
     let v = pool.create_volume("v", 128 << 20).expect("volume");
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = crate::test_data::xorshift(0x9e37_79b9_7f4a_7c15);
     let mut model = vec![0u64; (128 << 20) / PIECE as usize];
     let mut block = vec![0u8; PIECE as usize];
     for i in 0..WRITES {
