@@ -394,7 +394,7 @@ mod tests {
             let mut changes = Changes::new();
             for _ in 0..50 {
                 let (layer, block) = (1 + next() % 3, next() % 100);
-                if next() % 3 == 0 {
+                if next().is_multiple_of(3) {
                     changes.remove(layer, block);
                     model.remove(&(layer, block));
                 } else {
@@ -406,7 +406,7 @@ mod tests {
             // A run of neighbouring blocks (the common case: one page after another).
             let (layer, start) = (1 + next() % 3, next() % 100);
             for block in start..start + next() % 40 {
-                if next() % 4 == 0 {
+                if next().is_multiple_of(4) {
                     changes.remove(layer, block);
                     model.remove(&(layer, block));
                 } else {
