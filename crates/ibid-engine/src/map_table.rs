@@ -50,21 +50,36 @@ struct Page {
 }
 
 impl Page {
-    fn decode(key: &[u8; 16], b: &[u8]) -> Result<Page> {
-        let corrupt = || {
+    /// The presence bitmap of encoded page `b`, checked against its length.
+    fn present(key: &[u8; 16], b: &[u8]) -> Result<u16> {
+        let present = match b {
+            [lo, hi, ..] => u16::from_le_bytes([*lo, *hi]),
+            _ => 0,
+        };
+        if present == 0 || b.len() != 2 + 8 * present.count_ones() as usize {
             let (layer, page) = format::decode_map_key(key);
-            Error::Corrupt(format!(
+            return Err(Error::Corrupt(format!(
                 "map page {page} of layer {layer}: {} bytes",
                 b.len()
-            ))
-        };
-        if b.len() < 2 {
-            return Err(corrupt());
+            )));
         }
-        let present = u16::from_le_bytes([b[0], b[1]]);
-        if present == 0 || b.len() != 2 + 8 * present.count_ones() as usize {
-            return Err(corrupt());
+        Ok(present)
+    }
+
+    /// The entry in `slot` of encoded page `b`, read without decoding the others.
+    fn value_in(key: &[u8; 16], b: &[u8], slot: usize) -> Result<Option<u64>> {
+        let present = Page::present(key, b)?;
+        if present & (1 << slot) == 0 {
+            return Ok(None);
         }
+        let at = 2 + 8 * (present & ((1 << slot) - 1)).count_ones() as usize;
+        Ok(Some(u64::from_le_bytes(
+            b[at..at + 8].try_into().expect("8 bytes"),
+        )))
+    }
+
+    fn decode(key: &[u8; 16], b: &[u8]) -> Result<Page> {
+        let present = Page::present(key, b)?;
         let mut page = Page {
             present,
             ..Page::default()
@@ -155,7 +170,7 @@ impl Source for WriteTxn<'_> {
 pub fn get(r: &impl Reader, layer: u64, block: u64) -> Result<Option<u64>> {
     let key = page_key(layer, block);
     match r.get(meta::MAP_PAGES, &key)? {
-        Some(b) => Ok(Page::decode(&key, &b)?.get(slot(block))),
+        Some(b) => Page::value_in(&key, &b, slot(block)),
         None => Ok(None),
     }
 }
@@ -329,11 +344,6 @@ impl Changes {
         let s = slot(block);
         edit.set.set(s, None);
         edit.removed |= 1 << s;
-    }
-
-    /// Whether nothing was changed.
-    pub fn is_empty(&self) -> bool {
-        self.pages.is_empty()
     }
 
     /// Applies the changes to `txn`.

@@ -645,20 +645,26 @@ fn span(blocks: &std::ops::RangeInclusive<u64>) -> (u64, u64) {
     (*blocks.start(), blocks.end().saturating_add(1))
 }
 
+/// A window's entries taken from one layer, (block, chunk id) ascending, and the receiving
+/// layer's entries there, by block.
+type Taken = (Vec<(u64, u64)>, BTreeMap<u64, u64>);
+
 /// Removes the entries of layer `from` with blocks in `blocks` in `txn` and returns them as
 /// (block, chunk id), having grown layer `into`'s filter with their blocks (before the
-/// commit, as the filters require: `layer_filter.rs`).
+/// commit, as the filters require: `layer_filter.rs`), with `into`'s own entries in `blocks`
+/// (one range read, not a lookup per moved entry).
 fn take_entries(
     txn: &mut WriteTxn,
     filters: &LayerFilters,
     from: u64,
     into: u64,
     blocks: &std::ops::RangeInclusive<u64>,
-) -> Result<Vec<(u64, u64)>> {
+) -> Result<Taken> {
     let (b0, b1) = span(blocks);
     let taken = map_table::take_all(txn, from, b0, b1)?;
     filters.grow(into, taken.iter().map(|&(block, _)| block));
-    Ok(taken)
+    let there = map_table::entries(txn, into, b0, b1)?.into_iter().collect();
+    Ok((taken, there))
 }
 
 /// Moves frozen layer `lower`'s entries with blocks in `blocks` up into `upper`, the layer
@@ -674,12 +680,7 @@ fn merge_up(
     blocks: std::ops::RangeInclusive<u64>,
     released: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
-    let moved = take_entries(txn, filters, lower, upper, &blocks)?;
-    let (b0, b1) = span(&blocks);
-    // The upper layer's entries in one range read, not a lookup per moved entry.
-    let above: BTreeMap<u64, u64> = map_table::entries(txn, upper, b0, b1)?
-        .into_iter()
-        .collect();
+    let (moved, above) = take_entries(txn, filters, lower, upper, &blocks)?;
     let mut map = map_table::Changes::new();
     for (block, id) in moved {
         if above.contains_key(&block) {
@@ -715,11 +716,7 @@ fn merge_down(
     blocks: std::ops::RangeInclusive<u64>,
     released: &mut BTreeMap<u64, i64>,
 ) -> Result<()> {
-    let moved = take_entries(txn, filters, upper, lower, &blocks)?;
-    let (b0, b1) = span(&blocks);
-    let below: BTreeMap<u64, u64> = map_table::entries(txn, lower, b0, b1)?
-        .into_iter()
-        .collect();
+    let (moved, below) = take_entries(txn, filters, upper, lower, &blocks)?;
     let mut map = map_table::Changes::new();
     for (block, id) in moved {
         if let Some(&old) = below.get(&block) {
