@@ -94,6 +94,18 @@ impl Inner {
                 self.event(|| format!("flush: journaled (batch {})", self.batches.stamp()));
                 Ok(())
             }
+            Ok(FlushOutcome::Filling) => {
+                // Journaled; the journal file is filling: the background thread commits now,
+                // so that no later flush finds it full and commits on its caller's time.
+                self.event(|| {
+                    format!(
+                        "flush: journaled (batch {}), file filling",
+                        self.batches.stamp()
+                    )
+                });
+                self.wake_background();
+                Ok(())
+            }
             Ok(FlushOutcome::NeedsCommit) => {
                 self.event(|| "flush: needs a commit".into());
                 self.commit()

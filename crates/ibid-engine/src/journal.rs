@@ -73,6 +73,10 @@ pub const JOURNAL_HEADER_BYTES: usize = 24;
 pub const JOURNAL_PREWRITTEN_BYTES: u64 = 4 << 20;
 /// A journal file never grows past this: a flush that would need more commits instead.
 pub const JOURNAL_FILE_BYTES_MAX: u64 = 128 << 20;
+/// A flush that leaves its batch's journal file longer than this asks for a commit (once per
+/// batch), so that the background thread starts one while there is room left, instead of a
+/// later flush finding the file full and committing on its caller's time.
+pub const JOURNAL_FILE_BYTES_COMMIT: u64 = JOURNAL_FILE_BYTES_MAX / 4 * 3;
 /// New data a flush carries inline at most; above it, the flush syncs the segments instead.
 pub const INLINE_BYTES_MAX: u64 = 1 << 20;
 /// Batches whose changes may be journaled and not committed at any time: the one a commit is
@@ -405,6 +409,8 @@ struct Files {
     durable: u64,
     /// Page-aligned staging for direct writes, grown as needed.
     staging: AlignedBuf,
+    /// The newest batch whose file's filling a flush has reported ([`FlushOutcome::Filling`]).
+    filling_told: u64,
 }
 
 #[derive(Default)]
@@ -442,6 +448,10 @@ pub(crate) struct Journal {
 pub(crate) enum FlushOutcome {
     /// Everything asked for is durable.
     Done,
+    /// Everything asked for is durable, and the batch's journal file has passed
+    /// [`JOURNAL_FILE_BYTES_COMMIT`]: the caller should have a commit started soon (said once
+    /// per batch).
+    Filling,
     /// The journal file would grow too large: the caller must commit instead.
     NeedsCommit,
 }
@@ -490,6 +500,7 @@ impl Journal {
                 files,
                 durable: 0,
                 staging: AlignedBuf::with_capacity(1 << 20),
+                filling_told: 0,
             }),
         })
     }
@@ -598,8 +609,10 @@ impl Journal {
         let Files {
             files: journal_files,
             staging,
+            filling_told,
             ..
         } = &mut *files;
+        let mut filling = false;
         // Oldest batch first, each file synced before the next is written: the newer batch's
         // changes may depend on the older one's (an entry referencing a chunk it wrote), and
         // recovery replays each file up to its first damaged record — so a newer batch's
@@ -613,13 +626,21 @@ impl Journal {
             f.file
                 .sync_data()
                 .map_err(|e| Error::io("sync journal", e))?;
+            if f.len > JOURNAL_FILE_BYTES_COMMIT && *filling_told < *stamp {
+                *filling_told = *stamp;
+                filling = true;
+            }
         }
         assert!(
             upto >= files.durable,
             "the journal's durable count went back"
         );
         files.durable = upto;
-        Ok(FlushOutcome::Done)
+        Ok(if filling {
+            FlushOutcome::Filling
+        } else {
+            FlushOutcome::Done
+        })
     }
 }
 
