@@ -13,12 +13,16 @@
 //! changes, and commit as one batch. Keys and values cross the seam as bytes
 //! ([`Codec`]: integers big-endian so byte order is numeric order).
 //!
+//! Point reads of the tables the I/O path reads most go through a cache of their committed
+//! rows ([`row_cache`]), which commits keep up to date.
+//!
 //! Backends: [`redb`] (the file `meta.redb`) and [`fjall`] (the directory `meta.fjall/`). A pool
 //! records its backend by which of the two it holds, so it always reopens with the backend it
 //! was created with.
 
 pub mod fjall;
 pub mod redb;
+pub mod row_cache;
 
 use crate::disk::{Disk, FsDisk};
 use crate::error::{Error, Result};
@@ -457,6 +461,8 @@ pub struct Store {
     /// changes; allocated afresh each time, that memory came from the kernel, zeroed, on
     /// every commit.
     writer: Mutex<Batch>,
+    /// Committed rows of the most read tables.
+    cache: row_cache::RowCache,
 }
 
 impl Store {
@@ -501,6 +507,7 @@ impl Store {
             backend,
             kind,
             writer: Mutex::new(Batch::default()),
+            cache: row_cache::RowCache::new(row_cache::ROW_CACHE_BYTES),
         }
     }
 
@@ -511,8 +518,12 @@ impl Store {
 
     /// A read transaction on the last committed state.
     pub fn read(&self) -> Result<ReadTxn<'_>> {
+        // The generation first: the snapshot is then of that batch or a newer one.
+        let generation = self.cache.generation();
         Ok(ReadTxn {
             snap: self.backend.snapshot()?,
+            cache: &self.cache,
+            generation,
         })
     }
 
@@ -520,8 +531,11 @@ impl Store {
     pub fn write(&self) -> Result<WriteTxn<'_>> {
         let mut guard = self.writer.lock();
         let batch = std::mem::take(&mut *guard);
+        // No commit runs while the writer lock is held: the base is of this generation.
+        let generation = self.cache.generation();
         Ok(WriteTxn {
             base: Some(self.backend.snapshot()?),
+            generation,
             batch,
             store: self,
             guard,
@@ -577,11 +591,34 @@ pub trait Reader {
 /// A consistent read of the committed state.
 pub struct ReadTxn<'a> {
     snap: Box<dyn Snapshot + 'a>,
+    cache: &'a row_cache::RowCache,
+    /// The cache's generation when the snapshot was taken.
+    generation: u64,
+}
+
+/// `key` of `table` from `cache` if it holds it for `generation`, else from `snap` (offered
+/// to the cache).
+fn cached_get(
+    cache: &row_cache::RowCache,
+    generation: u64,
+    snap: &(dyn Snapshot + '_),
+    table: Table,
+    key: &[u8],
+) -> Result<Option<Vec<u8>>> {
+    if !row_cache::RowCache::caches(table) {
+        return snap.get(table, key);
+    }
+    if let Some(row) = cache.get(generation, table, key) {
+        return Ok(row);
+    }
+    let row = snap.get(table, key)?;
+    cache.offer(generation, table, key, row.as_deref());
+    Ok(row)
 }
 
 impl Reader for ReadTxn<'_> {
     fn get_raw(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        self.snap.get(table, key)
+        cached_get(self.cache, self.generation, &*self.snap, table, key)
     }
 }
 
@@ -643,6 +680,8 @@ pub struct WriteTxn<'a> {
     /// The committed state this transaction reads under its changes; released before the
     /// batch is written.
     base: Option<Box<dyn Snapshot + 'a>>,
+    /// The row cache's generation of `base`.
+    generation: u64,
     batch: Batch,
     store: &'a Store,
     /// The store's writer lock; gets the batch back, emptied, when the transaction ends.
@@ -663,7 +702,7 @@ impl Reader for WriteTxn<'_> {
     fn get_raw(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>> {
         match self.batch.tables[table.index()].get(key) {
             Some(v) => Ok(v),
-            None => self.base().get(table, key),
+            None => cached_get(&self.store.cache, self.generation, self.base(), table, key),
         }
     }
 }
@@ -763,7 +802,11 @@ impl WriteTxn<'_> {
         if self.batch.is_empty() {
             return ready();
         }
-        self.store.backend.write(&self.batch, &mut ready)
+        let cache = &self.store.cache;
+        cache.begin(&self.batch);
+        let written = self.store.backend.write(&self.batch, &mut ready);
+        cache.end(&self.batch, written.is_ok());
+        written
     }
 }
 
@@ -839,6 +882,51 @@ mod tests {
             assert_eq!(all, vec![(256, 2560)]);
             assert_eq!(r.get(meta::VOLUMES, "vm1")?, Some(b"record".to_vec()));
             assert!(store.disk_bytes() > 0);
+        }
+        Ok(())
+    }
+
+    /// Both backends, through the row cache (`map.pages`): a read transaction keeps seeing its
+    /// snapshot's rows after a commit changed them, a new one sees the commit's, a row read
+    /// during a commit's `ready` is the old one and the cache does not keep it, and a failed
+    /// commit leaves the old rows served.
+    #[test]
+    fn cached_rows_follow_each_transactions_snapshot() -> Result<()> {
+        for kind in [Backend::Redb, Backend::Fjall] {
+            let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+            let store = Store::create(dir.path(), kind)?;
+            let (a, b) = ([1u8; 16], [2u8; 16]);
+            let row = |txn: &ReadTxn, k: &[u8; 16]| txn.get(meta::MAP_PAGES, k);
+            let mut txn = store.write()?;
+            txn.insert(meta::MAP_PAGES, &a, b"one".as_slice());
+            txn.commit()?;
+            let old = store.read()?;
+            assert_eq!(row(&old, &a)?, Some(b"one".to_vec()));
+            assert_eq!(row(&old, &b)?, None);
+            let mut txn = store.write()?;
+            txn.insert(meta::MAP_PAGES, &a, b"two".as_slice());
+            txn.insert(meta::MAP_PAGES, &b, b"new".as_slice());
+            assert_eq!(txn.get(meta::MAP_PAGES, &a)?, Some(b"two".to_vec()));
+            txn.commit_after(|| {
+                let during = store.read()?;
+                assert_eq!(row(&during, &a)?, Some(b"one".to_vec()), "{kind:?}");
+                Ok(())
+            })?;
+            assert_eq!(
+                row(&old, &a)?,
+                Some(b"one".to_vec()),
+                "{kind:?}: old snapshot"
+            );
+            assert_eq!(row(&old, &b)?, None, "{kind:?}: old snapshot");
+            let new = store.read()?;
+            assert_eq!(row(&new, &a)?, Some(b"two".to_vec()), "{kind:?}");
+            assert_eq!(row(&new, &b)?, Some(b"new".to_vec()), "{kind:?}");
+            let mut txn = store.write()?;
+            txn.remove(meta::MAP_PAGES, &a);
+            let failed = txn.commit_after(|| Err(Error::Failed("not ready".into())));
+            assert!(failed.is_err());
+            assert_eq!(row(&store.read()?, &a)?, Some(b"two".to_vec()), "{kind:?}");
+            assert_eq!(row(&new, &a)?, Some(b"two".to_vec()), "{kind:?}");
         }
         Ok(())
     }
