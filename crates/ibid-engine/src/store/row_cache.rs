@@ -14,6 +14,9 @@
 //!   moves on, and the batch's new rows replace the marks (write-through) — or, if the batch
 //!   failed, the marks are dropped.
 //!
+//! A batch that changes more than [`MARKS_MAX`] cached rows (a format upgrade's, say) empties
+//! the cache instead and turns it off until it ends, rather than marking each row.
+//!
 //! Rows absent from the store are cached too (as `None`). Eviction is first in, first out,
 //! within [`ROW_CACHE_BYTES`].
 
@@ -32,6 +35,9 @@ const ROW_OVERHEAD_BYTES: usize = 80;
 /// Rows marked or written through per hold of the lock, so that readers wait little behind a
 /// large commit.
 const ROWS_PER_LOCK: usize = 4096;
+/// Most rows a batch marks; one that changes more empties the cache and turns it off while
+/// it is written.
+pub const MARKS_MAX: usize = 256 << 10;
 
 /// A cached row's key: table index, key length, key bytes (keys of up to 16 bytes).
 type Key = (u8, u8, [u8; 16]);
@@ -57,6 +63,8 @@ struct State {
     order: VecDeque<(u64, Key)>,
     next_seq: u64,
     bytes: usize,
+    /// A batch too large to mark is being written: nothing is served or taken.
+    off: bool,
 }
 
 /// The cache (see the module documentation).
@@ -138,7 +146,7 @@ impl RowCache {
     pub fn get(&self, generation: u64, table: Table, key: &[u8]) -> Option<Option<Vec<u8>>> {
         let k = key_of(table, key)?;
         let state = self.state.lock();
-        if state.generation != generation {
+        if state.generation != generation || state.off {
             return None;
         }
         match &state.rows.get(&k)?.row {
@@ -154,6 +162,7 @@ impl RowCache {
         };
         let mut state = self.state.lock();
         if state.generation != generation
+            || state.off
             || state
                 .rows
                 .get(&k)
@@ -171,6 +180,18 @@ impl RowCache {
 
     /// Marks the rows `batch` changes as committing (call before the batch is written).
     pub fn begin(&self, batch: &Batch) {
+        let changes: usize = CACHED
+            .iter()
+            .map(|t| batch.tables[t.index()].log.len())
+            .sum();
+        if changes > MARKS_MAX {
+            let mut state = self.state.lock();
+            state.off = true;
+            state.rows = FxHashMap::default();
+            state.order = VecDeque::new();
+            state.bytes = 0;
+            return;
+        }
         for table in CACHED {
             let log = &batch.tables[table.index()].log;
             for part in log.chunks(ROWS_PER_LOCK) {
@@ -196,7 +217,15 @@ impl RowCache {
     /// and the batch's rows replace their marks if it was written (`written`), else the marks
     /// go.
     pub fn end(&self, batch: &Batch, written: bool) {
-        self.state.lock().generation += 1;
+        {
+            let mut state = self.state.lock();
+            state.generation += 1;
+            if state.off {
+                // Emptied by `begin`: filled again by readers.
+                state.off = false;
+                return;
+            }
+        }
         for table in CACHED {
             let log = &batch.tables[table.index()].log;
             for part in log.chunks(ROWS_PER_LOCK) {
@@ -304,6 +333,29 @@ mod tests {
         let g3 = c.generation();
         assert_eq!(c.get(g3, T, b"b"), None);
         assert_eq!(c.get(g3, T, b"a"), Some(Some(b"new".to_vec())));
+    }
+
+    /// A batch too large to mark empties the cache and turns it off until it ends; then
+    /// readers of the new generation fill it again.
+    #[test]
+    fn a_huge_batch_empties_the_cache() {
+        let c = RowCache::new(1 << 20);
+        let g = c.generation();
+        c.offer(g, T, b"a", Some(b"1"));
+        let mut b = Batch::default();
+        for i in 0..=MARKS_MAX as u32 {
+            b.tables[T.index()].set(i.to_be_bytes().to_vec(), Some(vec![1]));
+        }
+        c.begin(&b);
+        assert_eq!(c.get(g, T, b"a"), None);
+        c.offer(g, T, b"z", Some(b"1"));
+        assert_eq!(c.get(g, T, b"z"), None, "nothing is taken while it is off");
+        c.end(&b, true);
+        let g2 = c.generation();
+        assert_eq!(c.get(g2, T, &0u32.to_be_bytes()), None, "no write-through");
+        assert_eq!(c.bytes(), 0);
+        c.offer(g2, T, b"a", Some(b"2"));
+        assert_eq!(c.get(g2, T, b"a"), Some(Some(b"2".to_vec())));
     }
 
     /// The cache stays within its budget, evicting the oldest rows first.
