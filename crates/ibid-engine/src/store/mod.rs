@@ -597,7 +597,7 @@ pub struct ReadTxn<'a> {
 }
 
 /// `key` of `table` from `cache` if it holds it for `generation`, else from `snap` (offered
-/// to the cache).
+/// to the cache; rows of tables it does not cache go straight to `snap`, without its lock).
 fn cached_get(
     cache: &row_cache::RowCache,
     generation: u64,
@@ -605,9 +605,6 @@ fn cached_get(
     table: Table,
     key: &[u8],
 ) -> Result<Option<Vec<u8>>> {
-    if !row_cache::RowCache::caches(table) {
-        return snap.get(table, key);
-    }
     if let Some(row) = cache.get(generation, table, key) {
         return Ok(row);
     }

@@ -24,6 +24,7 @@ use super::{Batch, Table};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Tables whose rows are cached.
 const CACHED: [Table; 1] = [Table::MapPages];
@@ -57,7 +58,6 @@ struct Slot {
 
 #[derive(Default)]
 struct State {
-    generation: u64,
     rows: FxHashMap<Key, Slot>,
     /// Cached rows in insertion order; entries whose slot has another `seq` are stale.
     order: VecDeque<(u64, Key)>,
@@ -70,6 +70,10 @@ struct State {
 /// The cache (see the module documentation).
 pub struct RowCache {
     state: Mutex<State>,
+    /// Moved on under `state`'s lock, after the batch is visible to new snapshots; read
+    /// without it by transactions starting (`Acquire`: a reader that sees the new generation
+    /// then takes a snapshot showing the batch).
+    generation: AtomicU64,
     budget: usize,
 }
 
@@ -132,13 +136,14 @@ impl RowCache {
     pub fn new(budget: usize) -> RowCache {
         RowCache {
             state: Mutex::new(State::default()),
+            generation: AtomicU64::new(0),
             budget,
         }
     }
 
     /// The generation a transaction notes before it takes its snapshot.
     pub fn generation(&self) -> u64 {
-        self.state.lock().generation
+        self.generation.load(Ordering::Acquire)
     }
 
     /// `key`'s row of `table` for a transaction of generation `generation`: `Some(row)` on a
@@ -146,7 +151,7 @@ impl RowCache {
     pub fn get(&self, generation: u64, table: Table, key: &[u8]) -> Option<Option<Vec<u8>>> {
         let k = key_of(table, key)?;
         let state = self.state.lock();
-        if state.generation != generation || state.off {
+        if self.generation() != generation || state.off {
             return None;
         }
         match &state.rows.get(&k)?.row {
@@ -161,7 +166,7 @@ impl RowCache {
             return;
         };
         let mut state = self.state.lock();
-        if state.generation != generation
+        if self.generation() != generation
             || state.off
             || state
                 .rows
@@ -173,9 +178,19 @@ impl RowCache {
         state.put(k, value.map(Box::from), self.budget);
     }
 
-    /// Whether any of `table`'s rows may be cached.
-    pub fn caches(table: Table) -> bool {
-        CACHED.contains(&table)
+    /// Calls `f` with the state and each change of `batch` to a cached row, in the batch's
+    /// order, taking the lock once per [`ROWS_PER_LOCK`] changes.
+    fn for_each_change(&self, batch: &Batch, mut f: impl FnMut(&mut State, Key, &Option<Vec<u8>>)) {
+        for table in CACHED {
+            for part in batch.tables[table.index()].log.chunks(ROWS_PER_LOCK) {
+                let mut state = self.state.lock();
+                for (key, value) in part {
+                    if let Some(k) = key_of(table, key) {
+                        f(&mut state, k, value);
+                    }
+                }
+            }
+        }
     }
 
     /// Marks the rows `batch` changes as committing (call before the batch is written).
@@ -192,25 +207,16 @@ impl RowCache {
             state.bytes = 0;
             return;
         }
-        for table in CACHED {
-            let log = &batch.tables[table.index()].log;
-            for part in log.chunks(ROWS_PER_LOCK) {
-                let mut state = self.state.lock();
-                for (key, _) in part {
-                    let Some(k) = key_of(table, key) else {
-                        continue;
-                    };
-                    state.forget(&k);
-                    state.rows.insert(
-                        k,
-                        Slot {
-                            row: Row::Committing,
-                            seq: 0,
-                        },
-                    );
-                }
-            }
-        }
+        self.for_each_change(batch, |state, k, _| {
+            state.forget(&k);
+            state.rows.insert(
+                k,
+                Slot {
+                    row: Row::Committing,
+                    seq: 0,
+                },
+            );
+        });
     }
 
     /// Ends the commit of `batch` that [`RowCache::begin`] started: the generation moves on,
@@ -219,34 +225,25 @@ impl RowCache {
     pub fn end(&self, batch: &Batch, written: bool) {
         {
             let mut state = self.state.lock();
-            state.generation += 1;
+            self.generation.fetch_add(1, Ordering::Release);
             if state.off {
                 // Emptied by `begin`: filled again by readers.
                 state.off = false;
                 return;
             }
         }
-        for table in CACHED {
-            let log = &batch.tables[table.index()].log;
-            for part in log.chunks(ROWS_PER_LOCK) {
-                let mut state = self.state.lock();
-                for (key, value) in part {
-                    let Some(k) = key_of(table, key) else {
-                        continue;
-                    };
-                    if written {
-                        // In the log's order: a key's last change is written last.
-                        state.put(k, value.as_deref().map(Box::from), self.budget);
-                    } else if state
-                        .rows
-                        .get(&k)
-                        .is_some_and(|s| matches!(s.row, Row::Committing))
-                    {
-                        state.rows.remove(&k);
-                    }
-                }
+        self.for_each_change(batch, |state, k, value| {
+            if written {
+                // In the log's order: a key's last change is written last.
+                state.put(k, value.as_deref().map(Box::from), self.budget);
+            } else if state
+                .rows
+                .get(&k)
+                .is_some_and(|s| matches!(s.row, Row::Committing))
+            {
+                state.rows.remove(&k);
             }
-        }
+        });
     }
 
     /// Bytes of rows held (for tests).
