@@ -99,7 +99,8 @@ pub trait Export: Send + Sync + 'static {
     }
     /// The export refuses writes (snapshots).
     fn read_only(&self) -> bool;
-    /// Fills `buf` with the data at `offset`.
+    /// Fills `buf` with the data at `offset`: every byte of it (it comes with unspecified
+    /// contents, an earlier reply's bytes or zeros).
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError>;
     /// Writes `data` at `offset`; with `fua`, it is durable before this returns.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;

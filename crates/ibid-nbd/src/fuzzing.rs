@@ -73,6 +73,7 @@ pub fn transmission_bytes(data: &[u8]) {
         wire::REQUEST_HEADER_LEN
     };
     let export = MemoryExport::new(FUZZ_EXPORT_LEN);
+    let buffers = crate::buffers::Buffers::default();
     let meta = mode != ReplyMode::Simple;
     while rest.len() >= header_len {
         let Ok(req) = wire::parse_request(&rest[..header_len], extended) else {
@@ -91,10 +92,11 @@ pub fn transmission_bytes(data: &[u8]) {
         rest = tail;
         let verdict = transmission::validate_request(&req, export.size(), false, meta);
         let outcome = match verdict {
-            Ok(()) => transmission::execute(&export, &req, payload),
+            Ok(()) => transmission::execute(&export, &req, payload, &buffers),
             Err(e) => transmission::Outcome::Error(e, String::new()),
         };
-        let _ = transmission::encode(mode, &req, 1, outcome);
+        let (_, data) = transmission::encode(mode, &req, 1, outcome);
+        buffers.give(data);
     }
 }
 

@@ -174,6 +174,9 @@ pub(crate) enum Outcome {
 struct Outgoing {
     header: Vec<u8>,
     data: Vec<u8>,
+    /// Where `data` goes back once written (a read's data, not the small payloads of status
+    /// and error replies).
+    give_back: Option<Arc<Buffers>>,
     _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
     _in_flight: InFlight,
 }
@@ -195,14 +198,20 @@ fn backend_error(e: ExportError) -> Outcome {
     Outcome::Error(errno_of(&e), e.to_string())
 }
 
-/// Runs a validated request against the backend (on a worker thread).
-pub(crate) fn execute(export: &dyn Export, req: &RequestHeader, payload: &[u8]) -> Outcome {
+/// Runs a validated request against the backend (on a worker thread); a read's reply buffer
+/// comes from `buffers`.
+pub(crate) fn execute(
+    export: &dyn Export,
+    req: &RequestHeader,
+    payload: &[u8],
+    buffers: &Buffers,
+) -> Outcome {
     let fua = req.flags & wire::CMD_FLAG_FUA != 0;
     let done = |r: Result<(), ExportError>| r.map_or_else(backend_error, |()| Outcome::Done);
     match req.kind {
         wire::CMD_READ => {
-            // Validated: len <= PAYLOAD_LEN_MAX.
-            let mut buf = vec![0u8; req.len as usize];
+            // Validated: len <= PAYLOAD_LEN_MAX. The backend overwrites every byte.
+            let mut buf = buffers.take_filled(req.len as usize);
             match export.read(req.offset, &mut buf) {
                 Ok(()) => Outcome::Data(buf),
                 Err(e) => backend_error(e),
@@ -514,13 +523,16 @@ fn dispatch(
     let session = session.clone();
     let tx = tx.clone();
     let buffers = buffers.clone();
+    let reply_buffers = buffers.clone();
     let reply = move |outcome: Outcome| {
         let ctx_id = session.meta_context.unwrap_or(0);
+        let give_back = matches!(outcome, Outcome::Data(_)).then(|| reply_buffers.clone());
         let (header_bytes, data) = encode(session.mode, &header, ctx_id, outcome);
         // A closed channel means the connection is going away; the reply has no reader.
         let _ = tx.send(Outgoing {
             header: header_bytes,
             data,
+            give_back,
             _permits: permits,
             _in_flight: in_flight,
         });
@@ -532,7 +544,7 @@ fn dispatch(
         && header.len <= INLINE_READ_BYTES_MAX
         && try_inline(&connection.read_misses)
     {
-        let cached = cached_read(export.as_ref(), &header);
+        let cached = cached_read(export.as_ref(), &header, &buffers);
         note_inline(&connection.read_misses, cached.is_some());
         if let Some(outcome) = cached {
             buffers.give(payload);
@@ -545,7 +557,7 @@ fn dispatch(
         Ok(()) => {
             let run = move || {
                 let outcome = catch_unwind(AssertUnwindSafe(|| {
-                    execute(export.as_ref(), &header, &payload)
+                    execute(export.as_ref(), &header, &payload, &buffers)
                 }))
                 .unwrap_or_else(|_| {
                     warn!("NBD backend call panicked");
@@ -564,14 +576,17 @@ fn dispatch(
 }
 
 /// The outcome of a read the backend answered from memory, `None` if it would have waited.
-fn cached_read(export: &dyn Export, header: &RequestHeader) -> Option<Outcome> {
-    let mut buf = vec![0u8; header.len as usize];
+fn cached_read(export: &dyn Export, header: &RequestHeader, buffers: &Buffers) -> Option<Outcome> {
+    let mut buf = buffers.take_filled(header.len as usize);
     match catch_unwind(AssertUnwindSafe(|| {
         export.read_if_cached(header.offset, &mut buf)
     })) {
         Ok(Some(Ok(()))) => Some(Outcome::Data(buf)),
         Ok(Some(Err(e))) => Some(backend_error(e)),
-        Ok(None) => None,
+        Ok(None) => {
+            buffers.give(buf);
+            None
+        }
         Err(_) => {
             warn!("NBD backend call panicked");
             Some(Outcome::Error(Errno::Io, "internal error".into()))
@@ -592,7 +607,7 @@ async fn write_loop(
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) -> Result<(), io::Error> {
     let mut wr = BufWriter::with_capacity(WRITE_BUFFER_LEN, wr);
-    while let Some(out) = rx.recv().await {
+    while let Some(mut out) = rx.recv().await {
         let flush = rx.is_empty();
         let sent = async {
             wr.write_all(&out.header).await?;
@@ -609,6 +624,9 @@ async fn write_loop(
             .map_err(|_| {
                 io::Error::new(io::ErrorKind::TimedOut, "client stopped reading replies")
             })??;
+        if let Some(buffers) = &out.give_back {
+            buffers.give(std::mem::take(&mut out.data));
+        }
         drop(out);
     }
     wr.flush().await?;
