@@ -403,6 +403,10 @@ impl JournalFile {
     }
 }
 
+/// Largest encoded batch buffer a flush keeps for the next ([`Files::encoded`]): room for
+/// the inline data a flush carries at most, and its records.
+const ENCODED_KEPT_BYTES_MAX: usize = 2 * INLINE_BYTES_MAX as usize;
+
 struct Files {
     files: [JournalFile; 2],
     /// Changes appended (counted from open) that are durable: journaled or committed.
@@ -411,6 +415,19 @@ struct Files {
     staging: AlignedBuf,
     /// The newest batch whose file's filling a flush has reported ([`FlushOutcome::Filling`]).
     filling_told: u64,
+    /// The last flush's encoded batches, refilled by the next: a flush's records (the new
+    /// data inline, ~230 KB in a database mix) are encoded into warm memory that has room,
+    /// not into vectors grown by copying and faulted in page by page each time.
+    encoded: Vec<(u64, Vec<u8>)>,
+}
+
+impl Files {
+    /// Keeps a flush's encoded batches for the next: room for a flush with inline data, not
+    /// what a rare huge one grew.
+    fn keep_encoded(&mut self, mut batches: Vec<(u64, Vec<u8>)>) {
+        batches.retain(|(_, b)| b.capacity() <= ENCODED_KEPT_BYTES_MAX);
+        self.encoded = batches;
+    }
 }
 
 #[derive(Default)]
@@ -501,6 +518,7 @@ impl Journal {
                 durable: 0,
                 staging: AlignedBuf::with_capacity(1 << 20),
                 filling_told: 0,
+                encoded: Vec::new(),
             }),
         })
     }
@@ -578,26 +596,24 @@ impl Journal {
         // inline data would overfill the journal file syncs the segments and journals only
         // the metadata instead; only when even that does not fit must the caller commit (which
         // may mean waiting for a long commit already running).
-        let mut out = None;
+        let mut batches = std::mem::take(&mut files.encoded);
+        let mut fits = false;
         for inline in [new_bytes <= INLINE_BYTES_MAX, false] {
             if !inline {
                 segments.sync()?;
             }
-            let batches = encode_batches(segments, committed, &live, inline)?;
-            let fits = batches.iter().all(|(stamp, bytes)| {
+            encode_batches(segments, committed, &live, inline, &mut batches)?;
+            fits = batches.iter().all(|(stamp, bytes)| {
                 let f = &files.files[(*stamp % 2) as usize];
                 let start = if f.stamp == *stamp { f.len } else { 0 };
                 start + bytes.len() as u64 <= JOURNAL_FILE_BYTES_MAX
             });
-            if fits {
-                out = Some(batches);
-                break;
-            }
-            if !inline {
+            if fits || !inline {
                 break;
             }
         }
-        let Some(out) = out else {
+        if !fits {
+            files.keep_encoded(batches);
             // Put the changes back; the caller's commit will cover them.
             let mut p = self.pending.lock();
             let newer = std::mem::take(&mut p.changes);
@@ -605,7 +621,7 @@ impl Journal {
             p.changes.extend(newer);
             p.recount();
             return Ok(FlushOutcome::NeedsCommit);
-        };
+        }
         let Files {
             files: journal_files,
             staging,
@@ -617,7 +633,7 @@ impl Journal {
         // changes may depend on the older one's (an entry referencing a chunk it wrote), and
         // recovery replays each file up to its first damaged record — so a newer batch's
         // records must never reach the disk while the older one's are still in flight.
-        for (stamp, bytes) in &out {
+        for (stamp, bytes) in &batches {
             let f = &mut journal_files[(*stamp % 2) as usize];
             if f.stamp != *stamp {
                 f.restart(*stamp);
@@ -636,6 +652,7 @@ impl Journal {
             "the journal's durable count went back"
         );
         files.durable = upto;
+        files.keep_encoded(batches);
         Ok(if filling {
             FlushOutcome::Filling
         } else {
@@ -644,21 +661,27 @@ impl Journal {
     }
 }
 
-/// Encodes `live` changes per batch (a batch goes to file `stamp % 2`), with the new chunks'
-/// data inline when `inline` (the copy kept since the append, else read back from the
-/// segment).
+/// Encodes `live` changes per batch (a batch goes to file `stamp % 2`) into `out`, reusing its
+/// vectors, with the new chunks' data inline when `inline` (the copy kept since the append,
+/// else read back from the segment).
 fn encode_batches(
     segments: &Segments,
     committed: u64,
     live: &[&(u64, Change)],
     inline: bool,
-) -> Result<Vec<(u64, Vec<u8>)>> {
-    let mut out: Vec<(u64, Vec<u8>)> = Vec::new();
+    out: &mut Vec<(u64, Vec<u8>)>,
+) -> Result<()> {
+    let mut used = 0;
     for (stamp, change) in live.iter().copied() {
-        if out.last().is_none_or(|(s, _)| s != stamp) {
-            out.push((*stamp, Vec::new()));
+        if used == 0 || out[used - 1].0 != *stamp {
+            if used == out.len() {
+                out.push((*stamp, Vec::new()));
+            }
+            out[used].0 = *stamp;
+            out[used].1.clear();
+            used += 1;
         }
-        let buf = &mut out.last_mut().expect("pushed").1;
+        let buf = &mut out[used - 1].1;
         match change {
             Change::Chunk {
                 id,
@@ -681,7 +704,8 @@ fn encode_batches(
             other => encode_record(buf, *stamp, other, None),
         }
     }
-    Ok(out)
+    out.truncate(used);
+    Ok(())
 }
 
 #[cfg(test)]
