@@ -367,8 +367,10 @@ impl Inner {
         }
         let mut placed = Ok(Vec::new());
         if !marks.is_empty() {
-            // Compressed forms, back to back in one buffer (the scratch is per call).
-            let mut packed: Vec<u8> = Vec::new();
+            // Compressed forms, back to back in one buffer (the scratch is per call), sized
+            // once for the most it can hold (a form is kept only when shorter than its
+            // block), not reallocated and copied as it grows.
+            let mut packed: Vec<u8> = Vec::with_capacity(new_blocks.len() * BLOCK_BYTES);
             let forms: Vec<Option<std::ops::Range<usize>>> = new_blocks
                 .iter()
                 .map(|&i| {
