@@ -4,7 +4,7 @@
 //! buffer is filled on the connection's I/O thread and freed on a worker thread), so the kernel
 //! faults it in and zeroes it page by page while the payload is read from the socket: an
 //! eighth of the server's CPU in a profile of 1 MiB writes. A read's reply buffer was a zeroed
-//! allocation the backend then overwrote: ~3 % of the server's CPU in a database mix of 32 KiB
+//! allocation the backend then overwrote: 2–3 % of the server's CPU in a database mix of 32 KiB
 //! reads and writes. Buffers given back here are reused while warm, and keep their bytes: a
 //! reply buffer taken with [`Buffers::take_filled`] is zeroed only past what its earlier use
 //! had written.
