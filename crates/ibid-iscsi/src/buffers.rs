@@ -3,8 +3,9 @@
 //! A READ's data goes from the backend into a buffer and from the buffer to the socket. A
 //! fresh buffer for every command costs zeroing it (and, for large ones, page faults) before
 //! the backend overwrites every byte anyway: about 5 % of the target's time in sequential
-//! 1 MiB reads, and (measured over NBD, whose replies were built the same way) 2–3 % of the
-//! server's in a database mix of 32 KiB reads and writes. Buffers come back here once their
+//! 1 MiB reads, and a tenth of its CPU per byte in random 32 KiB reads from the read cache
+//! (docs/BENCHMARKS.md, "Copies and zeroing cut from reads and flushes"). Buffers come back
+//! here once their
 //! Data-In is sent, and a later READ reuses one with room for it; its old content is never
 //! sent, because the backend fills the part that is ([`crate::Lun::read`] writes all of `buf`
 //! or fails, and a failed read sends no data). A kept buffer keeps its bytes (its length is

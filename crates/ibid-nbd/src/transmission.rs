@@ -174,9 +174,9 @@ pub(crate) enum Outcome {
 struct Outgoing {
     header: Vec<u8>,
     data: Vec<u8>,
-    /// Where `data` goes back once written (a read's data, not the small payloads of status
-    /// and error replies).
-    give_back: Option<Arc<Buffers>>,
+    /// `data` goes back to the connection's buffers once written (a read's data, not the
+    /// small payloads of status and error replies).
+    give_back: bool,
     _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
     _in_flight: InFlight,
 }
@@ -336,11 +336,11 @@ pub(crate) async fn run(
     let mut rd = BufReader::with_capacity(READ_BUFFER_LEN, rd);
     // Unbounded: the permits each reply holds bound it.
     let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
-    let mut writer = tokio::spawn(write_loop(wr, rx));
+    let buffers = Arc::new(Buffers::default());
+    let mut writer = tokio::spawn(write_loop(wr, rx, buffers.clone()));
     let requests = Arc::new(Semaphore::new(INFLIGHT_REQUESTS_MAX));
     let bytes = Arc::new(Semaphore::new(INFLIGHT_BYTES_MAX as usize));
     let session = Arc::new(session);
-    let buffers = Arc::new(Buffers::default());
     let activity = workers.connection();
     let result = loop {
         let step = tokio::select! {
@@ -523,10 +523,9 @@ fn dispatch(
     let session = session.clone();
     let tx = tx.clone();
     let buffers = buffers.clone();
-    let reply_buffers = buffers.clone();
     let reply = move |outcome: Outcome| {
         let ctx_id = session.meta_context.unwrap_or(0);
-        let give_back = matches!(outcome, Outcome::Data(_)).then(|| reply_buffers.clone());
+        let give_back = matches!(outcome, Outcome::Data(_));
         let (header_bytes, data) = encode(session.mode, &header, ctx_id, outcome);
         // A closed channel means the connection is going away; the reply has no reader.
         let _ = tx.send(Outgoing {
@@ -601,10 +600,12 @@ fn is_quick_write(export: &Arc<dyn Export>, header: &RequestHeader) -> bool {
         && export.write_is_quick(header.offset, header.len)
 }
 
-/// Writes queued replies, flushing whenever the queue runs dry; shuts the stream at the end.
+/// Writes queued replies, flushing whenever the queue runs dry, and gives read data back to
+/// `buffers` once written; shuts the stream at the end.
 async fn write_loop(
     wr: WriteHalf<BoxStream>,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    buffers: Arc<Buffers>,
 ) -> Result<(), io::Error> {
     let mut wr = BufWriter::with_capacity(WRITE_BUFFER_LEN, wr);
     while let Some(mut out) = rx.recv().await {
@@ -624,7 +625,7 @@ async fn write_loop(
             .map_err(|_| {
                 io::Error::new(io::ErrorKind::TimedOut, "client stopped reading replies")
             })??;
-        if let Some(buffers) = &out.give_back {
+        if out.give_back {
             buffers.give(std::mem::take(&mut out.data));
         }
         drop(out);
