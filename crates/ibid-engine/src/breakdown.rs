@@ -34,7 +34,7 @@ use crate::pool::Pool;
 use crate::store::Reader;
 use rustc_hash::FxHashMap;
 
-/// Blocks of one volume resolved per step (bounds the entries held at once).
+/// Blocks of one volume resolved per step (the walk keeps a bit per block of it).
 const WINDOW_BLOCKS: u64 = 1 << 20;
 
 /// Most chunks one pass keeps track of (~40 bytes each: ~160 MiB); a larger pool is
@@ -165,17 +165,14 @@ impl Pool {
             let mut b0 = 0;
             while b0 < blocks {
                 let b1 = (b0 + WINDOW_BLOCKS).min(blocks);
-                let visible =
-                    crate::volume::resolve_stored(txn, &inner.layer_filters, stack, b0, b1, true)?;
-                for (b, id) in visible.entries {
+                let visit = |_b, id, frame: usize| {
                     if id == format::ZERO_TOMBSTONE {
-                        continue;
+                        return;
                     }
                     mapped += 1;
                     if !ours(id) {
-                        continue;
+                        return;
                     }
-                    let via_shared = shared_frame[visible.frames[&b]];
                     let s = seen.entry(id).or_insert(Seen {
                         owner: i as u32,
                         blocks: 0,
@@ -185,8 +182,16 @@ impl Pool {
                         s.owner = MANY;
                     }
                     s.blocks += 1;
-                    s.via_shared_layer |= via_shared;
-                }
+                    s.via_shared_layer |= shared_frame[frame];
+                };
+                crate::volume::resolve_stored_each(
+                    txn,
+                    &inner.layer_filters,
+                    stack,
+                    b0,
+                    b1,
+                    visit,
+                )?;
                 b0 = b1;
             }
             if pass.0 == 0 {

@@ -122,6 +122,67 @@ pub(crate) fn resolve<E>(
     Ok(r)
 }
 
+/// Calls `visit(block, value, frame)` once for every block of `[b0, b1)` that shows an entry
+/// (tombstones included), in no particular order, with the index in the stack of the frame the
+/// entry came from: what [`resolve`] finds, without the maps it builds (the space breakdown
+/// walks whole volumes: the maps' inserts and lookups were most of its time). Takes a bit of
+/// memory per block of the range.
+pub(crate) fn resolve_each<E>(
+    stack: &[Frame],
+    b0: u64,
+    b1: u64,
+    mut scan: impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), E>,
+    mut visit: impl FnMut(u64, u64, usize),
+) -> Result<(), E> {
+    if b0 >= b1 {
+        return Ok(());
+    }
+    let blocks = b1 - b0;
+    // Blocks whose entry was found (a frame above decided them).
+    let mut found_at = vec![0u64; blocks.div_ceil(64) as usize];
+    let mut found = 0u64;
+    let mut closed: Vec<(u64, u64)> = Vec::new();
+    for (i, f) in stack.iter().enumerate().rev() {
+        let (lo, hi) = (f.lo.max(b0), f.hi.min(b1));
+        if lo >= hi {
+            continue;
+        }
+        let open = if closed.is_empty() {
+            vec![(lo, hi)]
+        } else {
+            subtract(&closed, lo, hi)
+        };
+        if f.is_floor() {
+            for (s, e) in open {
+                close(&mut closed, s, e);
+            }
+        } else {
+            for (s, e) in open {
+                scan(
+                    f.layer,
+                    f.source_block(s),
+                    f.source_block(e - 1) + 1,
+                    &mut |src, value| {
+                        let b = f.volume_block(src);
+                        debug_assert!((s..e).contains(&b), "a scan went past its range");
+                        let k = (b - b0) as usize;
+                        let (word, bit) = (k / 64, 1u64 << (k % 64));
+                        if found_at[word] & bit == 0 {
+                            found_at[word] |= bit;
+                            found += 1;
+                            visit(b, value, i);
+                        }
+                    },
+                )?;
+            }
+        }
+        if closed.first() == Some(&(b0, b1)) || (closed.is_empty() && found == blocks) {
+            break;
+        }
+    }
+    Ok(())
+}
+
 /// The parts of `[lo, hi)` outside the sorted, disjoint ranges `closed`.
 fn subtract(closed: &[(u64, u64)], lo: u64, hi: u64) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
@@ -248,6 +309,36 @@ mod tests {
                     prop_assert_eq!(closed, in_closed, "block {} closed", b);
                 }
             }
+        }
+    }
+
+    proptest! {
+        /// `resolve_each` visits each block `resolve` finds an entry for, once, with the same
+        /// value and frame, and no other block.
+        #[test]
+        fn resolve_each_visits_what_resolve_finds(
+            stack in proptest::collection::vec(arb_frame(), 1..8),
+            entries in proptest::collection::vec((1u64..4, 0u64..80, 0u64..5), 0..120),
+            b0 in 0u64..60,
+            len in 1u64..100,
+        ) {
+            let mut layers: Layers = HashMap::new();
+            for (layer, b, v) in entries {
+                layers.entry(layer).or_default().insert(b, v);
+            }
+            let r = resolve(&stack, b0, b0 + len, true, scan_mem(&layers)).expect("in memory");
+            let mut visited: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
+            let mut twice = Vec::new();
+            resolve_each(&stack, b0, b0 + len, scan_mem(&layers), |b, v, i| {
+                if visited.insert(b, (v, i)).is_some() {
+                    twice.push(b);
+                }
+            })
+            .expect("in memory");
+            prop_assert!(twice.is_empty(), "visited twice: {:?}", twice);
+            let want: BTreeMap<u64, (u64, usize)> =
+                r.entries.iter().map(|(&b, &v)| (b, (v, r.frames[&b]))).collect();
+            prop_assert_eq!(visited, want);
         }
     }
 

@@ -735,11 +735,9 @@ fn count_data(
     let mut w0 = b0;
     while w0 < b1 {
         let w1 = b1.min(w0 + WALK_WINDOW_BLOCKS);
-        count += resolve_stored(txn, filters, stack, w0, w1, false)?
-            .entries
-            .values()
-            .filter(|&&id| id != format::ZERO_TOMBSTONE)
-            .count() as u64;
+        crate::volume::resolve_stored_each(txn, filters, stack, w0, w1, |_, id, _| {
+            count += u64::from(id != format::ZERO_TOMBSTONE)
+        })?;
         w0 = w1;
     }
     Ok(count)

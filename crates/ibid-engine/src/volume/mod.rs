@@ -37,9 +37,12 @@ mod tests;
 mod write;
 mod zero;
 
-pub(crate) use read::{resolve_stored, scan_layer};
+pub(crate) use read::{resolve_stored, resolve_stored_each, scan_layer};
 pub use write::QUICK_WRITE_BLOCKS_MAX;
 use write::*;
+
+/// Blocks [`Volume::space`] resolves per step.
+const SPACE_WINDOW_BLOCKS: u64 = 1 << 20;
 
 const BLOCK: u64 = BLOCK_BYTES as u64;
 
@@ -498,24 +501,23 @@ impl Volume {
             let refs = txn.get(meta::LAYERS, &f.layer)?.unwrap_or(0);
             shared_frame.push(refs > 1 || in_this_stack > 1);
         }
-        let visible = resolve_stored(
-            &txn,
-            &self.inner.layer_filters,
-            &stack,
-            0,
-            size.div_ceil(BLOCK),
-            true,
-        )?;
         // Chunk -> (blocks of this volume showing it, whether any is in a shared layer).
         let mut counts: HashMap<u64, (u64, bool)> = HashMap::new();
-        for (b, id) in visible.entries {
-            if id == format::ZERO_TOMBSTONE {
-                continue;
-            }
-            let shared = shared_frame[visible.frames[&b]];
-            let c = counts.entry(id).or_default();
-            c.0 += 1;
-            c.1 |= shared;
+        let blocks = size.div_ceil(BLOCK);
+        let mut b0 = 0;
+        while b0 < blocks {
+            // A window at a time: the walk's memory is a bit per block of it.
+            let b1 = blocks.min(b0 + SPACE_WINDOW_BLOCKS);
+            let visit = |_b, id, frame: usize| {
+                if id == format::ZERO_TOMBSTONE {
+                    return;
+                }
+                let c = counts.entry(id).or_default();
+                c.0 += 1;
+                c.1 |= shared_frame[frame];
+            };
+            resolve_stored_each(&txn, &self.inner.layer_filters, &stack, b0, b1, visit)?;
+            b0 = b1;
         }
         let mut s = VolumeSpace {
             size_bytes: size,

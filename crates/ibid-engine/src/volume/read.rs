@@ -364,6 +364,26 @@ pub(crate) fn resolve_stored(
     })
 }
 
+/// [`crate::stack::resolve_each`] over the committed map in `txn`: `visit(block, value,
+/// frame)` for every block of `[b0, b1)` that `stack` shows an entry at, skipping the layers
+/// whose filters rule the range out.
+pub(crate) fn resolve_stored_each(
+    txn: &ReadTxn,
+    filters: &LayerFilters,
+    stack: &[Frame],
+    b0: u64,
+    b1: u64,
+    visit: impl FnMut(u64, u64, usize),
+) -> Result<()> {
+    crate::stack::resolve_each(
+        stack,
+        b0,
+        b1,
+        |layer, s0, s1, found| scan_layer(txn, filters, layer, s0, s1, found),
+        visit,
+    )
+}
+
 /// Calls `found(block, value)` for `layer`'s committed entries in `[b0, b1)`; reads nothing
 /// when the layer's filter rules the range out.
 pub(crate) fn scan_layer(
