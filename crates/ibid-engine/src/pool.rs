@@ -418,6 +418,13 @@ impl Pool {
         self.inner.stats()
     }
 
+    /// How long ago a foreground request (read, write, zeroing, copy, flush) last ran — since
+    /// the pool opened, if none has. Front ends' background work (the server's space
+    /// breakdown) waits for a pause with it, as the cleaner does.
+    pub fn idle_for(&self) -> std::time::Duration {
+        self.inner.since_last_io()
+    }
+
     /// The read cache's size, fill and counters since the pool opened.
     pub fn read_cache_stats(&self) -> crate::ReadCacheStats {
         self.inner.read_cache.stats()

@@ -3,6 +3,13 @@
 //! dear for every `GET /api/v1/pool`, so a thread recomputes it and the API shows the last
 //! result with its age (`breakdown` in `GET /api/v1/pool`, per-volume `exclusive_blocks` and
 //! `shared_blocks` in `GET /api/v1/volumes`). `POST /api/v1/pool/breakdown` recomputes now.
+//!
+//! The walk takes a core for seconds on a large pool (~1 s per 4 Mi mapped blocks here), so
+//! the thread recomputes when the pool's I/O pauses ([`QUIET`]), at most every
+//! [`INTERVAL_MIN`], and under I/O that never pauses only once the last result is
+//! [`STALE_MAX`] old: an array busy serving its hosts does not spend a core on accounting
+//! (it took a fifth of the server's CPU during a benchmark's random writes,
+//! docs/BENCHMARKS.md, "The space breakdown off the I/O's time").
 
 use ibid_engine::{Pool, SpaceBreakdown};
 use parking_lot::{Condvar, Mutex};
@@ -16,6 +23,10 @@ pub const INTERVAL_MIN: Duration = Duration::from_secs(60);
 /// A computation that took `t` waits `t × SPACING` before the next (so it uses at most a
 /// twentieth of a core however large the pool), and at least [`INTERVAL_MIN`].
 const SPACING: u32 = 20;
+/// After that, the next computation waits until the pool has served no I/O for this long...
+pub const QUIET: Duration = Duration::from_secs(2);
+/// ...unless the last result is this old (I/O that never pauses).
+pub const STALE_MAX: Duration = Duration::from_secs(15 * 60);
 
 /// One computation's result.
 pub struct Computed {
@@ -65,6 +76,7 @@ impl SpaceCache {
 
     fn run(&self, pool: &Pool) {
         loop {
+            let started = Instant::now();
             let took = match self.compute(pool) {
                 Ok(c) => c.took,
                 Err(e) => {
@@ -72,14 +84,15 @@ impl SpaceCache {
                     Duration::ZERO
                 }
             };
-            let wait = INTERVAL_MIN.max(took * SPACING);
-            let deadline = Instant::now() + wait;
-            let mut s = self.shared.lock();
-            while !s.stop && Instant::now() < deadline {
-                self.wake.wait_until(&mut s, deadline);
-            }
-            if s.stop {
-                return;
+            let spaced = INTERVAL_MIN.max(took * SPACING);
+            while let Some(wait) = next_wait(started.elapsed(), spaced, pool.idle_for()) {
+                let mut s = self.shared.lock();
+                if !s.stop {
+                    self.wake.wait_for(&mut s, wait);
+                }
+                if s.stop {
+                    return;
+                }
             }
         }
     }
@@ -144,6 +157,20 @@ impl SpaceCache {
     }
 }
 
+/// How long the thread waits before it computes again (`None`: compute now), `since` the last
+/// computation started, which asked for `spaced` between computations, when the pool's I/O
+/// has been `idle` that long: the spacing, then a pause of [`QUIET`] in the I/O, or a result
+/// [`STALE_MAX`] old.
+fn next_wait(since: Duration, spaced: Duration, idle: Duration) -> Option<Duration> {
+    if since < spaced {
+        Some(spaced - since)
+    } else if since >= STALE_MAX || idle >= QUIET {
+        None
+    } else {
+        Some((QUIET - idle).min(STALE_MAX - since))
+    }
+}
+
 /// A result as the API shows it.
 pub fn computed_json(c: &Computed, error: Option<&str>) -> Value {
     let b = &c.breakdown;
@@ -159,4 +186,33 @@ pub fn computed_json(c: &Computed, error: Option<&str>) -> Value {
         "took_ms": c.took.as_secs_f64() * 1000.0,
         "error": error,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_breakdown_waits_for_its_spacing_then_a_pause_in_the_io_or_staleness() {
+        let s = Duration::from_secs;
+        let spaced = INTERVAL_MIN;
+        // Within the spacing: the rest of it, busy or not.
+        assert_eq!(next_wait(s(10), spaced, s(100)), Some(spaced - s(10)));
+        // Past it: at once when the I/O has paused...
+        assert_eq!(next_wait(spaced, spaced, QUIET), None);
+        // ...else until it could have, polling.
+        assert_eq!(
+            next_wait(spaced + s(1), spaced, Duration::from_millis(500)),
+            Some(QUIET - Duration::from_millis(500))
+        );
+        assert_eq!(next_wait(s(300), spaced, Duration::ZERO), Some(QUIET));
+        // Busy without a pause for STALE_MAX: at once anyway.
+        assert_eq!(next_wait(STALE_MAX, spaced, Duration::ZERO), None);
+        assert_eq!(
+            next_wait(STALE_MAX - s(1), spaced, Duration::ZERO),
+            Some(s(1))
+        );
+        // A slow computation's spacing (20 × its time) outlasts the staleness bound.
+        assert_eq!(next_wait(STALE_MAX, s(1200), Duration::ZERO), Some(s(300)));
+    }
 }
