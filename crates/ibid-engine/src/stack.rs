@@ -297,36 +297,7 @@ mod tests {
                 prop_assert_eq!(r.frames.contains_key(&b), want.is_some());
             }
             prop_assert!(r.entries.keys().all(|&b| b >= b0 && b < b0 + len));
-            // Single blocks take their own path.
-            for b in b0..b0 + len {
-                let one = resolve(&stack, b, b + 1, true, scan_mem(&layers)).expect("in memory");
-                prop_assert_eq!(one.entries.get(&b).copied(), naive(&stack, &layers, b));
-                prop_assert_eq!(one.frames.get(&b), r.frames.get(&b), "block {}", b);
-                if one.entries.is_empty() {
-                    // Closed (reads as zeros whatever lies below) only matters without an entry.
-                    let closed = one.closed.first() == Some(&(b, b + 1));
-                    let in_closed = r.closed.iter().any(|&(s, e)| s <= b && b < e);
-                    prop_assert_eq!(closed, in_closed, "block {} closed", b);
-                }
-            }
-        }
-    }
-
-    proptest! {
-        /// `resolve_each` visits each block `resolve` finds an entry for, once, with the same
-        /// value and frame, and no other block.
-        #[test]
-        fn resolve_each_visits_what_resolve_finds(
-            stack in proptest::collection::vec(arb_frame(), 1..8),
-            entries in proptest::collection::vec((1u64..4, 0u64..80, 0u64..5), 0..120),
-            b0 in 0u64..60,
-            len in 1u64..100,
-        ) {
-            let mut layers: Layers = HashMap::new();
-            for (layer, b, v) in entries {
-                layers.entry(layer).or_default().insert(b, v);
-            }
-            let r = resolve(&stack, b0, b0 + len, true, scan_mem(&layers)).expect("in memory");
+            // `resolve_each` visits each block with an entry once, with its value and frame.
             let mut visited: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
             let mut twice = Vec::new();
             resolve_each(&stack, b0, b0 + len, scan_mem(&layers), |b, v, i| {
@@ -339,6 +310,18 @@ mod tests {
             let want: BTreeMap<u64, (u64, usize)> =
                 r.entries.iter().map(|(&b, &v)| (b, (v, r.frames[&b]))).collect();
             prop_assert_eq!(visited, want);
+            // Single blocks take their own path.
+            for b in b0..b0 + len {
+                let one = resolve(&stack, b, b + 1, true, scan_mem(&layers)).expect("in memory");
+                prop_assert_eq!(one.entries.get(&b).copied(), naive(&stack, &layers, b));
+                prop_assert_eq!(one.frames.get(&b), r.frames.get(&b), "block {}", b);
+                if one.entries.is_empty() {
+                    // Closed (reads as zeros whatever lies below) only matters without an entry.
+                    let closed = one.closed.first() == Some(&(b, b + 1));
+                    let in_closed = r.closed.iter().any(|&(s, e)| s <= b && b < e);
+                    prop_assert_eq!(closed, in_closed, "block {} closed", b);
+                }
+            }
         }
     }
 
