@@ -81,44 +81,17 @@ pub(crate) fn resolve<E>(
         }
         return Ok(r);
     }
-    for (i, f) in stack.iter().enumerate().rev() {
-        let (lo, hi) = (f.lo.max(b0), f.hi.min(b1));
-        if lo >= hi {
-            continue;
-        }
-        let open = if r.closed.is_empty() {
-            vec![(lo, hi)]
-        } else {
-            subtract(&r.closed, lo, hi)
+    let (entries, frames) = (&mut r.entries, &mut r.frames);
+    walk(stack, b0, b1, &mut r.closed, scan, |b, value, i| {
+        let std::collections::btree_map::Entry::Vacant(v) = entries.entry(b) else {
+            return false;
         };
-        if f.is_floor() {
-            for (s, e) in open {
-                close(&mut r.closed, s, e);
-            }
-        } else {
-            for (s, e) in open {
-                let (entries, frames) = (&mut r.entries, &mut r.frames);
-                scan(
-                    f.layer,
-                    f.source_block(s),
-                    f.source_block(e - 1) + 1,
-                    &mut |src, value| {
-                        let b = f.volume_block(src);
-                        if let std::collections::btree_map::Entry::Vacant(v) = entries.entry(b) {
-                            v.insert(value);
-                            if track_frames {
-                                frames.insert(b, i);
-                            }
-                        }
-                    },
-                )?;
-            }
+        v.insert(value);
+        if track_frames {
+            frames.insert(b, i);
         }
-        let all_closed = r.closed.first() == Some(&(b0, b1));
-        if all_closed || (r.closed.is_empty() && r.entries.len() as u64 == b1 - b0) {
-            break;
-        }
-    }
+        true
+    })?;
     Ok(r)
 }
 
@@ -131,7 +104,7 @@ pub(crate) fn resolve_each<E>(
     stack: &[Frame],
     b0: u64,
     b1: u64,
-    mut scan: impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), E>,
+    scan: impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), E>,
     mut visit: impl FnMut(u64, u64, usize),
 ) -> Result<(), E> {
     if b0 >= b1 {
@@ -140,8 +113,32 @@ pub(crate) fn resolve_each<E>(
     let blocks = b1 - b0;
     // Blocks whose entry was found (a frame above decided them).
     let mut found_at = vec![0u64; blocks.div_ceil(64) as usize];
-    let mut found = 0u64;
-    let mut closed: Vec<(u64, u64)> = Vec::new();
+    walk(stack, b0, b1, &mut Vec::new(), scan, |b, value, i| {
+        let k = (b - b0) as usize;
+        let (word, bit) = (k / 64, 1u64 << (k % 64));
+        if found_at[word] & bit != 0 {
+            return false;
+        }
+        found_at[word] |= bit;
+        visit(b, value, i);
+        true
+    })
+}
+
+/// The walk [`resolve`] and [`resolve_each`] share: the frames of `stack` top first over
+/// `[b0, b1)`. A floor closes the parts of its window still open (`closed`: sorted, disjoint);
+/// any other frame's layer is scanned over the open parts, and `entry(block, value, frame)`
+/// called for each entry found, answering whether it decided the block (no frame above had).
+/// Stops once every block is decided.
+fn walk<E>(
+    stack: &[Frame],
+    b0: u64,
+    b1: u64,
+    closed: &mut Vec<(u64, u64)>,
+    mut scan: impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), E>,
+    mut entry: impl FnMut(u64, u64, usize) -> bool,
+) -> Result<(), E> {
+    let mut decided = 0u64;
     for (i, f) in stack.iter().enumerate().rev() {
         let (lo, hi) = (f.lo.max(b0), f.hi.min(b1));
         if lo >= hi {
@@ -150,33 +147,27 @@ pub(crate) fn resolve_each<E>(
         let open = if closed.is_empty() {
             vec![(lo, hi)]
         } else {
-            subtract(&closed, lo, hi)
+            subtract(closed, lo, hi)
         };
-        if f.is_floor() {
-            for (s, e) in open {
-                close(&mut closed, s, e);
+        for (s, e) in open {
+            if f.is_floor() {
+                close(closed, s, e);
+                continue;
             }
-        } else {
-            for (s, e) in open {
-                scan(
-                    f.layer,
-                    f.source_block(s),
-                    f.source_block(e - 1) + 1,
-                    &mut |src, value| {
-                        let b = f.volume_block(src);
-                        debug_assert!((s..e).contains(&b), "a scan went past its range");
-                        let k = (b - b0) as usize;
-                        let (word, bit) = (k / 64, 1u64 << (k % 64));
-                        if found_at[word] & bit == 0 {
-                            found_at[word] |= bit;
-                            found += 1;
-                            visit(b, value, i);
-                        }
-                    },
-                )?;
-            }
+            let mut found = |src, value| {
+                let b = f.volume_block(src);
+                debug_assert!((s..e).contains(&b), "a scan went past its range");
+                decided += u64::from(entry(b, value, i));
+            };
+            scan(
+                f.layer,
+                f.source_block(s),
+                f.source_block(e - 1) + 1,
+                &mut found,
+            )?;
         }
-        if closed.first() == Some(&(b0, b1)) || (closed.is_empty() && found == blocks) {
+        let all_closed = closed.first() == Some(&(b0, b1));
+        if all_closed || (closed.is_empty() && decided == b1 - b0) {
             break;
         }
     }
