@@ -34,9 +34,6 @@ use crate::pool::Pool;
 use crate::store::Reader;
 use rustc_hash::FxHashMap;
 
-/// Blocks of one volume resolved per step (the walk keeps a bit per block of it).
-const WINDOW_BLOCKS: u64 = 1 << 20;
-
 /// Most chunks one pass keeps track of (~40 bytes each: ~160 MiB); a larger pool is
 /// walked in several passes, each for a class of chunk ids.
 #[cfg(not(test))]
@@ -162,38 +159,27 @@ impl Pool {
             }
             let mut mapped = 0u64;
             let blocks = size.div_ceil(BLOCK_BYTES as u64);
-            let mut b0 = 0;
-            while b0 < blocks {
-                let b1 = (b0 + WINDOW_BLOCKS).min(blocks);
-                let visit = |_b, id, frame: usize| {
-                    if id == format::ZERO_TOMBSTONE {
-                        return;
-                    }
-                    mapped += 1;
-                    if !ours(id) {
-                        return;
-                    }
-                    let s = seen.entry(id).or_insert(Seen {
-                        owner: i as u32,
-                        blocks: 0,
-                        via_shared_layer: false,
-                    });
-                    if s.owner != i as u32 {
-                        s.owner = MANY;
-                    }
-                    s.blocks += 1;
-                    s.via_shared_layer |= shared_frame[frame];
-                };
-                crate::volume::resolve_stored_each(
-                    txn,
-                    &inner.layer_filters,
-                    stack,
-                    b0,
-                    b1,
-                    visit,
-                )?;
-                b0 = b1;
-            }
+            let visit = |_b, id, frame: usize| {
+                if id == format::ZERO_TOMBSTONE {
+                    return;
+                }
+                mapped += 1;
+                if !ours(id) {
+                    return;
+                }
+                let s = seen.entry(id).or_insert(Seen {
+                    owner: i as u32,
+                    blocks: 0,
+                    via_shared_layer: false,
+                });
+                if s.owner != i as u32 {
+                    s.owner = MANY;
+                }
+                s.blocks += 1;
+                s.via_shared_layer |= shared_frame[frame];
+            };
+            let filters = &inner.layer_filters;
+            crate::volume::resolve_stored_each(txn, filters, stack, 0, blocks, visit)?;
             if pass.0 == 0 {
                 out.volumes[i].mapped_blocks = mapped;
             }

@@ -95,34 +95,45 @@ pub(crate) fn resolve<E>(
     Ok(r)
 }
 
+/// Blocks [`resolve_each`] decides per step: its memory is a bit per block of one.
+#[cfg(not(test))]
+const EACH_WINDOW_BLOCKS: u64 = 1 << 20;
+/// Small in tests, so that the proptest's ranges span several windows.
+#[cfg(test)]
+const EACH_WINDOW_BLOCKS: u64 = 16;
+
 /// Calls `visit(block, value, frame)` once for every block of `[b0, b1)` that shows an entry
 /// (tombstones included), in no particular order, with the index in the stack of the frame the
 /// entry came from: what [`resolve`] finds, without the maps it builds (the space breakdown
-/// walks whole volumes: the maps' inserts and lookups were most of its time). Takes a bit of
-/// memory per block of the range.
+/// walks whole volumes: the maps' inserts and lookups were most of its time). Walks any range
+/// in windows of [`EACH_WINDOW_BLOCKS`], with a bit per block of one in memory.
 pub(crate) fn resolve_each<E>(
     stack: &[Frame],
     b0: u64,
     b1: u64,
-    scan: impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), E>,
+    mut scan: impl FnMut(u64, u64, u64, &mut Found<'_>) -> Result<(), E>,
     mut visit: impl FnMut(u64, u64, usize),
 ) -> Result<(), E> {
-    if b0 >= b1 {
-        return Ok(());
+    // Blocks of the window whose entry was found (a frame above decided them).
+    let mut found_at =
+        vec![0u64; (b1.saturating_sub(b0).min(EACH_WINDOW_BLOCKS)).div_ceil(64) as usize];
+    let mut w0 = b0;
+    while w0 < b1 {
+        let w1 = b1.min(w0.saturating_add(EACH_WINDOW_BLOCKS));
+        found_at.fill(0);
+        walk(stack, w0, w1, &mut Vec::new(), &mut scan, |b, value, i| {
+            let k = (b - w0) as usize;
+            let (word, bit) = (k / 64, 1u64 << (k % 64));
+            if found_at[word] & bit != 0 {
+                return false;
+            }
+            found_at[word] |= bit;
+            visit(b, value, i);
+            true
+        })?;
+        w0 = w1;
     }
-    let blocks = b1 - b0;
-    // Blocks whose entry was found (a frame above decided them).
-    let mut found_at = vec![0u64; blocks.div_ceil(64) as usize];
-    walk(stack, b0, b1, &mut Vec::new(), scan, |b, value, i| {
-        let k = (b - b0) as usize;
-        let (word, bit) = (k / 64, 1u64 << (k % 64));
-        if found_at[word] & bit != 0 {
-            return false;
-        }
-        found_at[word] |= bit;
-        visit(b, value, i);
-        true
-    })
+    Ok(())
 }
 
 /// The walk [`resolve`] and [`resolve_each`] share: the frames of `stack` top first over

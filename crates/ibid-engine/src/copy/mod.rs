@@ -732,14 +732,9 @@ fn count_data(
         }
     }
     let mut count = 0;
-    let mut w0 = b0;
-    while w0 < b1 {
-        let w1 = b1.min(w0 + WALK_WINDOW_BLOCKS);
-        crate::volume::resolve_stored_each(txn, filters, stack, w0, w1, |_, id, _| {
-            count += u64::from(id != format::ZERO_TOMBSTONE)
-        })?;
-        w0 = w1;
-    }
+    crate::volume::resolve_stored_each(txn, filters, stack, b0, b1, |_, id, _| {
+        count += u64::from(id != format::ZERO_TOMBSTONE)
+    })?;
     Ok(count)
 }
 

@@ -41,9 +41,6 @@ pub(crate) use read::{resolve_stored, resolve_stored_each, scan_layer};
 pub use write::QUICK_WRITE_BLOCKS_MAX;
 use write::*;
 
-/// Blocks [`Volume::space`] resolves per step.
-const SPACE_WINDOW_BLOCKS: u64 = 1 << 20;
-
 const BLOCK: u64 = BLOCK_BYTES as u64;
 
 /// Most commits a write that found no space retries after ([`Inner::retry_after_commit`]).
@@ -503,22 +500,16 @@ impl Volume {
         }
         // Chunk -> (blocks of this volume showing it, whether any is in a shared layer).
         let mut counts: HashMap<u64, (u64, bool)> = HashMap::new();
-        let blocks = size.div_ceil(BLOCK);
-        let mut b0 = 0;
-        while b0 < blocks {
-            // A window at a time: the walk's memory is a bit per block of it.
-            let b1 = blocks.min(b0 + SPACE_WINDOW_BLOCKS);
-            let visit = |_b, id, frame: usize| {
-                if id == format::ZERO_TOMBSTONE {
-                    return;
-                }
-                let c = counts.entry(id).or_default();
-                c.0 += 1;
-                c.1 |= shared_frame[frame];
-            };
-            resolve_stored_each(&txn, &self.inner.layer_filters, &stack, b0, b1, visit)?;
-            b0 = b1;
-        }
+        let visit = |_b, id, frame: usize| {
+            if id == format::ZERO_TOMBSTONE {
+                return;
+            }
+            let c = counts.entry(id).or_default();
+            c.0 += 1;
+            c.1 |= shared_frame[frame];
+        };
+        let (filters, blocks) = (&self.inner.layer_filters, size.div_ceil(BLOCK));
+        resolve_stored_each(&txn, filters, &stack, 0, blocks, visit)?;
         let mut s = VolumeSpace {
             size_bytes: size,
             distinct_chunks: counts.len() as u64,
