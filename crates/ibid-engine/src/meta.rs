@@ -58,6 +58,9 @@ pub const MAP: Def<[u8; 16], u64> = Def::new(Table::Map);
 /// Volume maps: (layer, block >> 4) → a page of up to 16 entries (see [`crate::map_table`],
 /// the only module that reads or writes it).
 pub const MAP_PAGES: Def<[u8; 16], [u8]> = Def::new(Table::MapPages);
+/// Changes to [`MAP_PAGES`] not yet written back to it: slice and row number → packed changes
+/// (see [`crate::store::deferred`]; the store reads and writes it, nothing else does).
+pub const MAP_LOG: Def<u64, [u8]> = Def::new(Table::MapLog);
 /// Chunks: page key (`id >> chunk_table::PAGE_SHIFT`) → page of records (see
 /// [`crate::chunk_table`], the only module that reads or writes it).
 pub const CHUNK_PAGES: Def<u64, [u8]> = Def::new(Table::ChunkPages);
@@ -176,7 +179,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 11;
+pub const POOL_FORMAT_VERSION: u64 = 12;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

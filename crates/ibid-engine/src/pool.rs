@@ -226,8 +226,9 @@ impl Pool {
         self.commit_all(true)
     }
 
-    /// Commits everything written so far, zeroed ranges settled, and folds the reference log;
-    /// with `discard`, the entries of layers no stack shows are deleted first.
+    /// Commits everything written so far, zeroed ranges settled, folds the reference log and
+    /// writes the map's logged changes back to its table; with `discard`, the entries of
+    /// layers no stack shows are deleted first.
     fn commit_all(&self, discard: bool) -> Result<()> {
         self.inner.commit()?;
         self.inner.settle_zeroed(None)?;
@@ -235,7 +236,8 @@ impl Pool {
             self.inner
                 .discard_abandoned_layers(&AtomicBool::new(false), false)?;
         }
-        self.inner.fold_ref_log()
+        self.inner.fold_ref_log()?;
+        self.inner.db.write_back_all()
     }
 
     /// `Err(Error::Failed)` once the pool has failed (an I/O error or damage met by a write,

@@ -122,6 +122,9 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             )));
         }
     }
+    // The map changes pending in memory (read above over the written-back pages) are the
+    // ones the log rows hold.
+    inner.db.check_pending().map_err(|e| fail(e.to_string()))?;
     let runs = Runs::load(&txn)?;
     let held = inner.dedup.runs();
     if runs.summary() != held.summary() || runs.marks() != held.marks() {

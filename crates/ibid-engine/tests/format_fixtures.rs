@@ -229,3 +229,8 @@ fn a_format_8_pool_left_by_a_crash_opens() {
 fn a_format_10_pool_has_its_map_moved_into_pages() {
     opens_and_lives_on("pool-v10.tar.gz", 10);
 }
+
+#[test]
+fn a_format_11_pool_opens_with_its_map_writes_deferred_from_then_on() {
+    opens_and_lives_on("pool-v11.tar.gz", 11);
+}

@@ -20,6 +20,7 @@
 //! records its backend by which of the two it holds, so it always reopens with the backend it
 //! was created with.
 
+pub mod deferred;
 pub mod fjall;
 pub mod redb;
 pub mod row_cache;
@@ -33,6 +34,7 @@ use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
+use std::sync::Arc;
 
 /// The engine's tables (see [`crate::meta`] for their keys and values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -70,10 +72,12 @@ pub enum Table {
     ChunkDeltas,
     /// Volume maps in pages of neighbouring blocks: (layer, page) → entries.
     MapPages,
+    /// Changes to `MapPages` not yet written back to it (see [`deferred`]).
+    MapLog,
 }
 
 /// Number of tables.
-pub const TABLES: usize = 16;
+pub const TABLES: usize = 17;
 
 impl Table {
     /// Every table, in index order.
@@ -94,6 +98,7 @@ impl Table {
         Table::FpsGone,
         Table::ChunkDeltas,
         Table::MapPages,
+        Table::MapLog,
     ];
 
     /// Position in [`Table::ALL`].
@@ -120,6 +125,7 @@ impl Table {
             Table::FpsGone => "fps.gone",
             Table::ChunkDeltas => "chunk.deltas",
             Table::MapPages => "map.pages",
+            Table::MapLog => "map.log",
         }
     }
 }
@@ -463,6 +469,8 @@ pub struct Store {
     writer: Mutex<Batch>,
     /// Committed rows of the most read tables.
     cache: row_cache::RowCache,
+    /// The map's changes logged and not yet written back to its table.
+    deferred: deferred::Deferred,
 }
 
 impl Store {
@@ -480,7 +488,7 @@ impl Store {
                 Box::new(fjall::FjallStore::create(dir)?)
             }
         };
-        Ok(Store::new(backend, kind))
+        Store::new(backend, kind)
     }
 
     /// Opens the store in `dir` with the backend it was created with.
@@ -499,16 +507,18 @@ impl Store {
                 Box::new(fjall::FjallStore::open(dir)?)
             }
         };
-        Ok(Store::new(backend, kind))
+        Store::new(backend, kind)
     }
 
-    fn new(backend: Box<dyn MetaStore>, kind: Backend) -> Store {
-        Store {
+    fn new(backend: Box<dyn MetaStore>, kind: Backend) -> Result<Store> {
+        let deferred = deferred::Deferred::load(&*backend.snapshot()?)?;
+        Ok(Store {
             backend,
             kind,
             writer: Mutex::new(Batch::default()),
             cache: row_cache::RowCache::new(row_cache::ROW_CACHE_BYTES),
-        }
+            deferred,
+        })
     }
 
     /// The backend in use.
@@ -518,10 +528,14 @@ impl Store {
 
     /// A read transaction on the last committed state.
     pub fn read(&self) -> Result<ReadTxn<'_>> {
-        // The generation first: the snapshot is then of that batch or a newer one.
-        let generation = self.cache.generation();
+        // The generation first: the snapshot is then of that batch or a newer one. The
+        // pending map changes with them (see `deferred`).
+        let (pending, (generation, snap)) = self
+            .deferred
+            .pending_with(|| (self.cache.generation(), self.backend.snapshot()));
         Ok(ReadTxn {
-            snap: self.backend.snapshot()?,
+            snap: snap?,
+            pending,
             cache: &self.cache,
             generation,
         })
@@ -533,8 +547,11 @@ impl Store {
         let batch = std::mem::take(&mut *guard);
         // No commit runs while the writer lock is held: the base is of this generation.
         let generation = self.cache.generation();
+        let (pending, base) = self.deferred.pending_with(|| self.backend.snapshot());
         Ok(WriteTxn {
-            base: Some(self.backend.snapshot()?),
+            base: Some(base?),
+            pending,
+            write_back_all: false,
             generation,
             batch,
             store: self,
@@ -545,6 +562,26 @@ impl Store {
     /// Bytes on disk.
     pub fn disk_bytes(&self) -> u64 {
         self.backend.disk_bytes()
+    }
+
+    /// Writes every pending map change back to the map's table (one transaction; nothing
+    /// if none is pending).
+    pub fn write_back_all(&self) -> Result<()> {
+        let mut txn = self.write()?;
+        txn.write_back_all = true;
+        txn.commit()
+    }
+
+    /// Map changes logged and not yet written back.
+    pub fn pending_map_changes(&self) -> usize {
+        self.deferred.pending_with(|| ()).0.len()
+    }
+
+    /// Checks the map changes pending in memory against the log rows of the last commit.
+    /// Takes the writer lock, so that no commit runs meanwhile.
+    pub fn check_pending(&self) -> Result<()> {
+        let _writer = self.writer.lock();
+        self.deferred.check(&*self.backend.snapshot()?)
     }
 }
 
@@ -591,6 +628,8 @@ pub trait Reader {
 /// A consistent read of the committed state.
 pub struct ReadTxn<'a> {
     snap: Box<dyn Snapshot + 'a>,
+    /// The map changes not yet written back as of `snap`.
+    pending: Arc<deferred::Pending>,
     cache: &'a row_cache::RowCache,
     /// The cache's generation when the snapshot was taken.
     generation: u64,
@@ -615,11 +654,59 @@ fn cached_get(
 
 impl Reader for ReadTxn<'_> {
     fn get_raw(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        if let Some(v) = pending_get(&self.pending, table, key) {
+            return Ok(v);
+        }
         cached_get(self.cache, self.generation, &*self.snap, table, key)
     }
 }
 
+/// The pending change to `key` of `table` if that is the deferred table and one is pending.
+fn pending_get(pending: &deferred::Pending, table: Table, key: &[u8]) -> Option<Option<Vec<u8>>> {
+    if table != deferred::DEFERRED {
+        return None;
+    }
+    pending.get(key).map(|v| v.map(<[u8]>::to_vec))
+}
+
+/// `base` (a scan of the deferred table's B-tree) with the pending `changes` of its range
+/// over it, in key order.
+fn merged<'a>(
+    mut base: std::iter::Peekable<KvIter<'a>>,
+    changes: &'a [deferred::Change],
+) -> KvIter<'a> {
+    let mut changes = changes.iter().peekable();
+    Box::new(std::iter::from_fn(move || loop {
+        let order = match (base.peek(), changes.peek()) {
+            (Some(Err(_)), _) => return base.next(),
+            (Some(Ok((k, _))), Some((c, _))) => k.as_slice().cmp(c),
+            (Some(Ok(_)), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => return None,
+        };
+        if order == std::cmp::Ordering::Less {
+            return base.next();
+        }
+        if order == std::cmp::Ordering::Equal {
+            base.next();
+        }
+        let (k, v) = changes.next().expect("peeked");
+        if let Some(v) = v {
+            return Some(Ok((k.to_vec(), v.to_vec())));
+        }
+    }))
+}
+
 impl ReadTxn<'_> {
+    /// The committed rows of `table` with keys in `(lo, hi)`, in key order.
+    fn range_raw(&self, table: Table, lo: Bound<&[u8]>, hi: Bound<&[u8]>) -> Result<KvIter<'_>> {
+        let base = self.snap.range(table, lo, hi)?;
+        if table != deferred::DEFERRED {
+            return Ok(base);
+        }
+        Ok(merged(base.peekable(), self.pending.range(lo, hi)))
+    }
+
     /// Entries with keys in `range`, in key order.
     pub fn range<K: Codec, V: Codec + ?Sized>(
         &self,
@@ -629,8 +716,7 @@ impl ReadTxn<'_> {
         let b = byte_bounds(&range);
         let (lo, hi) = as_slices(&b);
         Ok(self
-            .snap
-            .range(def.table, lo, hi)?
+            .range_raw(def.table, lo, hi)?
             .map(|i| i.and_then(decode_pair::<K, V>)))
     }
 
@@ -641,6 +727,14 @@ impl ReadTxn<'_> {
         def: Def<K, V>,
         mut f: impl FnMut(K::Owned) -> bool,
     ) -> Result<bool> {
+        if def.table == deferred::DEFERRED {
+            for item in self.range_raw(def.table, Bound::Unbounded, Bound::Unbounded)? {
+                if !f(K::decode(&item?.0)?) {
+                    return Ok(false);
+                }
+            }
+            return Ok(true);
+        }
         let mut stopped = false;
         let scanned = self.snap.for_each_key(def.table, &mut |k| {
             if f(K::decode(k)?) {
@@ -664,8 +758,7 @@ impl ReadTxn<'_> {
         def: Def<K, V>,
     ) -> Result<impl Iterator<Item = Result<(K::Owned, V::Owned)>> + '_> {
         Ok(self
-            .snap
-            .range(def.table, Bound::Unbounded, Bound::Unbounded)?
+            .range_raw(def.table, Bound::Unbounded, Bound::Unbounded)?
             .map(|i| i.and_then(decode_pair::<K, V>)))
     }
 }
@@ -677,6 +770,10 @@ pub struct WriteTxn<'a> {
     /// The committed state this transaction reads under its changes; released before the
     /// batch is written.
     base: Option<Box<dyn Snapshot + 'a>>,
+    /// The map changes not yet written back as of `base`.
+    pending: Arc<deferred::Pending>,
+    /// Whether the commit writes back every pending map change, not just a slice's.
+    write_back_all: bool,
     /// The row cache's generation of `base`.
     generation: u64,
     batch: Batch,
@@ -697,10 +794,13 @@ impl Drop for WriteTxn<'_> {
 
 impl Reader for WriteTxn<'_> {
     fn get_raw(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        match self.batch.tables[table.index()].get(key) {
-            Some(v) => Ok(v),
-            None => cached_get(&self.store.cache, self.generation, self.base(), table, key),
+        if let Some(v) = self.batch.tables[table.index()].get(key) {
+            return Ok(v);
         }
+        if let Some(v) = pending_get(&self.pending, table, key) {
+            return Ok(v);
+        }
+        cached_get(&self.store.cache, self.generation, self.base(), table, key)
     }
 }
 
@@ -775,6 +875,14 @@ impl WriteTxn<'_> {
         let (lo, hi) = as_slices(bounds);
         let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
             self.base().range(table, lo, hi)?.collect::<Result<_>>()?;
+        if table == deferred::DEFERRED {
+            for (k, v) in self.pending.range(lo, hi) {
+                match v {
+                    Some(v) => merged.insert(k.to_vec(), v.to_vec()),
+                    None => merged.remove(&**k),
+                };
+            }
+        }
         for (k, v) in self.batch.tables[table.index()].in_range(lo, hi) {
             match v {
                 Some(v) => merged.insert(k.to_vec(), v.to_vec()),
@@ -796,13 +904,22 @@ impl WriteTxn<'_> {
         self.base = None;
         let mut ready = Some(ready);
         let mut ready = || ready.take().map_or(Ok(()), |f| f());
-        if self.batch.is_empty() {
+        let all = self.write_back_all && !self.pending.is_empty();
+        if self.batch.is_empty() && !all {
             return ready();
         }
+        // The map's changes go to its log; the slices due are written back.
+        let staged = self
+            .store
+            .deferred
+            .stage(&mut self.batch, &self.pending, all);
         let cache = &self.store.cache;
         cache.begin(&self.batch);
         let written = self.store.backend.write(&self.batch, &mut ready);
         cache.end(&self.batch, written.is_ok());
+        if written.is_ok() {
+            self.store.deferred.publish(staged);
+        }
         written
     }
 }

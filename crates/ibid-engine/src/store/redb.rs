@@ -59,6 +59,8 @@ const ZEROING: TableDefinition<u64, &[u8]> = TableDefinition::new("zeroing");
 const CHUNK_DELTAS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunk.deltas");
 /// The map in pages (format version 11; see `map_table.rs`): byte-string keys like `map.bytes`.
 const MAP_PAGES: TableDefinition<&[u8], &[u8]> = TableDefinition::new("map.pages");
+/// Changes to `map.pages` not yet written back (format version 12; see `deferred.rs`).
+const MAP_LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("map.log");
 
 /// Runs the generic function `$f` on the redb table of `$table`, with the other arguments.
 macro_rules! dispatch {
@@ -80,6 +82,7 @@ macro_rules! dispatch {
             Table::FpsGone => $f(FPS_GONE, $($arg),*),
             Table::ChunkDeltas => $f(CHUNK_DELTAS, $($arg),*),
             Table::MapPages => $f(MAP_PAGES, $($arg),*),
+            Table::MapLog => $f(MAP_LOG, $($arg),*),
         }
     };
 }
