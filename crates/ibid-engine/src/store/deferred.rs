@@ -44,7 +44,7 @@
 
 use super::{Batch, Codec, Snapshot, Table};
 use crate::error::{Error, Result};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use rustc_hash::FxHashMap;
 use std::ops::Bound;
 use std::sync::Arc;
@@ -150,7 +150,9 @@ pub struct Staged {
 /// The deferred table's state: the pending changes readers see, and the log's bookkeeping.
 #[derive(Debug, Default)]
 pub struct Deferred {
-    published: Mutex<Arc<Pending>>,
+    /// Read-locked by readers while they take their snapshot (they never wait for each
+    /// other), write-locked by a commit to publish.
+    published: RwLock<Arc<Pending>>,
     log: Mutex<LogState>,
 }
 
@@ -176,7 +178,7 @@ impl Deferred {
             log.next_seq = log.next_seq.max((row & ((1 << SEQ_BITS) - 1)) + 1);
         }
         Ok(Deferred {
-            published: Mutex::new(Arc::new(Pending::new(latest.into_iter().collect()))),
+            published: RwLock::new(Arc::new(Pending::new(latest.into_iter().collect()))),
             log: Mutex::new(log),
         })
     }
@@ -184,7 +186,7 @@ impl Deferred {
     /// The pending state commits have published; `with` runs while no commit can publish,
     /// so that what it takes (a backend snapshot) goes with it.
     pub fn pending_with<T>(&self, with: impl FnOnce() -> T) -> (Arc<Pending>, T) {
-        let published = self.published.lock();
+        let published = self.published.read();
         let t = with();
         (published.clone(), t)
     }
@@ -292,14 +294,14 @@ impl Deferred {
     /// snapshot shows it.
     pub fn publish(&self, staged: Staged) {
         *self.log.lock() = staged.log;
-        *self.published.lock() = staged.pending;
+        *self.published.write() = staged.pending;
     }
 
     /// Checks the pending state against the log rows of `snap` (a snapshot of the last commit:
     /// no commit may run meanwhile): an error names the first difference.
     pub fn check(&self, snap: &dyn Snapshot) -> Result<()> {
         let stored = Deferred::load(snap)?;
-        let (mine, stored_pending) = (self.published.lock().clone(), stored.published.lock());
+        let (mine, stored_pending) = (self.published.read().clone(), stored.published.read());
         if mine.changes != stored_pending.changes {
             let first = mine
                 .changes
