@@ -159,6 +159,8 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
     );
     record.version = meta::POOL_FORMAT_VERSION;
     let mut txn = db.write()?;
+    // Nothing reads the pool yet: a format-10 map moves into the table, not into memory.
+    txn.write_through();
     let moved = crate::chunk_table::upgrade(&mut txn)?;
     if moved > 0 {
         tracing::info!(

@@ -4,8 +4,9 @@
 //!
 //! Why: random overwrites of a large volume change one map page per block, and a commit of a
 //! second's worth of them (30–100 Ki blocks over a 16 GiB volume's 256 Ki pages) touched
-//! nearly every leaf of the map's copy-on-write B-tree: each commit rewrote the whole map,
-//! ~40 MB at 16 GiB, and that set the volume's steady overwrite rate (issue 31, goal 2). Here a
+//! nearly every leaf of the map's copy-on-write B-tree: each commit rewrote most of the map
+//! (BENCHMARKS.md, "The map's writes deferred": 848 → 665 bytes of store writes per
+//! overwritten block over a 16 GiB volume when deferred). Here a
 //! commit writes its changed pages once, packed into a few log rows, and writes back one
 //! **slice** of the pending pages: each page written back once for up to sixteen commits'
 //! changes, the leaves of a slice rewritten together.
@@ -503,6 +504,41 @@ mod tests {
             assert_eq!(store.pending_map_changes(), 0);
         }
         Ok(())
+    }
+
+    /// A transaction written through puts its map changes in the table itself while nothing
+    /// is pending, and is deferred like any other once something is.
+    #[test]
+    fn written_through_changes_skip_the_log_only_while_nothing_is_pending() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let mut txn = store.write()?;
+        txn.write_through();
+        txn.insert(meta::MAP_PAGES, &key(1), b"one".as_slice());
+        txn.commit()?;
+        assert_eq!(store.pending_map_changes(), 0);
+        assert_eq!(committed_b_tree(&store)?.len(), 1);
+        let mut txn = store.write()?;
+        txn.insert(meta::MAP_PAGES, &key(2), b"two".as_slice());
+        txn.commit()?;
+        assert_eq!(store.pending_map_changes(), 1, "deferred");
+        let mut txn = store.write()?;
+        txn.write_through();
+        txn.insert(meta::MAP_PAGES, &key(3), b"three".as_slice());
+        txn.commit()?;
+        assert_eq!(
+            store.pending_map_changes(),
+            1,
+            "key 3 deferred, key 2 written back"
+        );
+        let r = store.read()?;
+        for (n, v) in [(1, "one"), (2, "two"), (3, "three")] {
+            assert_eq!(
+                r.get(meta::MAP_PAGES, &key(n))?,
+                Some(v.as_bytes().to_vec())
+            );
+        }
+        store.check_pending()
     }
 
     /// Readers racing commits never see half of one: each commit sets a group of keys, one

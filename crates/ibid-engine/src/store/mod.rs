@@ -552,6 +552,7 @@ impl Store {
             base: Some(base?),
             pending,
             write_back_all: false,
+            write_through: false,
             generation,
             batch,
             store: self,
@@ -774,6 +775,8 @@ pub struct WriteTxn<'a> {
     pending: Arc<deferred::Pending>,
     /// Whether the commit writes back every pending map change, not just a slice's.
     write_back_all: bool,
+    /// Whether the map's changes go straight to its table (see [`WriteTxn::write_through`]).
+    write_through: bool,
     /// The row cache's generation of `base`.
     generation: u64,
     batch: Batch,
@@ -892,6 +895,14 @@ impl WriteTxn<'_> {
         Ok(merged.into_iter().collect())
     }
 
+    /// Writes this transaction's map changes straight to the map's table instead of its log,
+    /// if nothing is pending (else they are deferred as usual). Only for a transaction no
+    /// reader runs beside — a pool's format upgrade at open, which may move a whole map: its
+    /// changes would otherwise all wait in memory to be written back.
+    pub fn write_through(&mut self) {
+        self.write_through = true;
+    }
+
     /// Applies every change atomically; durable when it returns `Ok`.
     pub fn commit(self) -> Result<()> {
         self.commit_after(|| Ok(()))
@@ -909,15 +920,17 @@ impl WriteTxn<'_> {
             return ready();
         }
         // The map's changes go to its log; the slices due are written back.
-        let staged = self
-            .store
-            .deferred
-            .stage(&mut self.batch, &self.pending, all);
+        let through = self.write_through && self.pending.is_empty();
+        let staged = (!through).then(|| {
+            self.store
+                .deferred
+                .stage(&mut self.batch, &self.pending, all)
+        });
         let cache = &self.store.cache;
         cache.begin(&self.batch);
         let written = self.store.backend.write(&self.batch, &mut ready);
         cache.end(&self.batch, written.is_ok());
-        if written.is_ok() {
+        if let (Ok(()), Some(staged)) = (&written, staged) {
             self.store.deferred.publish(staged);
         }
         written
