@@ -531,6 +531,8 @@ mod tests {
             1,
             "key 3 deferred, key 2 written back"
         );
+        let tree = committed_b_tree(&store)?;
+        assert!(tree.contains_key(&key(2)[..]) && !tree.contains_key(&key(3)[..]));
         let r = store.read()?;
         for (n, v) in [(1, "one"), (2, "two"), (3, "three")] {
             assert_eq!(
