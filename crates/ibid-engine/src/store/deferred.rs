@@ -4,9 +4,8 @@
 //!
 //! Why: random overwrites of a large volume change one map page per block, and a commit of a
 //! second's worth of them (30–100 Ki blocks over a 16 GiB volume's 256 Ki pages) touched
-//! nearly every leaf of the map's copy-on-write B-tree: each commit rewrote most of the map
-//! (BENCHMARKS.md, "The map's writes deferred": 848 → 665 bytes of store writes per
-//! overwritten block over a 16 GiB volume when deferred). Here a
+//! nearly every leaf of the map's copy-on-write B-tree (BENCHMARKS.md, "The map's writes
+//! deferred": what deferring them changed, measured — less than hoped). Here a
 //! commit writes its changed pages once, packed into a few log rows, and writes back one
 //! **slice** of the pending pages: each page written back once for up to sixteen commits'
 //! changes, the leaves of a slice rewritten together.
