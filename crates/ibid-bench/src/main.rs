@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 mod checksum;
 mod formats;
+mod map_overwrites;
 mod offload;
 mod sharing;
 mod simulate;
@@ -50,6 +51,8 @@ enum Cmd {
     Formats(formats::FormatsArgs),
     /// Measures the metadata store's cost per new block for today's row shapes and others.
     StoreShapes(store_shapes::StoreShapesArgs),
+    /// The map's store work per random overwrite, deferred and straight into the B-tree.
+    MapOverwrites(map_overwrites::MapOverwritesArgs),
     /// Where the bytes of a pool's metadata store file go, per table.
     StoreSpace(store_space::StoreSpaceArgs),
     /// Range copies in 4 MiB segments with several in flight, as ESXi sends EXTENDED COPY.
@@ -179,6 +182,7 @@ fn main() -> Result<()> {
         Cmd::Sharing(a) => sharing::sharing(&a),
         Cmd::Formats(a) => formats::formats(&a),
         Cmd::StoreShapes(a) => store_shapes::store_shapes(&a),
+        Cmd::MapOverwrites(a) => map_overwrites::map_overwrites(&a),
         Cmd::StoreSpace(a) => store_space::store_space(&a),
         Cmd::Xcopy(a) => xcopy::xcopy(&a),
         Cmd::Simulate(a) => simulate::simulate(&a),
