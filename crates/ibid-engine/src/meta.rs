@@ -148,7 +148,10 @@ pub const POOL_KEY: &str = "pool";
 /// 8 would take merged keys for unmerged ones. 10 — map entries of layers in no stack yet,
 /// listed in [`BUILDING_KEY`]; a version 9 pool has none, but a build that knows only version
 /// 9 would take them for corruption and never delete them. 11 — map entries packed in pages
-/// (`map.pages`); a version 10 pool has its `map` rows moved into pages when opened.
+/// (`map.pages`); a version 10 pool has its `map` rows moved into pages when opened. 12 — the
+/// map's changes logged (`map.log`) and written back a slice at a time. 13 — the reference
+/// log cut in 64 slices (key `slice << 56 | row`), not 16 (`slice << 60 | row`); a version 12
+/// pool's log is summed and logged again when it is opened (`ref_log::upgrade`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -179,7 +182,9 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 12;
+pub const POOL_FORMAT_VERSION: u64 = 13;
+/// First format whose reference log is cut in 64 slices, not 16.
+pub const REF_LOG_64_SLICES_VERSION: u64 = 13;
 /// Oldest pool format version this build opens (and upgrades).
 pub const POOL_FORMAT_VERSION_OLDEST: u64 = 1;
 const POOL_RECORD_FIELDS: usize = 12;

@@ -74,7 +74,9 @@ pub(crate) fn open(
     let db = Store::open_on(&*config.disk, dir)?;
     let mut catalog = read_catalog(&db)?;
     if upgrade_format(&db, &mut catalog.record, dir)? {
-        catalog.dedup_runs = Runs::load(&db.read()?)?;
+        let txn = db.read()?;
+        catalog.dedup_runs = Runs::load(&txn)?;
+        catalog.ref_log = RefLog::load(&txn)?;
     }
     let journaled = read_journal(&*config.disk, dir, &mut catalog)?;
     let segments = open_chunk_store(&config, dir, &catalog, &journaled)?;
@@ -128,6 +130,11 @@ fn read_catalog(db: &Store) -> Result<StoredCatalog> {
         let (k, v) = item?;
         snapshots.insert(k, VolumeRecord::decode(&v)?);
     }
+    // An older format's log is in another layout until `upgrade_format` moves it.
+    let ref_log = match record.version >= meta::REF_LOG_64_SLICES_VERSION {
+        true => RefLog::load(&txn)?,
+        false => RefLog::default(),
+    };
     let mut segment_ids = HashSet::new();
     for item in txn.iter(meta::SEGMENTS)? {
         segment_ids.insert(item?.0);
@@ -139,7 +146,7 @@ fn read_catalog(db: &Store) -> Result<StoredCatalog> {
         zeroing,
         segment_ids,
         dedup_runs: Runs::load(&txn)?,
-        ref_log: RefLog::load(&txn)?,
+        ref_log,
     })
 }
 
@@ -157,6 +164,7 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
         record.version,
         meta::POOL_FORMAT_VERSION
     );
+    let old_version = record.version;
     record.version = meta::POOL_FORMAT_VERSION;
     let mut txn = db.write()?;
     // Nothing reads the pool yet: a format-10 map moves into the table, not into memory.
@@ -174,6 +182,15 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
             "pool {}: {moved} map entries moved into pages",
             dir.display()
         );
+    }
+    if old_version < meta::REF_LOG_64_SLICES_VERSION {
+        let moved = crate::ref_log::upgrade(&mut txn)?;
+        if moved > 0 {
+            tracing::info!(
+                "pool {}: {moved} logged reference changes moved to the log's new slices",
+                dir.display()
+            );
+        }
     }
     let layers = count_layer_refs(&mut txn)?;
     if layers > 0 {

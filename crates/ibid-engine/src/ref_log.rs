@@ -9,7 +9,7 @@
 //! rows, adds them up with its own changes to that slice, applies the sums to the records in
 //! chunk-id order (a chunk left with no reference dies there, see `commit.rs`) and deletes the
 //! rows. A slice is every [`SLICES`]th stretch of [`SPAN_PAGES`] chunk pages, so a fold rewrites
-//! the pages of about a sixteenth of the table, each once, in key order, for about
+//! the pages of about a [`SLICES`]th of the table, each once, in key order, for about
 //! [`SLICES`] commits' worth of changes.
 //!
 //! A chunk's reference count is its record's `refs` plus the deltas logged for it. Every change
@@ -26,10 +26,13 @@
 //! # Rows (`chunk.deltas`)
 //!
 //! ```text
-//! key:    slice << 60 | row number   (u64; row numbers are never reused)
+//! key:    slice << 56 | row number   (u64; row numbers are never reused)
 //! value:  entry*                     (ascending chunk id, each in the key's slice, no zero delta)
 //! entry:  chunk id u64 LE | delta i64 LE
 //! ```
+//!
+//! Pools of format 12 and older cut the log in 16 slices (key `slice << 60 | row number`);
+//! [`upgrade`] sums their rows' deltas and logs them again in this layout.
 
 use crate::chunk_table::page_of;
 use crate::error::{Error, Result};
@@ -38,8 +41,12 @@ use crate::store::{ReadTxn, WriteTxn};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 
-/// Number of slices.
-pub(crate) const SLICES: usize = 16;
+/// Number of slices. A fold rewrites the chunk pages of one slice whatever the number of
+/// deltas it applies (on a volume overwritten at random every page of the slice has some), so
+/// the table's bytes rewritten per commit are its size over `SLICES`; 64 rather than 16 cut
+/// an overwrite commit's time per block by about a third (BENCHMARKS.md, "Folds of a
+/// sixty-fourth", session 53), for deaths found up to 64 commits later.
+pub(crate) const SLICES: usize = 64;
 /// Chunk pages per stretch of a slice: 256 pages, 4 Ki sequence numbers.
 pub(crate) const SPAN_PAGES: u64 = 256;
 /// Logged deltas past which every commit folds [`PRESSED_SLICES`] slices.
@@ -50,7 +57,7 @@ pub(crate) const ENTRIES_MAX: u64 = 4 << 20;
 /// doubled the store's file for good (BENCHMARKS.md, session 37).
 pub(crate) const PRESSED_SLICES: usize = 4;
 /// A row key's slice is its top bits.
-const SLICE_SHIFT: u32 = 60;
+const SLICE_SHIFT: u32 = 56;
 /// Encoded size of one entry.
 const ENTRY_BYTES: usize = 16;
 
@@ -76,7 +83,7 @@ pub(crate) enum FoldRequest {
 
 /// The log's state in memory: what it holds per slice (the rows themselves are only in the
 /// store). Owned by the committer; changed only with the commit lock held.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RefLog {
     next_row: u64,
     /// Deltas logged per slice.
@@ -85,6 +92,17 @@ pub(crate) struct RefLog {
     next_slice: usize,
     /// What the next commit folds beyond its turn.
     request: FoldRequest,
+}
+
+impl Default for RefLog {
+    fn default() -> Self {
+        RefLog {
+            next_row: 0,
+            entries: [0; SLICES],
+            next_slice: 0,
+            request: FoldRequest::None,
+        }
+    }
 }
 
 fn row_key(slice: usize, row: u64) -> u64 {
@@ -217,11 +235,36 @@ impl RefLog {
 
 /// Splits `deltas` by slice.
 pub(crate) fn by_slice(deltas: &Deltas) -> [Deltas; SLICES] {
-    let mut out: [Deltas; SLICES] = Default::default();
+    let mut out: [Deltas; SLICES] = std::array::from_fn(|_| Deltas::new());
     for (&id, &d) in deltas {
         out[slice_of(id)].insert(id, d);
     }
     out
+}
+
+/// Moves a format-12 (or older) log to this layout, in the upgrade's transaction: its rows'
+/// deltas, summed per chunk, logged again as one row per slice (of [`SLICES`]). Returns the
+/// deltas moved. The old rows are read without their slice checked (it was 16 slices' then).
+pub(crate) fn upgrade(txn: &mut WriteTxn) -> Result<u64> {
+    let rows = txn.extract_range_if(meta::CHUNK_DELTAS, .., |_, _| true)?;
+    let mut sums = Deltas::new();
+    for (key, v) in &rows {
+        if !v.len().is_multiple_of(ENTRY_BYTES) || v.is_empty() {
+            return Err(Error::Corrupt(format!(
+                "reference log row {key:#x} of {} bytes",
+                v.len()
+            )));
+        }
+        for e in v.chunks_exact(ENTRY_BYTES) {
+            let id = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
+            let d = i64::from_le_bytes(e[8..].try_into().expect("8 bytes"));
+            *sums.entry(id).or_default() += d;
+        }
+    }
+    sums.retain(|_, d| *d != 0);
+    let moved = sums.len() as u64;
+    RefLog::default().append(txn, &by_slice(&sums));
+    Ok(moved)
 }
 
 /// Every delta logged in `txn`'s snapshot, summed per chunk (a chunk's count is its record's
@@ -246,13 +289,71 @@ mod tests {
         ((n * SLICES as u64 + slice as u64) * SPAN_PAGES) << PAGE_SHIFT
     }
 
+    /// A format-12 log (16 slices, keys `slice << 60 | row`) moves to this layout with every
+    /// chunk's sum kept, opposite deltas cancelled, and every row readable as this format's.
+    #[test]
+    fn an_older_log_is_logged_again_in_this_layout() -> Result<()> {
+        use crate::store::{Backend, Store};
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        // Chunks of many of today's slices, so that an old row holds several of them.
+        let old_slice = |id: u64| page_of(id) / SPAN_PAGES % 16;
+        let ids: Vec<u64> = (0..200u64)
+            .map(|n| (n * 37 * SPAN_PAGES + n) << PAGE_SHIFT)
+            .collect();
+        let mut want: FxHashMap<u64, i64> = FxHashMap::default();
+        let mut rows: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+        for round in 0..3u64 {
+            let mut by_old: BTreeMap<u64, Deltas> = BTreeMap::new();
+            for (n, &id) in ids.iter().enumerate() {
+                let d = match (round, n % 3) {
+                    (2, 0) => -1, // cancels round 0's +1
+                    (_, 0) => 1,
+                    (_, 1) => -(n as i64),
+                    _ => continue,
+                };
+                by_old.entry(old_slice(id)).or_default().insert(id, d);
+                *want.entry(id).or_default() += d;
+            }
+            for (slice, d) in by_old {
+                rows.insert(slice << 60 | (round * 16 + slice), encode(&d));
+            }
+        }
+        want.retain(|_, d| *d != 0);
+        assert!(
+            rows.keys().any(|&k| (k >> SLICE_SHIFT) as usize >= SLICES),
+            "old keys are not this format's"
+        );
+        let mut txn = store.write()?;
+        for (k, v) in &rows {
+            txn.insert(meta::CHUNK_DELTAS, k, v.as_slice());
+        }
+        txn.commit()?;
+
+        let mut txn = store.write()?;
+        assert_eq!(upgrade(&mut txn)?, want.len() as u64);
+        txn.commit()?;
+        let r = store.read()?;
+        assert_eq!(pending(&r)?, want, "every chunk's sum kept");
+        let log = RefLog::load(&r)?;
+        assert_eq!(log.entries(), want.len() as u64);
+        assert!(
+            log.entries.iter().filter(|&&n| n > 0).count() > 16,
+            "spread over this format's slices"
+        );
+        Ok(())
+    }
+
     #[test]
     fn slices_cover_stretches_of_pages_in_turn() {
         assert_eq!(slice_of(0), 0);
         assert_eq!(slice_of((SPAN_PAGES << PAGE_SHIFT) - 1), 0);
         assert_eq!(slice_of(SPAN_PAGES << PAGE_SHIFT), 1);
         assert_eq!(slice_of(id_in(5, 3)), 5);
-        assert_eq!(slice_of(id_in(15, 0) + (SPAN_PAGES << PAGE_SHIFT)), 0);
+        assert_eq!(
+            slice_of(id_in(SLICES - 1, 0) + (SPAN_PAGES << PAGE_SHIFT)),
+            0
+        );
     }
 
     #[test]

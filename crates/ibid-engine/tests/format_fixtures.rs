@@ -234,3 +234,8 @@ fn a_format_10_pool_has_its_map_moved_into_pages() {
 fn a_format_11_pool_opens_with_its_map_writes_deferred_from_then_on() {
     opens_and_lives_on("pool-v11.tar.gz", 11);
 }
+
+#[test]
+fn a_format_12_pool_has_its_reference_log_cut_in_this_formats_slices() {
+    opens_and_lives_on("pool-v12.tar.gz", 12);
+}
