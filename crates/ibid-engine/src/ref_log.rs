@@ -121,9 +121,25 @@ fn encode(deltas: &Deltas) -> Vec<u8> {
 }
 
 /// Decodes row `key`, checking its entries; calls `f` with each (chunk id, delta).
-fn decode(key: u64, v: &[u8], mut f: impl FnMut(u64, i64)) -> Result<()> {
+fn decode(key: u64, v: &[u8], f: impl FnMut(u64, i64)) -> Result<()> {
     let slice = (key >> SLICE_SHIFT) as usize;
-    if !v.len().is_multiple_of(ENTRY_BYTES) || v.is_empty() || slice >= SLICES {
+    if slice >= SLICES {
+        return Err(Error::Corrupt(format!(
+            "reference log row {key:#x}: slice {slice}"
+        )));
+    }
+    decode_entries(key, v, Some(slice), f)
+}
+
+/// [`decode`], with each entry's slice checked against `slice` only when given (a format-12
+/// row's keys name one of 16 slices).
+fn decode_entries(
+    key: u64,
+    v: &[u8],
+    slice: Option<usize>,
+    mut f: impl FnMut(u64, i64),
+) -> Result<()> {
+    if !v.len().is_multiple_of(ENTRY_BYTES) || v.is_empty() {
         return Err(Error::Corrupt(format!(
             "reference log row {key:#x} of {} bytes",
             v.len()
@@ -133,7 +149,8 @@ fn decode(key: u64, v: &[u8], mut f: impl FnMut(u64, i64)) -> Result<()> {
     for e in v.chunks_exact(ENTRY_BYTES) {
         let id = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
         let d = i64::from_le_bytes(e[8..].try_into().expect("8 bytes"));
-        if d == 0 || slice_of(id) != slice || prev.is_some_and(|p| p >= id) {
+        let elsewhere = slice.is_some_and(|s| slice_of(id) != s);
+        if d == 0 || elsewhere || prev.is_some_and(|p| p >= id) {
             return Err(Error::Corrupt(format!(
                 "reference log row {key:#x}: entry for chunk {id:#x} ({d:+})"
             )));
@@ -244,22 +261,12 @@ pub(crate) fn by_slice(deltas: &Deltas) -> [Deltas; SLICES] {
 
 /// Moves a format-12 (or older) log to this layout, in the upgrade's transaction: its rows'
 /// deltas, summed per chunk, logged again as one row per slice (of [`SLICES`]). Returns the
-/// deltas moved. The old rows are read without their slice checked (it was 16 slices' then).
+/// deltas moved. The old rows are checked like this format's but for their entries' slices.
 pub(crate) fn upgrade(txn: &mut WriteTxn) -> Result<u64> {
     let rows = txn.extract_range_if(meta::CHUNK_DELTAS, .., |_, _| true)?;
     let mut sums = Deltas::new();
     for (key, v) in &rows {
-        if !v.len().is_multiple_of(ENTRY_BYTES) || v.is_empty() {
-            return Err(Error::Corrupt(format!(
-                "reference log row {key:#x} of {} bytes",
-                v.len()
-            )));
-        }
-        for e in v.chunks_exact(ENTRY_BYTES) {
-            let id = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
-            let d = i64::from_le_bytes(e[8..].try_into().expect("8 bytes"));
-            *sums.entry(id).or_default() += d;
-        }
+        decode_entries(*key, v, None, |id, d| *sums.entry(id).or_default() += d)?;
     }
     sums.retain(|_, d| *d != 0);
     let moved = sums.len() as u64;
