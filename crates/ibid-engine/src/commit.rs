@@ -223,7 +223,7 @@ impl Inner {
         tracing::debug!(
             "commit {}: {} map entries, {} new chunks, {} chunks freed, {:.1} ms \
              ({:.1} ms of it waiting for the segments' sync), after {:.1} ms applying the \
-             cleaner's moves",
+             cleaner's moves; {} map changes pending",
             batch.no,
             entries,
             batch
@@ -234,7 +234,8 @@ impl Inner {
             applied.died.len(),
             t0.elapsed().as_secs_f64() * 1e3,
             waited.as_secs_f64() * 1e3,
-            moves.as_secs_f64() * 1e3
+            moves.as_secs_f64() * 1e3,
+            self.db.pending_map_changes()
         );
         for seg in applied.dead_segments {
             self.segments.remove(seg)?;

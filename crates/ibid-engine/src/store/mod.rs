@@ -674,9 +674,9 @@ fn pending_get(pending: &deferred::Pending, table: Table, key: &[u8]) -> Option<
 /// over it, in key order.
 fn merged<'a>(
     mut base: std::iter::Peekable<KvIter<'a>>,
-    changes: &'a [deferred::Change],
+    changes: Vec<&'a deferred::Change>,
 ) -> KvIter<'a> {
-    let mut changes = changes.iter().peekable();
+    let mut changes = changes.into_iter().peekable();
     Box::new(std::iter::from_fn(move || loop {
         let order = match (base.peek(), changes.peek()) {
             (Some(Err(_)), _) => return base.next(),
