@@ -87,6 +87,10 @@ pub fn slice_of(key: &[u8]) -> usize {
 
 /// Commits' changes to one slice, in key order, and by key: one log row's, or the merge of
 /// several (the newest change to a key kept).
+///
+/// The index is for point reads: every 4 KiB overwrite reads its block's committed entry,
+/// and a binary search of half a million keys, each behind its own pointer, was 14 % of the
+/// writers' CPU in a steady random overwrite.
 #[derive(Debug)]
 struct Layer {
     changes: Vec<Change>,
