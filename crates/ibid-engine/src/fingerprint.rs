@@ -95,6 +95,52 @@ pub fn of_blocks(blocks: &[&[u8]], out: &mut [[u8; 32]]) {
     }
 }
 
+/// The fingerprints of whole blocks (at most [`LANES`]), `None` for an all-zero block (never
+/// fingerprinted: it becomes a zero entry), as the write path computes them.
+pub fn of_blocks_or_zero(blocks: &[&[u8]]) -> Vec<Option<[u8; 32]>> {
+    if let [block] = blocks {
+        // One block (a small write): nothing to hash beside it.
+        return vec![(!is_zero(block)).then(|| of(block))];
+    }
+    let zero: Vec<bool> = blocks.iter().map(|b| is_zero(b)).collect();
+    if zero.iter().all(|&z| z) {
+        return vec![None; blocks.len()];
+    }
+    let nonzero: Vec<&[u8]> = blocks
+        .iter()
+        .zip(&zero)
+        .filter(|(_, &z)| !z)
+        .map(|(b, _)| *b)
+        .collect();
+    let mut fps = [[0u8; 32]; LANES];
+    of_blocks(&nonzero, &mut fps);
+    let mut next = fps.into_iter();
+    zero.iter()
+        .map(|&z| (!z).then(|| next.next().expect("one per nonzero block")))
+        .collect()
+}
+
+/// [`of_blocks_or_zero`] of every 4 KiB block of `data`, in order: what
+/// [`crate::Volume::write_fingerprinted`] takes and [`crate::Volume::block_fingerprints`]
+/// answers.
+///
+/// # Panics
+/// If `data` is not whole blocks.
+pub fn of_data(data: &[u8]) -> Vec<Option<[u8; 32]>> {
+    assert!(data.len().is_multiple_of(BLOCK_BYTES), "whole blocks only");
+    let blocks: Vec<&[u8]> = data.chunks(BLOCK_BYTES).collect();
+    blocks.chunks(LANES).flat_map(of_blocks_or_zero).collect()
+}
+
+/// Whether every byte of `b` is zero.
+pub fn is_zero(b: &[u8]) -> bool {
+    // SAFETY: every bit pattern is a valid u128.
+    let (prefix, words, suffix) = unsafe { b.align_to::<u128>() };
+    prefix.iter().all(|&x| x == 0)
+        && words.iter().all(|&x| x == 0)
+        && suffix.iter().all(|&x| x == 0)
+}
+
 /// Compresses each 64-byte parent node (two children's chaining values) with `flags`.
 fn hash_nodes(platform: Platform, nodes: &[[u8; 64]], flags: u8, out: &mut [u8]) {
     let mut inputs: [&[u8; 64]; 2 * LANES] = [&[0; 64]; 2 * LANES];

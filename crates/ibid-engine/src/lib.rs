@@ -38,7 +38,7 @@ mod direct_io;
 pub mod disk;
 pub mod error;
 pub mod event_log;
-mod fingerprint;
+pub mod fingerprint;
 pub mod format;
 mod fs_space;
 #[doc(hidden)]

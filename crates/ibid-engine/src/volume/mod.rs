@@ -234,6 +234,71 @@ impl Volume {
         self.after_write((data.len() as u64).div_ceil(BLOCK), fua, true)
     }
 
+    /// [`Volume::write`] of whole blocks whose fingerprints the caller has already computed
+    /// with [`crate::fingerprint::of_data`] (one per block, `None` for a zero block), so the
+    /// engine does not hash them again: a restore that checked its chunks by their blocks'
+    /// fingerprints hands them on. A fingerprint that is not its block's would make later
+    /// writes of that block share the wrong data: give only what `of_data` computed.
+    pub fn write_fingerprinted(
+        &self,
+        offset: u64,
+        data: &[u8],
+        fps: &[Option<[u8; 32]>],
+        fua: bool,
+    ) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, data.len() as u64)?;
+        if !offset.is_multiple_of(BLOCK) || data.len() as u64 != fps.len() as u64 * BLOCK {
+            return Err(Error::InvalidArgument(format!(
+                "offset {offset} and length {} must be whole blocks, one fingerprint each ({} given)",
+                data.len(),
+                fps.len()
+            )));
+        }
+        debug_assert_eq!(fingerprint::of_data(data), fps, "fingerprints given");
+        self.inner.check_failed()?;
+        self.inner.note_io();
+        if !data.is_empty() {
+            self.inner.retry_after_commit(|| {
+                self.inner
+                    .write_range_with(&self.state, offset, data, Some(fps))
+            })?;
+        }
+        self.after_write(fps.len() as u64, fua, true)
+    }
+
+    /// The fingerprint of each 4 KiB block of `[offset, offset + len)` (whole blocks), as
+    /// [`crate::fingerprint::of_data`] would compute it from the blocks' bytes, taken from the
+    /// metadata: `None` for a block that reads as zeros. No data is read, except for a block
+    /// whose chunk could not be located (freed under a live volume's reader): that block is
+    /// read and hashed.
+    pub fn block_fingerprints(&self, offset: u64, len: u64) -> Result<Vec<Option<[u8; 32]>>> {
+        self.check_range(offset, len)?;
+        if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) {
+            return Err(Error::InvalidArgument(format!(
+                "offset {offset} and length {len} must be whole blocks"
+            )));
+        }
+        self.inner.note_io();
+        let (b0, b1) = (offset / BLOCK, (offset + len) / BLOCK);
+        let entries = self.inner.lookup_range(&self.state, b0, b1)?;
+        let locations = self.inner.chunk_locations(entries.values().copied())?;
+        let mut block = vec![0u8; BLOCK_BYTES];
+        (b0..b1)
+            .map(|b| {
+                let Some(id) = entries.get(&b) else {
+                    return Ok(None);
+                };
+                if let Some(rec) = locations.get(id) {
+                    return Ok(Some(rec.fingerprint));
+                }
+                self.inner
+                    .read_range(&self.state, b * BLOCK, &mut block, None)?;
+                Ok((!fingerprint::is_zero(&block)).then(|| fingerprint::of(&block)))
+            })
+            .collect()
+    }
+
     /// Makes the range read as zeros and releases its space: a metadata operation. The call
     /// costs the range's uncommitted entries, not its length nor its committed data; the
     /// commits after it release the committed blocks' space. This is also unmap, trim and

@@ -495,3 +495,80 @@ fn fill_unique(buf: &mut [u8], seed: u64) {
         w.copy_from_slice(&x.to_le_bytes());
     }
 }
+
+/// `block_fingerprints` answers from the metadata what `fingerprint::of_data` computes from
+/// the bytes read — uncommitted, committed and in a snapshot, zeros as `None` — and
+/// `write_fingerprinted` stores what `write` would: the data reads back and a block written
+/// before is shared, not stored again. Unaligned ranges and miscounted fingerprints are
+/// refused and change nothing.
+#[test]
+fn block_fingerprints_come_from_the_metadata_and_writes_can_take_them() {
+    use crate::fingerprint;
+    use crate::test_data::noise_block;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Pool::create(dir.path().join("p"), PoolConfig::default()).expect("create");
+    pool.wait_filters_built();
+    let vol = pool.create_volume("v", 64 * 4096).expect("volume");
+    let noise = |first: u64| -> Vec<u8> { (first..first + 16).flat_map(noise_block).collect() };
+    // Blocks 0..16: random, a zero block at 3, block 9 repeating block 1; 16.. unwritten.
+    let mut data = noise(1);
+    data[3 * 4096..4 * 4096].fill(0);
+    data.copy_within(4096..2 * 4096, 9 * 4096);
+    vol.write(0, &data, false).expect("write");
+    let check = |vol: &super::Volume, what: &str| {
+        let mut back = vec![0u8; 64 * 4096];
+        vol.read(0, &mut back).expect("read");
+        assert_eq!(
+            vol.block_fingerprints(0, 64 * 4096).expect("fingerprints"),
+            fingerprint::of_data(&back),
+            "{what}"
+        );
+    };
+    check(&vol, "uncommitted");
+    let fps = vol.block_fingerprints(0, 16 * 4096).expect("fingerprints");
+    assert_eq!(fps[3], None);
+    assert_eq!(fps[1], fps[9]);
+    assert!(fps.iter().filter(|f| f.is_some()).count() == 15);
+    pool.sync().expect("sync");
+    check(&vol, "committed");
+    pool.create_snapshot("v", "s").expect("snapshot");
+    check(&pool.snapshot("v", "s").expect("open snapshot"), "snapshot");
+
+    // Blocks 16..32: new random blocks and a copy of blocks 4..8, written with their
+    // fingerprints given.
+    let unique_before = pool.stats().unique_chunks;
+    let mut more = noise(100);
+    more[..4 * 4096].copy_from_slice(&data[4 * 4096..8 * 4096]);
+    let given = fingerprint::of_data(&more);
+    vol.write_fingerprinted(16 * 4096, &more, &given, false)
+        .expect("write with fingerprints");
+    pool.sync().expect("sync");
+    let mut back = vec![0u8; 16 * 4096];
+    vol.read(16 * 4096, &mut back).expect("read");
+    assert!(
+        back == more,
+        "written with fingerprints, read back otherwise"
+    );
+    assert_eq!(
+        pool.stats().unique_chunks,
+        unique_before + 12,
+        "the 4 repeats are shared"
+    );
+    check(&vol, "after the fingerprinted write");
+
+    for (offset, len, fps) in [
+        (512, 4096, 1),     // not on a block
+        (0, 2 * 4096, 1),   // one fingerprint short
+        (0, 4096 + 512, 2), // not whole blocks
+    ] {
+        let junk = vec![5u8; len];
+        assert!(vol
+            .write_fingerprinted(offset, &junk, &vec![Some([1; 32]); fps], false)
+            .is_err());
+    }
+    assert!(vol.block_fingerprints(512, 4096).is_err());
+    assert!(vol.block_fingerprints(0, 65 * 4096).is_err());
+    let mut first = vec![0u8; 16 * 4096];
+    vol.read(0, &mut first).expect("read");
+    assert!(first == data, "a refused write changed data");
+}

@@ -73,38 +73,6 @@ impl Drop for Preparing<'_> {
     }
 }
 
-/// The fingerprints of whole blocks (at most [`fingerprint::LANES`]), `None` for an all-zero
-/// block (never fingerprinted: it becomes a zero entry).
-pub(super) fn fingerprints(blocks: &[&[u8]]) -> Vec<Option<[u8; 32]>> {
-    if let [block] = blocks {
-        // One block (a small write): nothing to hash beside it.
-        return vec![(!all_zero(block)).then(|| fingerprint::of(block))];
-    }
-    let zero: Vec<bool> = blocks.iter().map(|b| all_zero(b)).collect();
-    if zero.iter().all(|&z| z) {
-        return vec![None; blocks.len()];
-    }
-    let nonzero: Vec<&[u8]> = blocks
-        .iter()
-        .zip(&zero)
-        .filter(|(_, &z)| !z)
-        .map(|(b, _)| *b)
-        .collect();
-    let mut fps = [[0u8; 32]; fingerprint::LANES];
-    fingerprint::of_blocks(&nonzero, &mut fps);
-    let mut next = fps.into_iter();
-    zero.iter()
-        .map(|&z| (!z).then(|| next.next().expect("one per nonzero block")))
-        .collect()
-}
-
-pub(super) fn all_zero(b: &[u8]) -> bool {
-    let (prefix, words, suffix) = unsafe { b.align_to::<u128>() };
-    prefix.iter().all(|&x| x == 0)
-        && words.iter().all(|&x| x == 0)
-        && suffix.iter().all(|&x| x == 0)
-}
-
 /// A new chunk to place: its fingerprint and shard, and its record's flags and payload.
 pub(super) struct NewChunk<'a> {
     fp: [u8; 32],
@@ -136,6 +104,22 @@ impl Inner {
     /// other stripe held, so writers cannot deadlock. The gate is held throughout, so each
     /// block's reference changes land in the same commit batch as its map entry.
     pub(crate) fn write_range(&self, v: &VolumeState, offset: u64, data: &[u8]) -> Result<()> {
+        self.write_range_with(v, offset, data, None)
+    }
+
+    /// [`Inner::write_range`] with the whole blocks' fingerprints given (`known`, one per
+    /// block of a block-aligned `data`, as [`fingerprint::of_data`] computes them): not
+    /// computed again.
+    pub(crate) fn write_range_with(
+        &self,
+        v: &VolumeState,
+        offset: u64,
+        data: &[u8],
+        known: Option<&[Option<[u8; 32]>]>,
+    ) -> Result<()> {
+        debug_assert!(known.is_none_or(
+            |k| offset.is_multiple_of(BLOCK) && data.len() as u64 == k.len() as u64 * BLOCK
+        ));
         let end = offset + data.len() as u64;
         let (b0, b1) = (offset / BLOCK, end.div_ceil(BLOCK));
         let mut partial: Vec<u64> = Vec::new();
@@ -180,7 +164,10 @@ impl Inner {
                     &data[start..start + BLOCK_BYTES]
                 })
                 .collect();
-            let fps = fingerprints(&blocks);
+            let fps = match known {
+                Some(k) => k[(lo - f0) as usize..(hi - f0) as usize].to_vec(),
+                None => fingerprint::of_blocks_or_zero(&blocks),
+            };
             self.prepare_group(v, &blocks, &fps, stamp, neighbours.as_ref(), &attempts)
         };
         let groups = (f1 - f0).div_ceil(LANES) as usize;
@@ -257,7 +244,7 @@ impl Inner {
         stamp: u64,
         neighbours: Option<&Neighbours>,
     ) -> Result<Entry> {
-        let fp = (!all_zero(block)).then(|| fingerprint::of(block));
+        let fp = (!fingerprint::is_zero(block)).then(|| fingerprint::of(block));
         self.prepare_fingerprinted(v, block, fp, stamp, neighbours)
     }
 
