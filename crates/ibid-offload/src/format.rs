@@ -7,14 +7,26 @@
 //! ## Chunk record (inside a pack)
 //! ```text
 //! offset  size  field
-//! 0       4     magic "ICHK"
-//! 4       32    BLAKE3 of the chunk's plain bytes (its name)
+//! 0       4     magic: "ICHB" (named by its blocks) or "ICHK" (named by its bytes)
+//! 4       32    the chunk's name (below)
 //! 36      1     codec: 0 stored as is, 1 LZ4 block
 //! 37      4     plain length (bytes, at most CHUNK_BYTES)
 //! 41      4     stored length (bytes that follow)
 //! 45      ...   stored bytes
 //! ```
+//! A chunk's name is, for an "ICHB" record, the BLAKE3 (in `derive_key` mode, context
+//! [`BLOCKS_NAME_CONTEXT`]) of the fingerprints of its 4 KiB blocks in order, each the BLAKE3 of
+//! one block as the pool's dedup keeps it (zero blocks included) — so a push names a chunk
+//! from the pool's metadata without reading it, and a restore checks a chunk and gets the
+//! fingerprints the pool needs in one pass over its bytes. A chunk whose plain length is not
+//! whole blocks (the tail of a volume of 512-byte sectors), and every chunk pushed by format
+//! 1, has an "ICHK" record: its name is the BLAKE3 of its plain bytes.
+//!
 //! A pack is records back to back, nothing else: it can be read without any other object.
+//! Its name is the BLAKE3 of its records' headers (magic to stored length, in order): they
+//! name every chunk it holds, where and how long, so two packs with one name hold the same
+//! chunks at the same places (format 1 named packs by all their bytes; names are only
+//! compared, never checked against content).
 //!
 //! ## Manifest and index
 //! ```text
@@ -48,10 +60,22 @@ pub const PACK_BYTES_MAX: usize = PACK_BYTES_TARGET + RECORD_HEADER_BYTES + CHUN
 pub const RECORD_HEADER_BYTES: usize = 45;
 /// Version of the manifest and index formats; the changelog:
 /// - 1: first version.
-pub const FORMAT_VERSION: u32 = 1;
+/// - 2: chunks named by their blocks' fingerprints ("ICHB" records), packs by their records'
+///   headers. Format-1 manifests and indexes are read as they are (their "ICHK" records are
+///   checked as before); a format-2 bucket is refused by a format-1 ibid.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest manifest and index format this ibid reads.
+pub const FORMAT_VERSION_MIN: u32 = 1;
+/// The `derive_key` context of the name of a chunk named by its blocks.
+pub const BLOCKS_NAME_CONTEXT: &str = "ibid 2026-12 remote chunk named by its 4 KiB blocks";
+/// Bytes of the blocks a chunk's name is made of (the pool's dedup unit).
+pub const BLOCK_BYTES: usize = 4096;
 /// Bytes of one manifest or index entry.
 pub const ENTRY_BYTES: usize = 56;
-const RECORD_MAGIC: &[u8; 4] = b"ICHK";
+/// Magic of a record whose chunk is named by its plain bytes.
+const RECORD_MAGIC_BYTES: &[u8; 4] = b"ICHK";
+/// Magic of a record whose chunk is named by its blocks' fingerprints.
+const RECORD_MAGIC_BLOCKS: &[u8; 4] = b"ICHB";
 /// Magic of a manifest.
 pub const MANIFEST_MAGIC: &[u8; 8] = b"IBIDMAN1";
 /// Magic of the index.
@@ -61,8 +85,31 @@ const CODEC_LZ4: u8 = 1;
 /// Largest header a manifest may have (a sanity bound on a length read from a remote).
 const HEADER_BYTES_MAX: usize = 64 << 10;
 
-/// A chunk's name: the BLAKE3 of its plain bytes.
+/// A chunk's name (see the module doc), a pack's, or an index segment's: a BLAKE3 hash.
 pub type Hash = [u8; 32];
+
+/// A block's fingerprint as the pool keeps it (`None`: a zero block).
+pub type BlockFingerprint = Option<[u8; 32]>;
+
+/// The name of a chunk whose 4 KiB blocks have fingerprints `fps` (zero blocks `None`).
+pub fn blocks_name(fps: &[BlockFingerprint]) -> Hash {
+    static ZERO: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
+    let zero = ZERO.get_or_init(|| *blake3::hash(&[0u8; BLOCK_BYTES]).as_bytes());
+    let mut h = blake3::Hasher::new_derive_key(BLOCKS_NAME_CONTEXT);
+    for fp in fps {
+        h.update(fp.as_ref().unwrap_or(zero));
+    }
+    *h.finalize().as_bytes()
+}
+
+/// How a record names its chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Naming {
+    /// By its blocks' fingerprints ([`blocks_name`]); whole blocks only.
+    Blocks,
+    /// By the BLAKE3 of its plain bytes (format 1; a chunk that is not whole blocks).
+    Bytes,
+}
 
 /// Where a chunk's record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,16 +165,20 @@ pub struct Table<H> {
     pub entries: Vec<Entry>,
 }
 
-/// Encodes a chunk record: LZ4 when that saves bytes, else as is.
-pub fn encode_record(hash: &Hash, plain: &[u8], out: &mut Vec<u8>) {
+/// Encodes a chunk record named `hash` by `naming`: LZ4 when that saves bytes, else as is.
+pub fn encode_record(hash: &Hash, naming: Naming, plain: &[u8], out: &mut Vec<u8>) {
     assert!(plain.len() as u64 <= CHUNK_BYTES && !plain.is_empty());
+    assert!(naming == Naming::Bytes || plain.len().is_multiple_of(BLOCK_BYTES));
     let compressed = lz4_flex::block::compress(plain);
     let (codec, stored) = if compressed.len() < plain.len() {
         (CODEC_LZ4, &compressed[..])
     } else {
         (CODEC_RAW, plain)
     };
-    out.extend_from_slice(RECORD_MAGIC);
+    out.extend_from_slice(match naming {
+        Naming::Blocks => RECORD_MAGIC_BLOCKS,
+        Naming::Bytes => RECORD_MAGIC_BYTES,
+    });
     out.extend_from_slice(hash);
     out.push(codec);
     out.extend_from_slice(&(plain.len() as u32).to_le_bytes());
@@ -146,10 +197,28 @@ pub fn decode_record(bytes: &[u8], hash: &Hash) -> Result<Vec<u8>> {
 /// [`decode_record`], appending the plain bytes to `out` (a restore assembles runs of chunks in
 /// one buffer); on an error `out` is left as it was.
 pub fn decode_record_into(bytes: &[u8], hash: &Hash, out: &mut Vec<u8>) -> Result<()> {
+    decode_record_fps_into(bytes, hash, out, None)
+}
+
+/// [`decode_record_into`], also appending to `fps` (when given) the fingerprints of the plain
+/// bytes' 4 KiB blocks as `ibid_engine::fingerprint::of_data` computes them — from the same
+/// pass that checks a chunk named by its blocks — or leaving it as it was (on an error too)
+/// when the plain bytes are not whole blocks.
+pub fn decode_record_fps_into(
+    bytes: &[u8],
+    hash: &Hash,
+    out: &mut Vec<u8>,
+    fps: Option<&mut Vec<BlockFingerprint>>,
+) -> Result<()> {
     let bad = |why: &str| Error::Corrupt(format!("chunk {}: {why}", hex(hash)));
-    if bytes.len() < RECORD_HEADER_BYTES || &bytes[0..4] != RECORD_MAGIC {
+    if bytes.len() < RECORD_HEADER_BYTES {
         return Err(bad("no record header where the index says"));
     }
+    let naming = match &bytes[0..4] {
+        m if m == RECORD_MAGIC_BLOCKS => Naming::Blocks,
+        m if m == RECORD_MAGIC_BYTES => Naming::Bytes,
+        _ => return Err(bad("no record header where the index says")),
+    };
     if &bytes[4..36] != hash {
         return Err(bad("the record names another chunk"));
     }
@@ -177,14 +246,33 @@ pub fn decode_record_into(bytes: &[u8], hash: &Hash, out: &mut Vec<u8>) -> Resul
         }
         _ => Err(bad("unknown codec")),
     };
-    let checked = decoded.and_then(|()| match blake3::hash(&out[start..]).as_bytes() == hash {
-        true => Ok(()),
-        false => Err(bad("BLAKE3 mismatch")),
+    let whole = plain_len.is_multiple_of(BLOCK_BYTES);
+    let checked = decoded.and_then(|()| {
+        let plain = &out[start..];
+        let blocks = (whole && (naming == Naming::Blocks || fps.is_some()))
+            .then(|| ibid_engine::fingerprint::of_data(plain));
+        let name = match (naming, &blocks) {
+            (Naming::Blocks, Some(b)) => blocks_name(b),
+            (Naming::Blocks, None) => return Err(bad("named by blocks but not whole blocks")),
+            (Naming::Bytes, _) => *blake3::hash(plain).as_bytes(),
+        };
+        match &name == hash {
+            true => Ok(blocks),
+            false => Err(bad("BLAKE3 mismatch")),
+        }
     });
-    if checked.is_err() {
-        out.truncate(start);
+    match checked {
+        Ok(blocks) => {
+            if let (Some(fps), Some(b)) = (fps, blocks) {
+                fps.extend(b);
+            }
+            Ok(())
+        }
+        Err(e) => {
+            out.truncate(start);
+            Err(e)
+        }
     }
-    checked
 }
 
 /// Encodes a manifest or index.
@@ -228,9 +316,9 @@ pub fn decode_table<H: for<'de> Deserialize<'de>>(
         return Err(bad("checksum mismatch".into()));
     }
     let version = u32_at(body, 8);
-    if version != FORMAT_VERSION {
+    if !(FORMAT_VERSION_MIN..=FORMAT_VERSION).contains(&version) {
         return Err(bad(format!(
-            "format version {version}; this ibid reads {FORMAT_VERSION}"
+            "format version {version}; this ibid reads {FORMAT_VERSION_MIN} to {FORMAT_VERSION}"
         )));
     }
     let header_len = u32_at(body, 12) as usize;
@@ -311,26 +399,57 @@ pub fn unhex(s: &str) -> Option<Hash> {
 mod tests {
     use super::*;
 
-    /// A record round-trips, compressible or not, and any flipped byte is caught.
+    /// A record round-trips, compressible or not, named either way, and any flipped byte is
+    /// caught; a chunk named by its blocks gives the pool's fingerprints of its blocks, one
+    /// named by its bytes too when it is whole blocks.
     #[test]
     fn records_round_trip_and_catch_damage() {
+        let mut zero_block_chunk: Vec<u8> = (0..16384u32).map(|i| (i * 31 % 253) as u8).collect();
+        zero_block_chunk[4096..8192].fill(0);
         for plain in [
             vec![7u8; 65536],
             (0..4096u32).map(|i| (i * 7919 % 251) as u8).collect(),
+            zero_block_chunk,
+            (0..1536u32).map(|i| (i % 7) as u8).collect(),
         ] {
-            let hash = *blake3::hash(&plain).as_bytes();
-            let mut rec = Vec::new();
-            encode_record(&hash, &plain, &mut rec);
-            assert_eq!(decode_record(&rec, &hash).expect("decode"), plain);
-            for i in [0, 5, 36, 40, RECORD_HEADER_BYTES, rec.len() - 1] {
-                let mut bad = rec.clone();
-                bad[i] ^= 1;
-                assert!(
-                    decode_record(&bad, &hash).is_err(),
-                    "flip at {i} went unnoticed"
-                );
+            let whole = plain.len().is_multiple_of(BLOCK_BYTES);
+            let expected_fps = whole.then(|| ibid_engine::fingerprint::of_data(&plain));
+            for naming in [Naming::Blocks, Naming::Bytes] {
+                let hash = match (naming, &expected_fps) {
+                    (Naming::Blocks, Some(fps)) => blocks_name(fps),
+                    (Naming::Blocks, None) => continue,
+                    (Naming::Bytes, _) => *blake3::hash(&plain).as_bytes(),
+                };
+                let mut rec = Vec::new();
+                encode_record(&hash, naming, &plain, &mut rec);
+                assert_eq!(decode_record(&rec, &hash).expect("decode"), plain);
+                let (mut out, mut fps) = (vec![9u8], Vec::new());
+                decode_record_fps_into(&rec, &hash, &mut out, Some(&mut fps)).expect("decode");
+                assert_eq!(out[1..], plain[..]);
+                assert_eq!(fps, expected_fps.clone().unwrap_or_default(), "{naming:?}");
+                for i in [0, 3, 5, 36, 40, RECORD_HEADER_BYTES, rec.len() - 1] {
+                    let mut bad = rec.clone();
+                    bad[i] ^= 1;
+                    let mut fps = Vec::new();
+                    assert!(
+                        decode_record_fps_into(&bad, &hash, &mut out, Some(&mut fps)).is_err(),
+                        "{naming:?}: flip at {i} went unnoticed"
+                    );
+                    assert!(out.len() == 1 + plain.len() && fps.is_empty());
+                }
+                // The other naming's magic on the same record does not pass.
+                let mut other = rec.clone();
+                other[..4].copy_from_slice(match naming {
+                    Naming::Blocks => RECORD_MAGIC_BYTES,
+                    Naming::Bytes => RECORD_MAGIC_BLOCKS,
+                });
+                assert!(decode_record(&other, &hash).is_err());
             }
         }
+        // A block's name is not its bytes' name, and zero blocks count.
+        let plain = vec![0u8; 8192];
+        assert_ne!(blocks_name(&[None, None]), *blake3::hash(&plain).as_bytes());
+        assert_ne!(blocks_name(&[None, None]), blocks_name(&[None]));
     }
 
     /// A table round-trips; a flipped byte or a truncation is refused.
@@ -360,6 +479,17 @@ mod tests {
         let mut bad = bytes.clone();
         bad[30] ^= 1;
         assert!(decode_table::<serde_json::Value>(MANIFEST_MAGIC, &bad).is_err());
+        // Format 1 is read; a later format is refused.
+        let with_version = |version: u32| {
+            let mut b = bytes[..bytes.len() - 32].to_vec();
+            b[8..12].copy_from_slice(&version.to_le_bytes());
+            let sum = blake3::hash(&b);
+            b.extend_from_slice(sum.as_bytes());
+            decode_table::<serde_json::Value>(MANIFEST_MAGIC, &b)
+        };
+        assert_eq!(with_version(1).expect("format 1"), t);
+        assert!(with_version(FORMAT_VERSION + 1).is_err());
+        assert!(with_version(0).is_err());
     }
 
     #[test]

@@ -46,8 +46,12 @@ pub struct PushReport {
     pub chunks_skipped: u64,
     /// Chunks that read as zeros (not stored).
     pub chunks_zero: u64,
-    /// Bytes of snapshot data read (non-zero chunks).
+    /// Bytes of snapshot data the chunks hold (non-zero chunks).
     pub data_bytes: u64,
+    /// Bytes of snapshot data read from the pool: the chunks the remote lacked (and any not
+    /// whole blocks). Chunks are named from the pool's block fingerprints without reading
+    /// them, so an incremental push reads only what changed.
+    pub bytes_read: u64,
     /// Packs made (a pack the remote already had, from a push that was interrupted, is not
     /// sent again and not counted in `bytes_sent`).
     pub packs_sent: u64,
@@ -72,6 +76,7 @@ struct ReadResult {
     chunks_skipped: u64,
     chunks_zero: u64,
     data_bytes: u64,
+    bytes_read: u64,
     packs: u64,
 }
 
@@ -248,6 +253,7 @@ impl Remote {
             chunks_skipped: read.chunks_skipped + chunks_reused,
             chunks_zero: read.chunks_zero,
             data_bytes: read.data_bytes,
+            bytes_read: read.bytes_read,
             packs_sent: read.packs,
             duration_s: started.elapsed().as_secs_f64(),
         })
@@ -445,7 +451,18 @@ fn build_manifest(
     table
 }
 
-/// The reader: walks the snapshot, packs the chunks `known` lacks, sends sealed packs.
+/// What the reader knows of a chunk before reading it.
+enum Named {
+    /// Every block reads as zeros (nothing stored).
+    Zero,
+    /// Named by its blocks' fingerprints, from the pool's metadata.
+    Blocks(Hash),
+    /// Not whole blocks: named by its bytes once read.
+    Unread,
+}
+
+/// The reader: walks the snapshot, names each chunk from the pool's block fingerprints, reads
+/// and packs the chunks `known` lacks, sends sealed packs.
 fn read_snapshot(
     handle: &Volume,
     mut known: Known,
@@ -459,16 +476,20 @@ fn read_snapshot(
         chunks_skipped: 0,
         chunks_zero: 0,
         data_bytes: 0,
+        bytes_read: 0,
         packs: 0,
     };
-    // The open pack: its bytes, its chunks, and the manifest entries waiting for its name.
-    // Allocated whole for each pack, so no record's append moves the pack's bytes.
+    // The open pack: its bytes, the hash of its record headers so far (its name once
+    // sealed), its chunks, and the manifest entries waiting for its name. Allocated whole for
+    // each pack, so no record's append moves the pack's bytes.
     let mut pack: Vec<u8> = Vec::with_capacity(format::PACK_BYTES_MAX);
+    let mut headers = blake3::Hasher::new();
     let mut pack_chunks: Vec<(Hash, Location)> = Vec::new();
     let mut in_pack: HashMap<Hash, Location> = HashMap::new();
     let mut waiting: Vec<usize> = Vec::new();
     let mut buf = vec![0u8; (READ_CHUNKS_MAX * CHUNK_BYTES) as usize];
     let seal = |pack: &mut Vec<u8>,
+                headers: &mut blake3::Hasher,
                 pack_chunks: &mut Vec<(Hash, Location)>,
                 in_pack: &mut HashMap<Hash, Location>,
                 waiting: &mut Vec<usize>,
@@ -478,7 +499,8 @@ fn read_snapshot(
         if pack.is_empty() {
             return Ok(());
         }
-        let name = *blake3::hash(pack).as_bytes();
+        let name = *headers.finalize().as_bytes();
+        headers.reset();
         for &i in waiting.iter() {
             out.entries[i].2 = name;
         }
@@ -508,25 +530,90 @@ fn read_snapshot(
     progress
         .bytes_total
         .store(total, std::sync::atomic::Ordering::Relaxed);
+    let block = format::BLOCK_BYTES as u64;
+    let chunk_len = |chunk: u64| CHUNK_BYTES.min(size - chunk * CHUNK_BYTES) as usize;
     for (first, count) in runs {
         let mut c = first;
         while c < first + count {
             progress.check()?;
             let n = (first + count - c).min(READ_CHUNKS_MAX);
             let start = c * CHUNK_BYTES;
-            let len = (n * CHUNK_BYTES).min(size - start) as usize;
-            handle.read(start, &mut buf[..len])?;
-            for (i, plain) in buf[..len].chunks(CHUNK_BYTES as usize).enumerate() {
+            let len = (n * CHUNK_BYTES).min(size - start);
+            // Name the chunks from the pool's fingerprints (all but a tail not whole blocks).
+            let whole_len = len / block * block;
+            let fps = handle.block_fingerprints(start, whole_len)?;
+            let per_chunk = (CHUNK_BYTES / block) as usize;
+            let named: Vec<Named> = (0..n as usize)
+                .map(|i| {
+                    let fps = &fps[(i * per_chunk).min(fps.len())..];
+                    let fps = &fps[..per_chunk.min(fps.len())];
+                    match chunk_len(c + i as u64) {
+                        l if l.is_multiple_of(format::BLOCK_BYTES)
+                            && fps.iter().all(Option::is_none) =>
+                        {
+                            Named::Zero
+                        }
+                        l if l.is_multiple_of(format::BLOCK_BYTES) => {
+                            Named::Blocks(format::blocks_name(fps))
+                        }
+                        _ => Named::Unread,
+                    }
+                })
+                .collect();
+            // Read what the remote may lack, in runs of consecutive chunks.
+            let lacks = |n: &Named| match n {
+                Named::Zero => false,
+                Named::Blocks(h) => !known.contains_key(h) && !in_pack.contains_key(h),
+                Named::Unread => true,
+            };
+            let mut was_read = vec![false; named.len()];
+            let mut i = 0;
+            while i < named.len() {
+                if !lacks(&named[i]) {
+                    i += 1;
+                    continue;
+                }
+                let j = (i..named.len())
+                    .find(|&j| !lacks(&named[j]))
+                    .unwrap_or(named.len());
+                let (from, to) = (
+                    i * CHUNK_BYTES as usize,
+                    ((j as u64 * CHUNK_BYTES).min(len)) as usize,
+                );
+                handle.read(start + from as u64, &mut buf[from..to])?;
+                out.bytes_read += (to - from) as u64;
+                was_read[i..j].fill(true);
+                i = j;
+            }
+            for (i, name) in named.into_iter().enumerate() {
                 let chunk = c + i as u64;
+                let from = i * CHUNK_BYTES as usize;
+                let range = from..from + chunk_len(chunk);
+                if !was_read[i]
+                    && matches!(&name, Named::Blocks(h) if !known.contains_key(h) && !in_pack.contains_key(h))
+                {
+                    // Not found now though it was then (cannot happen: what the remote has
+                    // only grows); read rather than pack stale bytes.
+                    handle.read(start + from as u64, &mut buf[range.clone()])?;
+                    out.bytes_read += range.len() as u64;
+                }
+                let plain = &buf[range];
                 progress
                     .bytes_done
                     .fetch_add(plain.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                if plain.iter().all(|&b| b == 0) {
-                    out.chunks_zero += 1;
-                    continue;
-                }
+                let (hash, naming) = match name {
+                    Named::Zero => {
+                        out.chunks_zero += 1;
+                        continue;
+                    }
+                    Named::Blocks(h) => (h, format::Naming::Blocks),
+                    Named::Unread if plain.iter().all(|&b| b == 0) => {
+                        out.chunks_zero += 1;
+                        continue;
+                    }
+                    Named::Unread => (*blake3::hash(plain).as_bytes(), format::Naming::Bytes),
+                };
                 out.data_bytes += plain.len() as u64;
-                let hash = *blake3::hash(plain).as_bytes();
                 if let Some(&(pack_name, at)) = known.get(&hash) {
                     out.chunks_skipped += 1;
                     out.entries.push((chunk, hash, pack_name, at));
@@ -539,7 +626,8 @@ fn read_snapshot(
                     continue;
                 }
                 let offset = pack.len();
-                format::encode_record(&hash, plain, &mut pack);
+                format::encode_record(&hash, naming, plain, &mut pack);
+                headers.update(&pack[offset..offset + format::RECORD_HEADER_BYTES]);
                 let at = Location {
                     pack: 0,
                     offset: offset as u32,
@@ -554,6 +642,7 @@ fn read_snapshot(
                 if pack.len() >= format::PACK_BYTES_TARGET {
                     seal(
                         &mut pack,
+                        &mut headers,
                         &mut pack_chunks,
                         &mut in_pack,
                         &mut waiting,
@@ -567,6 +656,7 @@ fn read_snapshot(
     }
     seal(
         &mut pack,
+        &mut headers,
         &mut pack_chunks,
         &mut in_pack,
         &mut waiting,

@@ -1,4 +1,6 @@
-//! Restore: a remote snapshot into a new volume of a pool, every chunk checked by its BLAKE3.
+//! Restore: a remote snapshot into a new volume of a pool, every chunk checked by its BLAKE3
+//! (a chunk named by its blocks in the same pass that computes the fingerprints the pool's
+//! dedup needs, which the writes hand on).
 
 use crate::format::{
     self, Hash, Location, ManifestHeader, Table, CHUNK_BYTES, RECORD_HEADER_BYTES,
@@ -223,6 +225,8 @@ const WRITERS: usize = 2;
 /// engine's per-write work (its LZ4 skip streak, its dedup neighbourhood) spans a run, not a
 /// chunk.
 const WRITE_RUN_BYTES: u64 = 1 << 20;
+/// Blocks in a run of [`WRITE_RUN_BYTES`] (and one chunk more, the one that passes it).
+const WRITE_RUN_BLOCKS: usize = (WRITE_RUN_BYTES + CHUNK_BYTES) as usize / format::BLOCK_BYTES;
 
 /// Checks and writes one pack's records, runs of consecutive chunks at a time; (bytes
 /// written, chunks written).
@@ -245,17 +249,30 @@ fn write_records(
         .map(|(part, (hash, _, _))| (part, hash))
         .collect();
     let mut buf = Vec::with_capacity(WRITE_RUN_BYTES as usize);
+    // The fingerprints of `buf`'s blocks, from the pass that checked its chunks (every chunk
+    // of a run but its last is whole blocks; a last one that is not leaves `fps` short, and
+    // the run is written without them).
+    let mut fps: Vec<format::BlockFingerprint> = Vec::with_capacity(WRITE_RUN_BLOCKS);
     // The chunk index `buf` starts at, and how many chunks it holds.
     let (mut first, mut held) = (0u64, 0u64);
     let (mut written, mut chunks) = (0u64, 0u64);
-    let mut write_out = |buf: &mut Vec<u8>, first: u64, held: &mut u64| -> Result<()> {
+    let mut write_out = |buf: &mut Vec<u8>,
+                         fps: &mut Vec<format::BlockFingerprint>,
+                         first: u64,
+                         held: &mut u64|
+     -> Result<()> {
         if *held > 0 {
-            target.write(first * CHUNK_BYTES, buf, false)?;
+            let offset = first * CHUNK_BYTES;
+            match fps.len() * format::BLOCK_BYTES == buf.len() {
+                true => target.write_fingerprinted(offset, buf, fps, false)?,
+                false => target.write(offset, buf, false)?,
+            }
             written += buf.len() as u64;
             chunks += *held;
             progress.bytes_done.fetch_add(buf.len() as u64, Relaxed);
         }
         buf.clear();
+        fps.clear();
         *held = 0;
         Ok(())
     };
@@ -264,15 +281,15 @@ fn write_records(
         // A run goes on only with the next chunk, after whole chunks, up to its size.
         let whole = buf.len() as u64 == held * CHUNK_BYTES;
         if held > 0 && (c != first + held || !whole || buf.len() as u64 >= WRITE_RUN_BYTES) {
-            write_out(&mut buf, first, &mut held)?;
+            write_out(&mut buf, &mut fps, first, &mut held)?;
         }
         if held == 0 {
             first = c;
         }
         let (part, hash) = records[r];
-        format::decode_record_into(part, hash, &mut buf)?;
+        format::decode_record_fps_into(part, hash, &mut buf, Some(&mut fps))?;
         held += 1;
     }
-    write_out(&mut buf, first, &mut held)?;
+    write_out(&mut buf, &mut fps, first, &mut held)?;
     Ok((written, chunks))
 }
