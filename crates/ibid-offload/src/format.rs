@@ -186,6 +186,23 @@ pub fn encode_record(hash: &Hash, naming: Naming, plain: &[u8], out: &mut Vec<u8
     out.extend_from_slice(stored);
 }
 
+/// The name of a pack built of whole records (see the module doc): the BLAKE3 of its records'
+/// headers, in order.
+///
+/// # Panics
+/// If `pack` is not records back to back (a pack being uploaded is built here, not read).
+pub fn pack_name(pack: &[u8]) -> Hash {
+    let mut h = blake3::Hasher::new();
+    let mut at = 0;
+    while at < pack.len() {
+        let header = &pack[at..at + RECORD_HEADER_BYTES];
+        h.update(header);
+        at += RECORD_HEADER_BYTES + u32_at(header, 41) as usize;
+    }
+    assert_eq!(at, pack.len(), "a pack ends with a whole record");
+    *h.finalize().as_bytes()
+}
+
 /// Decodes the record at the start of `bytes` (header and stored bytes) expected to hold chunk
 /// `hash`, and checks the plain bytes against it.
 pub fn decode_record(bytes: &[u8], hash: &Hash) -> Result<Vec<u8>> {
@@ -490,6 +507,33 @@ mod tests {
         assert_eq!(with_version(1).expect("format 1"), t);
         assert!(with_version(FORMAT_VERSION + 1).is_err());
         assert!(with_version(0).is_err());
+    }
+
+    /// A pack's name covers every record header (which chunk, where, how long), and only
+    /// them.
+    #[test]
+    fn a_pack_is_named_by_its_record_headers() {
+        let mut pack = Vec::new();
+        let (a, b) = (
+            vec![1u8; 8192],
+            (0..4096u32).map(|i| i as u8).collect::<Vec<_>>(),
+        );
+        let mut second = 0;
+        for plain in [&a, &b] {
+            second = pack.len();
+            let hash = blocks_name(&ibid_engine::fingerprint::of_data(plain));
+            encode_record(&hash, Naming::Blocks, plain, &mut pack);
+        }
+        let name = pack_name(&pack);
+        for at in [0, 4, 36, 38, second + 10] {
+            let mut other = pack.clone();
+            other[at] ^= 1;
+            assert_ne!(pack_name(&other), name, "header byte {at}");
+        }
+        let mut payload = pack.clone();
+        payload[second + RECORD_HEADER_BYTES + 1] ^= 1;
+        assert_eq!(pack_name(&payload), name);
+        assert_ne!(pack_name(&pack[..second]), name);
     }
 
     #[test]

@@ -479,17 +479,14 @@ fn read_snapshot(
         bytes_read: 0,
         packs: 0,
     };
-    // The open pack: its bytes, the hash of its record headers so far (its name once
-    // sealed), its chunks, and the manifest entries waiting for its name. Allocated whole for
-    // each pack, so no record's append moves the pack's bytes.
+    // The open pack: its bytes, its chunks, and the manifest entries waiting for its name.
+    // Allocated whole for each pack, so no record's append moves the pack's bytes.
     let mut pack: Vec<u8> = Vec::with_capacity(format::PACK_BYTES_MAX);
-    let mut headers = blake3::Hasher::new();
     let mut pack_chunks: Vec<(Hash, Location)> = Vec::new();
     let mut in_pack: HashMap<Hash, Location> = HashMap::new();
     let mut waiting: Vec<usize> = Vec::new();
     let mut buf = vec![0u8; (READ_CHUNKS_MAX * CHUNK_BYTES) as usize];
     let seal = |pack: &mut Vec<u8>,
-                headers: &mut blake3::Hasher,
                 pack_chunks: &mut Vec<(Hash, Location)>,
                 in_pack: &mut HashMap<Hash, Location>,
                 waiting: &mut Vec<usize>,
@@ -499,8 +496,7 @@ fn read_snapshot(
         if pack.is_empty() {
             return Ok(());
         }
-        let name = *headers.finalize().as_bytes();
-        headers.reset();
+        let name = format::pack_name(pack);
         for &i in waiting.iter() {
             out.entries[i].2 = name;
         }
@@ -627,7 +623,6 @@ fn read_snapshot(
                 }
                 let offset = pack.len();
                 format::encode_record(&hash, naming, plain, &mut pack);
-                headers.update(&pack[offset..offset + format::RECORD_HEADER_BYTES]);
                 let at = Location {
                     pack: 0,
                     offset: offset as u32,
@@ -642,7 +637,6 @@ fn read_snapshot(
                 if pack.len() >= format::PACK_BYTES_TARGET {
                     seal(
                         &mut pack,
-                        &mut headers,
                         &mut pack_chunks,
                         &mut in_pack,
                         &mut waiting,
@@ -656,7 +650,6 @@ fn read_snapshot(
     }
     seal(
         &mut pack,
-        &mut headers,
         &mut pack_chunks,
         &mut in_pack,
         &mut waiting,

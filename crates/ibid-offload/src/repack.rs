@@ -164,7 +164,7 @@ impl Remote {
             &mut builder.bytes,
             Vec::with_capacity(format::PACK_BYTES_MAX),
         );
-        let name = *blake3::hash(&bytes).as_bytes();
+        let name = format::pack_name(&bytes);
         let len = bytes.len() as u64;
         self.store
             .put(&pack_path(&name), PutPayload::from(bytes))
