@@ -249,6 +249,7 @@ pub fn push(ctx: &Ctx, volume: &str, snapshot: &str, remote: &str) -> Result<(),
         Ok(vec![
             ("sent", size(u64_field(r, "bytes_sent")?)),
             ("data", size(u64_field(r, "data_bytes")?)),
+            ("read", size(u64_field(r, "bytes_read")?)),
             ("chunks sent", u64_field(r, "chunks_sent")?.to_string()),
             (
                 "chunks skipped",
