@@ -71,7 +71,7 @@ pub use gc::{GcReport, VerifyReport};
 pub use instant::{marks_file, Claim, InstantRestore};
 pub use push::PushReport;
 pub use repack::REPACK_LIVE_BELOW_PCT;
-pub use restore::RestoreReport;
+pub use restore::{Checkpoint, RestoreDone, RestoreReport, CHECKPOINT_PACKS};
 
 /// Packs uploaded between two writes of the index during a push (what a resumed push can skip
 /// without HEADs: up to this many packs' chunks are found by HEAD instead).

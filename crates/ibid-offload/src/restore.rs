@@ -11,7 +11,7 @@ use crate::{pack_path, Error, Progress, Remote, Result, DOWNLOADS_INFLIGHT_MAX};
 use futures::{StreamExt, TryStreamExt};
 use ibid_engine::{Pool, Volume};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -39,8 +39,28 @@ pub struct RestoreReport {
 /// The records wanted from one pack: by record offset, the chunk indices that hold it.
 type Wanted = BTreeMap<u32, (Hash, u32, Vec<u64>)>;
 
+/// The packs (by name) whose records a restore has written into its volume and flushed: a
+/// restore cut off after a checkpoint goes on from there ([`Remote::restore_resumable`]).
+pub type RestoreDone = BTreeSet<Hash>;
+
+/// Told the packs done so far after each flush of a resumable restore; an error stops it.
+pub type Checkpoint = Arc<dyn Fn(&RestoreDone) -> Result<()> + Send + Sync>;
+
+/// Packs a resumable restore writes between its checkpoints (a flush each: ~64 MiB of
+/// records at the pack target).
+pub const CHECKPOINT_PACKS: usize = 8;
+
+/// Where a restore starts: a new volume, or one an earlier run filled in part.
+struct Start {
+    done: RestoreDone,
+    checkpoint: Option<Checkpoint>,
+    /// The volume exists (a run that goes on).
+    resumed: bool,
+}
+
 impl Remote {
-    /// Restores `volume@snapshot` from the remote as a new thin volume `new_name` of `pool`.
+    /// Restores `volume@snapshot` from the remote as a new thin volume `new_name` of `pool`;
+    /// a failed restore deletes the volume.
     pub async fn restore(
         &self,
         pool: &Pool,
@@ -60,6 +80,39 @@ impl Remote {
         .await
     }
 
+    /// A restore that can go on after a stop or a crash: into `new_name`, created — or, with
+    /// `done` (what the last checkpoint of an earlier run into the same volume said), the
+    /// volume that run left, whose packs in `done` are not fetched again. `checkpoint` is told
+    /// the packs done after every [`CHECKPOINT_PACKS`] packs, once they are flushed. A failed
+    /// restore leaves the volume as it is: the caller deletes it, or keeps it (and the last
+    /// checkpoint) to go on.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn restore_resumable(
+        &self,
+        pool: &Pool,
+        volume: &str,
+        snapshot: &str,
+        new_name: &str,
+        progress: Arc<Progress>,
+        done: Option<RestoreDone>,
+        checkpoint: Checkpoint,
+    ) -> Result<RestoreReport> {
+        let started = Instant::now();
+        ibid_engine::validate_volume_name(new_name).map_err(|e| Error::Invalid(e.to_string()))?;
+        let manifest = Arc::new(self.manifest(volume, snapshot).await?);
+        let start = Start {
+            resumed: done.is_some(),
+            done: done.unwrap_or_default(),
+            checkpoint: Some(checkpoint),
+        };
+        let (this, pool, new_name) = (self.clone(), pool.clone(), new_name.to_string());
+        crate::on_transfers(async move {
+            this.restore_with(&pool, manifest, &new_name, progress, started, start)
+                .await
+        })
+        .await
+    }
+
     /// [`Remote::restore`] from `manifest`, read at `started`.
     pub(crate) async fn restore_from(
         &self,
@@ -68,6 +121,32 @@ impl Remote {
         new_name: &str,
         progress: Arc<Progress>,
         started: Instant,
+    ) -> Result<RestoreReport> {
+        let start = Start {
+            done: RestoreDone::new(),
+            checkpoint: None,
+            resumed: false,
+        };
+        let result = self
+            .restore_with(pool, manifest, new_name, progress, started, start)
+            .await;
+        if result.is_err() {
+            let pool = pool.clone();
+            let name = new_name.to_string();
+            let _ = tokio::task::spawn_blocking(move || pool.delete_volume(&name)).await;
+        }
+        result
+    }
+
+    /// A restore from `manifest` as `start` says; a failure leaves the volume.
+    async fn restore_with(
+        &self,
+        pool: &Pool,
+        manifest: Arc<Table<ManifestHeader>>,
+        new_name: &str,
+        progress: Arc<Progress>,
+        started: Instant,
+        start: Start,
     ) -> Result<RestoreReport> {
         let (volume, snapshot) = (&manifest.header.volume, &manifest.header.snapshot);
         check_manifest(&manifest, volume, snapshot)?;
@@ -82,23 +161,25 @@ impl Remote {
         let target = {
             let pool = pool.clone();
             let name = new_name.to_string();
-            tokio::task::spawn_blocking(move || pool.create_volume(&name, size))
-                .await
-                .map_err(|e| Error::Invalid(format!("create task failed: {e}")))??
+            let resumed = start.resumed;
+            tokio::task::spawn_blocking(move || match resumed {
+                false => pool.create_volume(&name, size),
+                true => pool.volume(&name),
+            })
+            .await
+            .map_err(|e| Error::Invalid(format!("create task failed: {e}")))??
         };
+        if target.size() != size {
+            return Err(Error::Invalid(format!(
+                "volume {new_name} holds {} bytes, the snapshot {}",
+                target.size(),
+                size
+            )));
+        }
         let places = Arc::new(Places::new(volume, snapshot, manifest.clone()));
-        let result = self
-            .fill(&target, &manifest.packs, by_pack, places, &progress)
-            .await;
-        let (bytes_received, data_bytes, chunks) = match result {
-            Ok(r) => r,
-            Err(e) => {
-                let pool = pool.clone();
-                let name = new_name.to_string();
-                let _ = tokio::task::spawn_blocking(move || pool.delete_volume(&name)).await;
-                return Err(e);
-            }
-        };
+        let (bytes_received, data_bytes, chunks) = self
+            .fill(&target, &manifest.packs, by_pack, places, &progress, start)
+            .await?;
         Ok(RestoreReport {
             volume: new_name.to_string(),
             snapshot: format!("{volume}@{snapshot}"),
@@ -121,14 +202,29 @@ impl Remote {
         by_pack: Vec<Wanted>,
         places: Arc<Places>,
         progress: &Arc<Progress>,
+        start: Start,
     ) -> Result<(u64, u64, u64)> {
+        let Start {
+            mut done,
+            checkpoint,
+            ..
+        } = start;
+        // What an earlier run wrote counts as done.
+        let done_bytes: u64 = packs
+            .iter()
+            .zip(&by_pack)
+            .filter(|(name, _)| done.contains(*name))
+            .flat_map(|(_, w)| w.values())
+            .map(|(_, _, at)| at.len() as u64 * CHUNK_BYTES)
+            .sum();
+        progress.bytes_done.fetch_add(done_bytes, Relaxed);
         let jobs: Vec<(Hash, Wanted)> = packs
             .iter()
             .copied()
             .zip(by_pack)
-            .filter(|(_, w)| !w.is_empty())
+            .filter(|(name, w)| !w.is_empty() && !done.contains(name))
             .collect();
-        let totals = futures::stream::iter(jobs)
+        let mut written = futures::stream::iter(jobs)
             .map(|(name, wanted)| {
                 let (this, places, progress) = (self.clone(), places.clone(), progress.clone());
                 tokio::spawn(async move { this.fetch_pack(name, wanted, places, progress).await })
@@ -137,7 +233,7 @@ impl Remote {
             .map(|fetched| {
                 let (target, progress) = (target.clone(), progress.clone());
                 async move {
-                    let fetched = fetched
+                    let (name, fetched) = fetched
                         .map_err(|e| Error::Invalid(format!("download task failed: {e}")))??;
                     tokio::task::spawn_blocking(move || {
                         let (mut received, mut written, mut chunks) = (0, 0, 0);
@@ -147,17 +243,31 @@ impl Remote {
                             written += w;
                             chunks += c;
                         }
-                        Ok::<_, Error>((received, written, chunks))
+                        Ok::<_, Error>((name, received, written, chunks))
                     })
                     .await
                     .map_err(|e| Error::Invalid(format!("restore task failed: {e}")))?
                 }
             })
-            .buffer_unordered(WRITERS)
-            .try_fold((0, 0, 0), |a, b| async move {
-                Ok((a.0 + b.0, a.1 + b.1, a.2 + b.2))
-            })
-            .await?;
+            .buffer_unordered(WRITERS);
+        let mut totals = (0, 0, 0);
+        let mut written_since: Vec<Hash> = Vec::new();
+        while let Some((name, received, bytes, chunks)) = written.try_next().await? {
+            totals = (totals.0 + received, totals.1 + bytes, totals.2 + chunks);
+            written_since.push(name);
+            let Some(checkpoint) = &checkpoint else {
+                continue;
+            };
+            if written_since.len() >= CHECKPOINT_PACKS {
+                // Every pack named was written before this flush began: durable after it.
+                let target = target.clone();
+                tokio::task::spawn_blocking(move || target.flush())
+                    .await
+                    .map_err(|e| Error::Invalid(format!("flush task failed: {e}")))??;
+                done.extend(written_since.drain(..));
+                checkpoint(&done)?;
+            }
+        }
         let target = target.clone();
         tokio::task::spawn_blocking(move || target.flush())
             .await
@@ -174,7 +284,8 @@ impl Remote {
         wanted: Wanted,
         places: Arc<Places>,
         progress: Arc<Progress>,
-    ) -> Result<Vec<(Vec<bytes::Bytes>, Wanted)>> {
+    ) -> Result<(Hash, Vec<(Vec<bytes::Bytes>, Wanted)>)> {
+        let pack = name;
         let mut todo = vec![(name, wanted, 0)];
         let mut out = Vec::new();
         while let Some((name, wanted, seen)) = todo.pop() {
@@ -205,7 +316,7 @@ impl Remote {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(out)
+        Ok((pack, out))
     }
 }
 

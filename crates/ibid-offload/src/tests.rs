@@ -669,3 +669,81 @@ fn a_format_1_bucket_restores_beside_format_2_pushes() {
     let verify = rt.block_on(remote.verify()).expect("verify");
     assert!(verify.ok && verify.snapshots == 2, "{verify:?}");
 }
+
+/// A resumable restore cut off after a checkpoint (here: cancelled from the checkpoint) leaves
+/// its volume; run again with the packs the checkpoint named, it fetches only the others and
+/// the volume equals the snapshot. Checkpoints come every `CHECKPOINT_PACKS` packs, each
+/// naming more packs than the last.
+#[test]
+fn a_restore_cut_off_after_a_checkpoint_goes_on_from_it() {
+    let (_d, pool) = pool();
+    let size = 96 * MIB;
+    let v = pool.create_volume("v", size).expect("create");
+    v.write(0, &noise(77, size as usize), false).expect("write");
+    pool.create_snapshot("v", "s").expect("snapshot");
+    let remote = Remote::new(Arc::new(InMemory::new()));
+    let rt = rt();
+    let pushed = rt
+        .block_on(remote.push(&pool, "v", "s", Arc::default()))
+        .expect("push");
+    assert!(pushed.packs_sent as usize > CHECKPOINT_PACKS, "{pushed:?}");
+    let progress = Arc::new(Progress::default());
+    let seen: Arc<parking_lot::Mutex<Vec<RestoreDone>>> = Arc::default();
+    let checkpoint: Checkpoint = {
+        let (seen, progress) = (seen.clone(), progress.clone());
+        Arc::new(move |done: &RestoreDone| {
+            seen.lock().push(done.clone());
+            progress.cancel();
+            Ok(())
+        })
+    };
+    let cut = rt.block_on(remote.restore_resumable(
+        &pool,
+        "v",
+        "s",
+        "r",
+        progress,
+        None,
+        checkpoint.clone(),
+    ));
+    assert!(matches!(cut, Err(Error::Cancelled)), "{cut:?}");
+    let done = seen.lock().last().cloned().expect("a checkpoint");
+    assert_eq!(done.len(), CHECKPOINT_PACKS);
+    assert!(
+        pool.volume("r").is_ok(),
+        "the cut-off restore left its volume"
+    );
+
+    // Going on: only the packs not done are fetched.
+    seen.lock().clear();
+    let report = rt
+        .block_on(remote.restore_resumable(
+            &pool,
+            "v",
+            "s",
+            "r",
+            Arc::default(),
+            Some(done.clone()),
+            Arc::new(|_: &RestoreDone| Ok(())),
+        ))
+        .expect("restore goes on");
+    let per_pack = pushed.pack_bytes_sent / pushed.packs_sent;
+    assert!(
+        report.bytes_received <= pushed.pack_bytes_sent - (done.len() as u64 - 1) * per_pack,
+        "{report:?} after {} packs done of {pushed:?}",
+        done.len()
+    );
+    assert_eq!(read_all(&pool, "r"), read_snapshot(&pool, "v", "s"));
+    // A volume of another size is not gone on.
+    pool.create_volume("small", MIB).expect("create");
+    let wrong = rt.block_on(remote.restore_resumable(
+        &pool,
+        "v",
+        "s",
+        "small",
+        Arc::default(),
+        Some(done),
+        checkpoint,
+    ));
+    assert!(matches!(wrong, Err(Error::Invalid(_))), "{wrong:?}");
+}

@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use ibid_engine::Pool;
-use ibid_offload::{Progress, Remote, RemoteConfig};
+use ibid_offload::{Checkpoint, Progress, Remote, RemoteConfig, RestoreDone};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -34,10 +34,26 @@ const REMOTES_MAX: usize = 64;
 struct Table {
     version: u64,
     remotes: BTreeMap<String, RemoteConfig>,
-    /// Volumes being restored: a volume still listed at start was cut off by a crash or a
-    /// kill and holds part of its snapshot, so it is deleted.
+    /// Volumes being restored: a volume still listed at start was cut off by a stop, a crash
+    /// or a kill and holds part of its snapshot; it is deleted unless `restore_progress` says
+    /// where its restore goes on from.
     #[serde(default)]
     restoring: Vec<String>,
+    /// The last checkpoint of each full restore in `restoring` that made one.
+    #[serde(default)]
+    restore_progress: BTreeMap<String, RestoreProgress>,
+}
+
+/// A full restore's last checkpoint: what its volume holds, so a restore of the same snapshot
+/// from the same remote into it goes on from there after a stop, a crash or a kill.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct RestoreProgress {
+    remote: String,
+    /// `VOLUME@SNAPSHOT`.
+    snapshot: String,
+    /// The packs (hex names) whose records are written and flushed.
+    done_packs: Vec<String>,
 }
 
 /// What the file keeps.
@@ -45,6 +61,7 @@ struct Table {
 struct Kept {
     remotes: BTreeMap<String, RemoteConfig>,
     restoring: Vec<String>,
+    restore_progress: BTreeMap<String, RestoreProgress>,
 }
 
 /// The pool's remotes.
@@ -63,6 +80,7 @@ impl Remotes {
             Some(t) => Kept {
                 remotes: t.remotes,
                 restoring: t.restoring,
+                restore_progress: t.restore_progress,
             },
             None => Kept::default(),
         };
@@ -74,9 +92,27 @@ impl Remotes {
         Ok(remotes)
     }
 
-    /// Deletes the volumes whose restore a crash or kill cut off (listed as restoring).
+    /// Deletes the volumes whose restore a stop, crash or kill cut off before its first
+    /// checkpoint (listed as restoring, with no progress); keeps those with one, for a
+    /// restore of the same snapshot into them to go on.
     fn drop_partial_restores(&self, pool: &Pool) -> anyhow::Result<()> {
-        let partial = self.state.lock().restoring.clone();
+        let (listed, progress) = {
+            let s = self.state.lock();
+            (s.restoring.clone(), s.restore_progress.clone())
+        };
+        let (kept, partial): (Vec<String>, Vec<String>) = listed
+            .into_iter()
+            .partition(|v| progress.contains_key(v) && pool.volume(v).is_ok());
+        for name in &kept {
+            let p = &progress[name];
+            tracing::warn!(
+                "volume {name} holds part of {} from {} ({} packs): restoring it again goes on \
+                 from there",
+                p.snapshot,
+                p.remote,
+                p.done_packs.len()
+            );
+        }
         for name in &partial {
             match pool.delete_volume(name) {
                 Ok(()) => tracing::warn!(
@@ -87,9 +123,10 @@ impl Remotes {
                 Err(e) => anyhow::bail!("delete the partly restored volume {name}: {e}"),
             }
         }
-        if !partial.is_empty() {
+        if !partial.is_empty() || progress.len() != kept.len() {
             self.update(|s| {
-                s.restoring.clear();
+                s.restoring.retain(|v| kept.contains(v));
+                s.restore_progress.retain(|v, _| kept.contains(v));
                 Ok(())
             })
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
@@ -126,6 +163,7 @@ impl Remotes {
                 version: FILE_VERSION,
                 remotes: next.remotes.clone(),
                 restoring: next.restoring.clone(),
+                restore_progress: next.restore_progress.clone(),
             })
             .map_err(|e| ApiError::internal(e.into()))?;
             crate::durable::write_private_file(path, &text).map_err(|e| {
@@ -532,7 +570,10 @@ impl Offload {
     }
 
     /// Runs a full restore of `snapshot` (`VOLUME@SNAPSHOT`) from `remote_name` into the new
-    /// volume `new_name` as a job.
+    /// volume `new_name` as a job — or, when `new_name` holds part of that snapshot from an
+    /// earlier restore that a stop, a crash or a kill cut off after a checkpoint, goes on from
+    /// there. A restore that fails deletes its volume, except one cut off by a stop (it goes
+    /// on at the next start).
     pub async fn restore(
         &self,
         remote_name: &str,
@@ -542,23 +583,48 @@ impl Offload {
     ) -> Result<(StatusCode, Json<Value>), ApiError> {
         let remote = self.remotes.remote(remote_name)?;
         let (pool, remotes, stats) = (self.pool.clone(), self.remotes.clone(), self.stats.clone());
-        if pool.volume(new_name).is_ok() {
-            return Err(ApiError::conflict(
-                "already_exists",
-                format!("a volume {new_name:?} exists"),
-            ));
+        let partial = remotes.state.lock().restore_progress.get(new_name).cloned();
+        let resume: Option<RestoreDone> = match (pool.volume(new_name).is_ok(), partial) {
+            (false, _) => None,
+            (true, Some(p)) if p.remote == remote_name && p.snapshot == snapshot => Some(
+                p.done_packs
+                    .iter()
+                    .filter_map(|h| ibid_offload::format::unhex(h))
+                    .collect(),
+            ),
+            (true, Some(p)) => {
+                return Err(ApiError::conflict(
+                    "already_exists",
+                    format!(
+                        "volume {new_name:?} holds part of {} from {}: restore that again to \
+                         go on, or delete the volume",
+                        p.snapshot, p.remote
+                    ),
+                ))
+            }
+            (true, None) => {
+                return Err(ApiError::conflict(
+                    "already_exists",
+                    format!("a volume {new_name:?} exists"),
+                ))
+            }
+        };
+        if resume.is_none() {
+            // Listed while it runs: a volume left half-restored by a crash is deleted at the
+            // next start, unless a checkpoint says where it goes on from.
+            let target = new_name.to_string();
+            remotes.update(|s| {
+                s.restoring.retain(|v| *v != target);
+                s.restoring.push(target.clone());
+                s.restore_progress.remove(&target);
+                Ok(())
+            })?;
         }
-        // Listed while it runs: a volume left half-restored by a crash is deleted at the next
-        // start.
-        let target = new_name.to_string();
-        remotes.update(|s| {
-            s.restoring.push(target);
-            Ok(())
-        })?;
         let progress = Arc::new(Progress::default());
         let label = format!("{remote_name}:{snapshot} -> {new_name}");
-        let resume =
+        let resume_request =
             json!({"restore": {"volume": new_name, "snapshot": snapshot, "remote": remote_name}});
+        let jobs = self.jobs.clone();
         let work = {
             let progress = progress.clone();
             let (snapshot, new_name, remote_name) = (
@@ -568,14 +634,57 @@ impl Offload {
             );
             async move {
                 let (volume, snap) = split(&snapshot)?;
+                let checkpoint: Checkpoint = {
+                    let (remotes, new_name) = (remotes.clone(), new_name.clone());
+                    let (remote_name, snapshot) = (remote_name.clone(), snapshot.clone());
+                    Arc::new(move |done: &RestoreDone| {
+                        let p = RestoreProgress {
+                            remote: remote_name.clone(),
+                            snapshot: snapshot.clone(),
+                            done_packs: done.iter().map(ibid_offload::format::hex).collect(),
+                        };
+                        remotes
+                            .update(|s| {
+                                s.restore_progress.insert(new_name.clone(), p);
+                                Ok(())
+                            })
+                            .map_err(|e| {
+                                ibid_offload::Error::Invalid(format!(
+                                    "keep the restore's checkpoint: {}",
+                                    e.message()
+                                ))
+                            })
+                    })
+                };
                 let result = remote
-                    .restore(&pool, volume, snap, &new_name, progress)
+                    .restore_resumable(&pool, volume, snap, &new_name, progress, resume, checkpoint)
                     .await;
-                remotes.update(|s| {
-                    s.restoring.retain(|v| *v != new_name);
-                    Ok(())
-                })?;
-                let report = result.map_err(offload_error)?;
+                let forget = |remotes: &Remotes| {
+                    remotes.update(|s| {
+                        s.restoring.retain(|v| *v != new_name);
+                        s.restore_progress.remove(&new_name);
+                        Ok(())
+                    })
+                };
+                let report = match result {
+                    Ok(report) => report,
+                    // Cut off by the stop: the volume and its checkpoint stay, and the restore
+                    // goes on at the next start.
+                    Err(e) if jobs.stopping() => return Err(offload_error(e)),
+                    Err(e) => {
+                        let (pool, name) = (pool.clone(), new_name.clone());
+                        match tokio::task::spawn_blocking(move || pool.delete_volume(&name)).await {
+                            Ok(Ok(())) | Ok(Err(ibid_engine::Error::NotFound(_))) => {}
+                            Ok(Err(e)) => {
+                                tracing::warn!("delete the failed restore's {new_name}: {e}")
+                            }
+                            Err(e) => tracing::warn!("delete the failed restore's {new_name}: {e}"),
+                        }
+                        forget(&remotes)?;
+                        return Err(offload_error(e));
+                    }
+                };
+                forget(&remotes)?;
                 stats.restores.fetch_add(1, Relaxed);
                 stats
                     .restored_bytes
@@ -589,7 +698,14 @@ impl Offload {
             }
         };
         self.jobs
-            .run("restore", label, background, progress, Some(resume), work)
+            .run(
+                "restore",
+                label,
+                background,
+                progress,
+                Some(resume_request),
+                work,
+            )
             .await
     }
 }
@@ -623,7 +739,8 @@ async fn restore(
     split(&r.snapshot)?;
     let remote = remotes.remote(&name)?;
     ibid_engine::validate_volume_name(&r.volume)?;
-    if pool.volume(&r.volume).is_ok() {
+    // A full restore into an existing volume may go on from a cut-off one (it checks).
+    if r.instant && pool.volume(&r.volume).is_ok() {
         return Err(ApiError::conflict(
             "already_exists",
             format!("a volume {:?} exists", r.volume),
