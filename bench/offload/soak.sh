@@ -125,7 +125,8 @@ for round in $(seq "$ROUNDS"); do
         if [ $((round % 8)) = 2 ]; then
             kill_during volume restore "r$round" --remote soak --snapshot vm@"$snap"
             KR=$((KR + 1))
-            # The half-restored volume is deleted at the start and the restore runs again.
+            # The restore runs again after the restart: from its last checkpoint on the volume
+            # kept, or from the start if it had made none (the volume is then deleted first).
             wait_jobs
             if ! cli volume list --json | grep "\"r$round\"" >/dev/null; then
                 cli volume restore "r$round" --remote soak --snapshot vm@"$snap" >/dev/null || fail "round $round: restore again"
