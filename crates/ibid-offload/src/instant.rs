@@ -493,19 +493,20 @@ impl InstantRestore {
             }
             Ok::<_, Error>(fetched)
         })?;
-        for (i, plain) in fetched {
-            self.install(i, &plain)?;
+        for (i, plain, fps) in fetched {
+            self.install(i, &plain, &fps)?;
         }
         Ok(())
     }
 
     /// Reads the records of `entries` (all in pack `pack`, at their locations) and checks each
-    /// against its BLAKE3; `None` if the pack is gone.
+    /// against its name, with its blocks' fingerprints (none for a chunk that is not whole
+    /// blocks); `None` if the pack is gone.
     async fn fetch_pack(
         &self,
         pack: &Hash,
         entries: &[(usize, Location)],
-    ) -> Result<Option<Vec<(usize, Vec<u8>)>>> {
+    ) -> Result<Option<Vec<(usize, Vec<u8>, Vec<format::BlockFingerprint>)>>> {
         let ranges: Vec<Range<u64>> = entries
             .iter()
             .map(|(_, at)| {
@@ -529,7 +530,10 @@ impl InstantRestore {
             .iter()
             .zip(parts.iter())
             .map(|(&(i, _), part)| {
-                Ok((i, format::decode_record(part, &self.first.entries[i].hash)?))
+                let (mut plain, mut fps) = (Vec::new(), Vec::new());
+                let hash = &self.first.entries[i].hash;
+                format::decode_record_fps_into(part, hash, &mut plain, Some(&mut fps))?;
+                Ok((i, plain, fps))
             })
             .collect::<Result<_>>()
             .map(Some)
@@ -537,13 +541,16 @@ impl InstantRestore {
 
     /// Writes entry `i`'s chunk into the volume unless it is present (a host claimed it, or
     /// another fetch installed it), then marks it present and queues its mark.
-    fn install(&self, i: usize, plain: &[u8]) -> Result<()> {
+    fn install(&self, i: usize, plain: &[u8], fps: &[format::BlockFingerprint]) -> Result<()> {
         let _g = self.stripe(i).lock();
         if self.is_present(i) {
             return Ok(());
         }
-        self.volume
-            .write(self.first.entries[i].chunk * CHUNK_BYTES, plain, false)?;
+        let offset = self.first.entries[i].chunk * CHUNK_BYTES;
+        match fps.len() * format::BLOCK_BYTES == plain.len() {
+            true => self.volume.write_fingerprinted(offset, plain, fps, false)?,
+            false => self.volume.write(offset, plain, false)?,
+        }
         // The mark is queued before the entry counts as present: a flush that sees nothing
         // missing takes it (see `flush`).
         self.pending.lock().push(self.first.entries[i].chunk);
