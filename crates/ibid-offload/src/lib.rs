@@ -115,6 +115,14 @@ pub enum Error {
     Invalid(String),
 }
 
+impl Error {
+    /// Whether a restore failed making its volume because one of that name exists (not this
+    /// restore's: it must not be deleted).
+    pub fn before_target(&self) -> bool {
+        matches!(self, Error::Engine(ibid_engine::Error::AlreadyExists(_)))
+    }
+}
+
 /// The result of a remote operation.
 pub type Result<T> = std::result::Result<T, Error>;
 

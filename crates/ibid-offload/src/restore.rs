@@ -85,7 +85,8 @@ impl Remote {
     /// volume that run left, whose packs in `done` are not fetched again. `checkpoint` is told
     /// the packs done after every [`CHECKPOINT_PACKS`] packs, once they are flushed. A failed
     /// restore leaves the volume as it is: the caller deletes it, or keeps it (and the last
-    /// checkpoint) to go on.
+    /// checkpoint) to go on — unless the failure was to create it ([`Error::before_target`]:
+    /// a volume of that name that is not this restore's exists).
     #[allow(clippy::too_many_arguments)]
     pub async fn restore_resumable(
         &self,
@@ -130,7 +131,7 @@ impl Remote {
         let result = self
             .restore_with(pool, manifest, new_name, progress, started, start)
             .await;
-        if result.is_err() {
+        if result.as_ref().is_err_and(|e| !e.before_target()) {
             let pool = pool.clone();
             let name = new_name.to_string();
             let _ = tokio::task::spawn_blocking(move || pool.delete_volume(&name)).await;
@@ -138,7 +139,8 @@ impl Remote {
         result
     }
 
-    /// A restore from `manifest` as `start` says; a failure leaves the volume.
+    /// A restore from `manifest` as `start` says; a failure leaves the volume (a failure to
+    /// create it, [`Error::before_target`], made none).
     async fn restore_with(
         &self,
         pool: &Pool,

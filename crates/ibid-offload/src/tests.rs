@@ -746,4 +746,10 @@ fn a_restore_cut_off_after_a_checkpoint_goes_on_from_it() {
         checkpoint,
     ));
     assert!(matches!(wrong, Err(Error::Invalid(_))), "{wrong:?}");
+    // A restore into a name another volume holds fails and leaves that volume alone.
+    let other = pool.create_volume("other", MIB).expect("create");
+    other.write(0, &noise(3, 4096), false).expect("write");
+    let clash = rt.block_on(remote.restore(&pool, "v", "s", "other", Arc::default()));
+    assert!(clash.as_ref().is_err_and(Error::before_target), "{clash:?}");
+    assert_eq!(read_all(&pool, "other")[..4096], noise(3, 4096)[..]);
 }

@@ -70,6 +70,20 @@ pub struct Remotes {
     path: Option<PathBuf>,
     /// Held while a change is written, so the file and the table change together.
     state: Mutex<Kept>,
+    /// The volumes full restores are filling now (one restore per volume at a time).
+    restores_running: Mutex<std::collections::BTreeSet<String>>,
+}
+
+/// A volume's place in [`Remotes::restores_running`], given back when dropped.
+struct RunningRestore {
+    remotes: Arc<Remotes>,
+    volume: String,
+}
+
+impl Drop for RunningRestore {
+    fn drop(&mut self) {
+        self.remotes.restores_running.lock().remove(&self.volume);
+    }
 }
 
 impl Remotes {
@@ -87,6 +101,7 @@ impl Remotes {
         let remotes = Remotes {
             path: Some(path),
             state: Mutex::new(state),
+            restores_running: Mutex::default(),
         };
         remotes.drop_partial_restores(pool)?;
         Ok(remotes)
@@ -583,6 +598,16 @@ impl Offload {
     ) -> Result<(StatusCode, Json<Value>), ApiError> {
         let remote = self.remotes.remote(remote_name)?;
         let (pool, remotes, stats) = (self.pool.clone(), self.remotes.clone(), self.stats.clone());
+        if !remotes.restores_running.lock().insert(new_name.to_string()) {
+            return Err(ApiError::conflict(
+                "already_exists",
+                format!("a restore into {new_name:?} is running"),
+            ));
+        }
+        let running = RunningRestore {
+            remotes: remotes.clone(),
+            volume: new_name.to_string(),
+        };
         let partial = remotes.state.lock().restore_progress.get(new_name).cloned();
         let resume: Option<RestoreDone> = match (pool.volume(new_name).is_ok(), partial) {
             (false, _) => None,
@@ -633,6 +658,7 @@ impl Offload {
                 remote_name.to_string(),
             );
             async move {
+                let _running = running;
                 let (volume, snap) = split(&snapshot)?;
                 let checkpoint: Checkpoint = {
                     let (remotes, new_name) = (remotes.clone(), new_name.clone());
@@ -671,6 +697,11 @@ impl Offload {
                     // Cut off by the stop: the volume and its checkpoint stay, and the restore
                     // goes on at the next start.
                     Err(e) if jobs.stopping() => return Err(offload_error(e)),
+                    // A volume of that name appeared meanwhile: not this restore's.
+                    Err(e) if e.before_target() => {
+                        forget(&remotes)?;
+                        return Err(offload_error(e));
+                    }
                     Err(e) => {
                         let (pool, name) = (pool.clone(), new_name.clone());
                         match tokio::task::spawn_blocking(move || pool.delete_volume(&name)).await {
