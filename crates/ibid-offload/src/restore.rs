@@ -69,15 +69,8 @@ impl Remote {
         new_name: &str,
         progress: Arc<Progress>,
     ) -> Result<RestoreReport> {
-        let started = Instant::now();
-        ibid_engine::validate_volume_name(new_name).map_err(|e| Error::Invalid(e.to_string()))?;
-        let manifest = Arc::new(self.manifest(volume, snapshot).await?);
-        let (this, pool, new_name) = (self.clone(), pool.clone(), new_name.to_string());
-        crate::on_transfers(async move {
-            this.restore_from(&pool, manifest, &new_name, progress, started)
-                .await
-        })
-        .await
+        self.restore_named(pool, volume, snapshot, new_name, progress, None)
+            .await
     }
 
     /// A restore that can go on after a stop or a crash: into `new_name`, created — or, with
@@ -98,18 +91,41 @@ impl Remote {
         done: Option<RestoreDone>,
         checkpoint: Checkpoint,
     ) -> Result<RestoreReport> {
-        let started = Instant::now();
-        ibid_engine::validate_volume_name(new_name).map_err(|e| Error::Invalid(e.to_string()))?;
-        let manifest = Arc::new(self.manifest(volume, snapshot).await?);
         let start = Start {
             resumed: done.is_some(),
             done: done.unwrap_or_default(),
             checkpoint: Some(checkpoint),
         };
+        self.restore_named(pool, volume, snapshot, new_name, progress, Some(start))
+            .await
+    }
+
+    /// Reads the manifest of `volume@snapshot` and restores it into `new_name`: as
+    /// [`Remote::restore_resumable`] with `start`, as [`Remote::restore`] without.
+    async fn restore_named(
+        &self,
+        pool: &Pool,
+        volume: &str,
+        snapshot: &str,
+        new_name: &str,
+        progress: Arc<Progress>,
+        start: Option<Start>,
+    ) -> Result<RestoreReport> {
+        let started = Instant::now();
+        ibid_engine::validate_volume_name(new_name).map_err(|e| Error::Invalid(e.to_string()))?;
+        let manifest = Arc::new(self.manifest(volume, snapshot).await?);
         let (this, pool, new_name) = (self.clone(), pool.clone(), new_name.to_string());
         crate::on_transfers(async move {
-            this.restore_with(&pool, manifest, &new_name, progress, started, start)
-                .await
+            match start {
+                Some(start) => {
+                    this.restore_with(&pool, manifest, &new_name, progress, started, start)
+                        .await
+                }
+                None => {
+                    this.restore_from(&pool, manifest, &new_name, progress, started)
+                        .await
+                }
+            }
         })
         .await
     }
