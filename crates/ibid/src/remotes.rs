@@ -52,6 +52,8 @@ struct RestoreProgress {
     remote: String,
     /// `VOLUME@SNAPSHOT`.
     snapshot: String,
+    /// The id of the volume being filled (a volume of the same name made since is not it).
+    volume_id: u64,
     /// The packs (hex names) whose records are written and flushed.
     done_packs: Vec<String>,
 }
@@ -115,9 +117,20 @@ impl Remotes {
             let s = self.state.lock();
             (s.restoring.clone(), s.restore_progress.clone())
         };
-        let (kept, partial): (Vec<String>, Vec<String>) = listed
-            .into_iter()
-            .partition(|v| progress.contains_key(v) && pool.volume(v).is_ok());
+        // With a checkpoint: kept if the volume is still the one it names; else (deleted, or
+        // replaced by another of the same name since) only forgotten. Without: cut off
+        // before its first checkpoint in the run that just ended, so deleted.
+        let listed_count = listed.len();
+        let ours = |v: &String| {
+            let id = pool.volume(v).ok().map(|v| v.id());
+            progress.get(v).map(|p| id == Some(p.volume_id))
+        };
+        let kept: Vec<String> = listed
+            .iter()
+            .filter(|v| ours(v) == Some(true))
+            .cloned()
+            .collect();
+        let partial: Vec<String> = listed.into_iter().filter(|v| ours(v).is_none()).collect();
         for name in &kept {
             let p = &progress[name];
             tracing::warn!(
@@ -138,7 +151,7 @@ impl Remotes {
                 Err(e) => anyhow::bail!("delete the partly restored volume {name}: {e}"),
             }
         }
-        if !partial.is_empty() || progress.len() != kept.len() {
+        if listed_count != kept.len() || progress.len() != kept.len() {
             self.update(|s| {
                 s.restoring.retain(|v| kept.contains(v));
                 s.restore_progress.retain(|v, _| kept.contains(v));
@@ -609,15 +622,20 @@ impl Offload {
             volume: new_name.to_string(),
         };
         let partial = remotes.state.lock().restore_progress.get(new_name).cloned();
-        let resume: Option<RestoreDone> = match (pool.volume(new_name).is_ok(), partial) {
-            (false, _) => None,
-            (true, Some(p)) if p.remote == remote_name && p.snapshot == snapshot => Some(
-                p.done_packs
-                    .iter()
-                    .filter_map(|h| ibid_offload::format::unhex(h))
-                    .collect(),
-            ),
-            (true, Some(p)) => {
+        let existing = pool.volume(new_name).ok().map(|v| v.id());
+        let resume: Option<RestoreDone> = match (existing, partial) {
+            (None, _) => None,
+            (Some(id), Some(p))
+                if p.volume_id == id && p.remote == remote_name && p.snapshot == snapshot =>
+            {
+                Some(
+                    p.done_packs
+                        .iter()
+                        .filter_map(|h| ibid_offload::format::unhex(h))
+                        .collect(),
+                )
+            }
+            (Some(id), Some(p)) if p.volume_id == id => {
                 return Err(ApiError::conflict(
                     "already_exists",
                     format!(
@@ -627,7 +645,7 @@ impl Offload {
                     ),
                 ))
             }
-            (true, None) => {
+            (Some(_), _) => {
                 return Err(ApiError::conflict(
                     "already_exists",
                     format!("a volume {new_name:?} exists"),
@@ -663,10 +681,15 @@ impl Offload {
                 let checkpoint: Checkpoint = {
                     let (remotes, new_name) = (remotes.clone(), new_name.clone());
                     let (remote_name, snapshot) = (remote_name.clone(), snapshot.clone());
+                    let pool = pool.clone();
                     Arc::new(move |done: &RestoreDone| {
+                        // The volume is this restore's while it runs (deleting it fails the
+                        // restore before its next checkpoint).
+                        let volume_id = pool.volume(&new_name)?.id();
                         let p = RestoreProgress {
                             remote: remote_name.clone(),
                             snapshot: snapshot.clone(),
+                            volume_id,
                             done_packs: done.iter().map(ibid_offload::format::hex).collect(),
                         };
                         remotes
@@ -828,4 +851,61 @@ async fn restore(
         .restore(&name, &r.snapshot, &r.volume, r.background)
         .await?;
     Ok((crate::jobs::created(status), answer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// At start, a cut-off restore's volume is kept when its checkpoint names it (by id),
+    /// deleted when it had no checkpoint yet, and left alone — only forgotten — when a volume
+    /// of the same name is not the one the checkpoint names or none is left.
+    #[test]
+    fn a_start_keeps_checkpointed_restores_and_deletes_only_their_own_volumes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = Pool::create(dir.path().join("pool"), ibid_engine::PoolConfig::default())
+            .expect("pool");
+        let id = |name: &str| pool.create_volume(name, 1 << 20).expect("volume").id();
+        let (kept, replaced, cut) = (id("kept"), id("replaced"), id("cut"));
+        assert_ne!(kept, replaced);
+        let progress = |volume_id: u64| RestoreProgress {
+            remote: "r".into(),
+            snapshot: "v@s".into(),
+            volume_id,
+            done_packs: vec![ibid_offload::format::hex(&[7; 32])],
+        };
+        let table = Table {
+            version: FILE_VERSION,
+            remotes: BTreeMap::new(),
+            restoring: ["kept", "replaced", "cut", "gone"]
+                .map(String::from)
+                .to_vec(),
+            restore_progress: [
+                ("kept".to_string(), progress(kept)),
+                ("replaced".to_string(), progress(replaced + 1000)),
+                ("gone".to_string(), progress(cut + 1000)),
+            ]
+            .into(),
+        };
+        let path = pool.dir().join(FILE_NAME);
+        std::fs::write(&path, serde_json::to_vec(&table).expect("json")).expect("write");
+        let remotes = Remotes::open(&pool).expect("open");
+        assert!(pool.volume("kept").is_ok() && pool.volume("replaced").is_ok());
+        assert!(
+            pool.volume("cut").is_err(),
+            "a restore without a checkpoint is not kept"
+        );
+        let s = remotes.state.lock();
+        assert_eq!(s.restoring, vec!["kept".to_string()]);
+        assert_eq!(
+            s.restore_progress.keys().collect::<Vec<_>>(),
+            vec!["kept"],
+            "the others are forgotten"
+        );
+        drop(s);
+        let again: Table = serde_json::from_slice(&std::fs::read(&path).expect("read"))
+            .expect("the file is written");
+        assert_eq!(again.restore_progress["kept"], progress(kept));
+        assert_eq!(again.restoring, vec!["kept".to_string()]);
+    }
 }
