@@ -225,11 +225,23 @@ impl Volume {
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, data.len() as u64)?;
+        self.write_checked(offset, data, None, fua)
+    }
+
+    /// [`Volume::write`] once the range is checked, with the blocks' fingerprints if known.
+    fn write_checked(
+        &self,
+        offset: u64,
+        data: &[u8],
+        fps: Option<&[Option<[u8; 32]>]>,
+        fua: bool,
+    ) -> Result<()> {
         self.inner.check_failed()?;
         self.inner.note_io();
         if !data.is_empty() {
-            self.inner
-                .retry_after_commit(|| self.inner.write_range(&self.state, offset, data))?;
+            self.inner.retry_after_commit(|| {
+                self.inner.write_range_with(&self.state, offset, data, fps)
+            })?;
         }
         self.after_write((data.len() as u64).div_ceil(BLOCK), fua, true)
     }
@@ -256,15 +268,7 @@ impl Volume {
             )));
         }
         debug_assert_eq!(fingerprint::of_data(data), fps, "fingerprints given");
-        self.inner.check_failed()?;
-        self.inner.note_io();
-        if !data.is_empty() {
-            self.inner.retry_after_commit(|| {
-                self.inner
-                    .write_range_with(&self.state, offset, data, Some(fps))
-            })?;
-        }
-        self.after_write(fps.len() as u64, fua, true)
+        self.write_checked(offset, data, Some(fps), fua)
     }
 
     /// The fingerprint of each 4 KiB block of `[offset, offset + len)` (whole blocks), as
