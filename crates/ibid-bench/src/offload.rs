@@ -57,6 +57,11 @@ pub(crate) struct OffloadArgs {
     /// Requests the peer keeps in flight (ibid's push and restore keep 4).
     #[arg(long, default_value_t = IN_FLIGHT)]
     depth: usize,
+    /// Against `object_store`'s in-memory store instead of RGW, no peer: the CPU ibid's own
+    /// side of a push and a restore costs (the process's, per GiB), without a gateway's
+    /// work on the same cores.
+    #[arg(long)]
+    memory: bool,
 }
 
 fn env(name: &str) -> Result<String> {
@@ -68,6 +73,9 @@ fn env(name: &str) -> Result<String> {
 pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
     let size = a.size_mib.unwrap_or(if a.quick { 32 } else { 1024 }) * MIB;
     let base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    if a.memory {
+        return in_memory(a, size, &base);
+    }
     let run = format!(
         "bench-{}-{}",
         std::process::id(),
@@ -186,6 +194,72 @@ pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
         median(push_r),
         median(restore_r),
         median(read_r),
+        super::uptime()
+    );
+    Ok(())
+}
+
+/// [`offload`] against an in-memory store: per round, a push of a snapshot of `size` bytes of
+/// incompressible data and a restore of it into another pool, timed and with the process's CPU
+/// seconds (all its threads: the transfers, the pools' writers and commits) per GiB.
+fn in_memory(a: &OffloadArgs, size: u64, base: &std::path::Path) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    println!(
+        "offload --memory: {} MiB of incompressible data, {} rounds, load {}",
+        size / MIB,
+        a.rounds,
+        super::uptime()
+    );
+    println!("round\tpush MB/s\tpush CPU-s/GiB\trestore MB/s\trestore CPU-s/GiB");
+    let (mut push_cpu, mut restore_cpu) = (Vec::new(), Vec::new());
+    let gib = size as f64 / (1u64 << 30) as f64;
+    for round in 0..a.rounds {
+        let (_dir, pool) = fresh_pool(base)?;
+        let v = pool.create_volume("v", size)?;
+        let mut rng = Rng(round as u64 + 1);
+        let mut buf = vec![0u8; 4 * MIB as usize];
+        for off in (0..size).step_by(buf.len()) {
+            rng.fill(&mut buf);
+            v.write(off, &buf, false)?;
+        }
+        pool.create_snapshot("v", "s")?;
+        pool.flush()?;
+        let remote = Remote::new(Arc::new(object_store::memory::InMemory::new()));
+        let timed = |f: &dyn Fn() -> Result<()>| -> Result<(f64, f64)> {
+            let (t, c) = (Instant::now(), super::cpu_seconds());
+            f()?;
+            Ok((t.elapsed().as_secs_f64(), super::cpu_seconds() - c))
+        };
+        let (push_s, push_c) = timed(&|| {
+            rt.block_on(remote.push(&pool, "v", "s", Arc::default()))?;
+            Ok(())
+        })?;
+        let (_dir2, other) = fresh_pool(base)?;
+        let (restore_s, restore_c) = timed(&|| {
+            let progress = Arc::new(Progress::default());
+            rt.block_on(remote.restore(&other, "v", "s", "back", progress))?;
+            Ok(())
+        })?;
+        let mb = |s: f64| size as f64 / s / 1e6;
+        println!(
+            "{round}\t{:.0}\t{:.2}\t{:.0}\t{:.2}",
+            mb(push_s),
+            push_c / gib,
+            mb(restore_s),
+            restore_c / gib
+        );
+        push_cpu.push(push_c / gib);
+        restore_cpu.push(restore_c / gib);
+        other.close()?;
+        pool.close()?;
+    }
+    println!(
+        "medians: push {:.2} CPU-s/GiB, restore {:.2} CPU-s/GiB; load {}",
+        median(push_cpu),
+        median(restore_cpu),
         super::uptime()
     );
     Ok(())

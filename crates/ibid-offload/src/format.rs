@@ -227,35 +227,65 @@ pub fn decode_record_fps_into(
     out: &mut Vec<u8>,
     fps: Option<&mut Vec<BlockFingerprint>>,
 ) -> Result<()> {
+    decode_pieces_fps_into(&[bytes], hash, out, fps)
+}
+
+/// [`decode_record_fps_into`] of a record that arrived in pieces (its bytes back to back, as a
+/// response body's chunks are): the stored bytes are copied once, into `out` (a compressed
+/// record split across pieces is gathered first).
+pub fn decode_pieces_fps_into<P: AsRef<[u8]>>(
+    pieces: &[P],
+    hash: &Hash,
+    out: &mut Vec<u8>,
+    fps: Option<&mut Vec<BlockFingerprint>>,
+) -> Result<()> {
     let bad = |why: &str| Error::Corrupt(format!("chunk {}: {why}", hex(hash)));
-    if bytes.len() < RECORD_HEADER_BYTES {
+    let total: usize = pieces.iter().map(|p| p.as_ref().len()).sum();
+    if total < RECORD_HEADER_BYTES {
         return Err(bad("no record header where the index says"));
     }
-    let naming = match &bytes[0..4] {
+    let mut header = [0u8; RECORD_HEADER_BYTES];
+    let mut filled = 0;
+    for_each_part(pieces, 0..RECORD_HEADER_BYTES, |part| {
+        header[filled..filled + part.len()].copy_from_slice(part);
+        filled += part.len();
+    });
+    let naming = match &header[0..4] {
         m if m == RECORD_MAGIC_BLOCKS => Naming::Blocks,
         m if m == RECORD_MAGIC_BYTES => Naming::Bytes,
         _ => return Err(bad("no record header where the index says")),
     };
-    if &bytes[4..36] != hash {
+    if &header[4..36] != hash {
         return Err(bad("the record names another chunk"));
     }
-    let codec = bytes[36];
-    let plain_len = u32_at(bytes, 37) as usize;
-    let stored_len = u32_at(bytes, 41) as usize;
-    if plain_len as u64 > CHUNK_BYTES || bytes.len() < RECORD_HEADER_BYTES + stored_len {
+    let codec = header[36];
+    let plain_len = u32_at(&header, 37) as usize;
+    let stored_len = u32_at(&header, 41) as usize;
+    if plain_len as u64 > CHUNK_BYTES || total < RECORD_HEADER_BYTES + stored_len {
         return Err(bad("lengths out of bounds"));
     }
-    let stored = &bytes[RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + stored_len];
+    let stored = RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + stored_len;
     let start = out.len();
     let decoded = match codec {
         CODEC_RAW if stored_len == plain_len => {
-            out.extend_from_slice(stored);
+            out.reserve(stored_len);
+            for_each_part(pieces, stored, |part| out.extend_from_slice(part));
             Ok(())
         }
         CODEC_RAW => Err(bad("plain length differs")),
         CODEC_LZ4 => {
+            let mut parts: Vec<&[u8]> = Vec::new();
+            for_each_part(pieces, stored, |part| parts.push(part));
+            let gathered;
+            let compressed = match parts[..] {
+                [one] => one,
+                _ => {
+                    gathered = parts.concat();
+                    &gathered[..]
+                }
+            };
             out.resize(start + plain_len, 0);
-            match lz4_flex::block::decompress_into(stored, &mut out[start..]) {
+            match lz4_flex::block::decompress_into(compressed, &mut out[start..]) {
                 Ok(n) if n == plain_len => Ok(()),
                 Ok(_) => Err(bad("plain length differs")),
                 Err(e) => Err(bad(&format!("LZ4: {e}"))),
@@ -289,6 +319,27 @@ pub fn decode_record_fps_into(
             out.truncate(start);
             Err(e)
         }
+    }
+}
+
+/// Calls `f` with the parts of `pieces` (taken as one run of bytes) that make up `range`, in
+/// order; `range` is within their total length.
+fn for_each_part<'a, P: AsRef<[u8]>>(
+    pieces: &'a [P],
+    range: std::ops::Range<usize>,
+    mut f: impl FnMut(&'a [u8]),
+) {
+    let mut at = 0;
+    for piece in pieces {
+        let piece = piece.as_ref();
+        let end = at + piece.len();
+        if end > range.start && at < range.end {
+            f(&piece[range.start.saturating_sub(at)..range.end.min(end) - at]);
+        }
+        if end >= range.end {
+            break;
+        }
+        at = end;
     }
 }
 
@@ -419,6 +470,43 @@ mod tests {
     /// A record round-trips, compressible or not, named either way, and any flipped byte is
     /// caught; a chunk named by its blocks gives the pool's fingerprints of its blocks, one
     /// named by its bytes too when it is whole blocks.
+    /// A record cut in pieces anywhere (in its header, at its edge, inside its stored bytes,
+    /// empty pieces too) decodes as the whole record does, raw or compressed; one cut short is
+    /// refused and leaves `out` as it was.
+    #[test]
+    fn a_record_in_pieces_decodes_as_the_whole_record() {
+        let noise: Vec<u8> = (0..16384u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for plain in [vec![7u8; 16384], noise] {
+            let fps = ibid_engine::fingerprint::of_data(&plain);
+            let hash = blocks_name(&fps);
+            let mut rec = Vec::new();
+            encode_record(&hash, Naming::Blocks, &plain, &mut rec);
+            for cuts in [
+                vec![],
+                vec![0, 1, 44, 45, 46],
+                vec![3, 45, 45, 4096, rec.len() - 1],
+                (0..rec.len()).step_by(1000).collect(),
+                vec![rec.len()],
+            ] {
+                let mut bounds: Vec<usize> = cuts.iter().map(|&c| c.min(rec.len())).collect();
+                bounds.extend([0, rec.len()]);
+                bounds.sort_unstable();
+                let pieces: Vec<&[u8]> = bounds.windows(2).map(|w| &rec[w[0]..w[1]]).collect();
+                let (mut out, mut got) = (vec![1u8], Vec::new());
+                decode_pieces_fps_into(&pieces, &hash, &mut out, Some(&mut got)).expect("decode");
+                assert_eq!((&out[1..], &got), (&plain[..], &fps), "cuts {cuts:?}");
+                let short = &pieces[..pieces.len() - 1];
+                if short.iter().map(|p| p.len()).sum::<usize>() < rec.len() {
+                    let mut out = vec![1u8];
+                    assert!(decode_pieces_fps_into(short, &hash, &mut out, None).is_err());
+                    assert_eq!(out, [1]);
+                }
+            }
+        }
+    }
+
     #[test]
     fn records_round_trip_and_catch_damage() {
         let mut zero_block_chunk: Vec<u8> = (0..16384u32).map(|i| (i * 31 % 253) as u8).collect();

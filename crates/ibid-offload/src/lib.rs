@@ -51,6 +51,7 @@
 #![deny(clippy::unwrap_used)]
 #![deny(missing_docs)]
 
+mod fetch;
 pub mod format;
 mod gc;
 mod instant;

@@ -2,6 +2,7 @@
 //! (a chunk named by its blocks in the same pass that computes the fingerprints the pool's
 //! dedup needs, which the writes hand on).
 
+use crate::fetch::{get_pieces, Pieces};
 use crate::format::{
     self, Hash, Location, ManifestHeader, Table, CHUNK_BYTES, RECORD_HEADER_BYTES,
 };
@@ -256,7 +257,7 @@ impl Remote {
                     tokio::task::spawn_blocking(move || {
                         let (mut received, mut written, mut chunks) = (0, 0, 0);
                         for (parts, wanted) in &fetched {
-                            received += parts.iter().map(|p| p.len() as u64).sum::<u64>();
+                            received += parts.iter().flatten().map(|p| p.len() as u64).sum::<u64>();
                             let (w, c) = write_records(&target, parts, wanted, &progress)?;
                             written += w;
                             chunks += c;
@@ -302,7 +303,7 @@ impl Remote {
         wanted: Wanted,
         places: Arc<Places>,
         progress: Arc<Progress>,
-    ) -> Result<(Hash, Vec<(Vec<bytes::Bytes>, Wanted)>)> {
+    ) -> Result<(Hash, Vec<(Vec<Pieces>, Wanted)>)> {
         let pack = name;
         let mut todo = vec![(name, wanted, 0)];
         let mut out = Vec::new();
@@ -314,13 +315,13 @@ impl Remote {
                     off as u64..off as u64 + (RECORD_HEADER_BYTES as u64 + stored as u64)
                 })
                 .collect();
-            match self.store.get_ranges(&pack_path(&name), &ranges).await {
+            match get_pieces(self.store.as_ref(), &pack_path(&name), &ranges).await {
                 Ok(parts) => {
-                    let received: u64 = parts.iter().map(|p| p.len() as u64).sum();
+                    let received: u64 = parts.iter().flatten().map(|p| p.len() as u64).sum();
                     progress.bytes_transferred.fetch_add(received, Relaxed);
                     out.push((parts, wanted));
                 }
-                Err(object_store::Error::NotFound { .. }) => {
+                Err(Error::Store(object_store::Error::NotFound { .. })) => {
                     let (version, manifest) = places.newer(self, seen, &name).await?;
                     let mut moved: BTreeMap<Hash, Wanted> = BTreeMap::new();
                     for (hash, _, chunks) in wanted.into_values() {
@@ -331,7 +332,7 @@ impl Remote {
                     }
                     todo.extend(moved.into_iter().map(|(p, w)| (p, w, version)));
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             }
         }
         Ok((pack, out))
@@ -361,7 +362,7 @@ const WRITE_RUN_BLOCKS: usize = (WRITE_RUN_BYTES + CHUNK_BYTES) as usize / forma
 /// written, chunks written).
 fn write_records(
     target: &Volume,
-    parts: &[bytes::Bytes],
+    parts: &[Pieces],
     wanted: &Wanted,
     progress: &Progress,
 ) -> Result<(u64, u64)> {
@@ -372,7 +373,7 @@ fn write_records(
         .flat_map(|(r, (_, _, at))| at.iter().map(move |&c| (c, r)))
         .collect();
     order.sort_unstable();
-    let records: Vec<(&bytes::Bytes, &Hash)> = parts
+    let records: Vec<(&Pieces, &Hash)> = parts
         .iter()
         .zip(wanted.values())
         .map(|(part, (hash, _, _))| (part, hash))
@@ -416,7 +417,7 @@ fn write_records(
             first = c;
         }
         let (part, hash) = records[r];
-        format::decode_record_fps_into(part, hash, &mut buf, Some(&mut fps))?;
+        format::decode_pieces_fps_into(part, hash, &mut buf, Some(&mut fps))?;
         held += 1;
     }
     write_out(&mut buf, &mut fps, first, &mut held)?;
