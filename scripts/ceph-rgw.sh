@@ -114,6 +114,12 @@ rgw data = $dir/rgw
 rgw dns name = 127.0.0.1
 rgw enable usage log = false
 rgw thread pool size = 64
+# A deleted object's tail (past its first 4 MiB) is queued for RGW's garbage collector, which
+# by default frees it 2 hours later: runs that write and delete GiBs (the offload benchmark,
+# the soak) would fill the small test OSD long before. Free it within a minute instead.
+rgw gc obj min wait = 10
+rgw gc processor period = 20
+rgw gc processor max time = 20
 CONF
   log "monitor on 127.0.0.1:$mon_port, gateway on 127.0.0.1:$rgw_port"
   # The monitor must find itself, by name, in the initial map (else it probes forever).
