@@ -28,6 +28,7 @@
 //! Reading stops at the first record that does not check (a torn append); the file is cut
 //! there before anything is appended.
 
+use crate::fetch::get_pieces;
 use crate::format::{self, Hash, Location, CHUNK_BYTES, RECORD_HEADER_BYTES};
 use crate::repack::{place_of, Places};
 use crate::{pack_path, Error, Progress, Remote, Result, DOWNLOADS_INFLIGHT_MAX};
@@ -514,17 +515,13 @@ impl InstantRestore {
                     ..at.offset as u64 + (RECORD_HEADER_BYTES + at.stored_len as usize) as u64
             })
             .collect();
-        let parts = match self
-            .remote
-            .store
-            .get_ranges(&pack_path(pack), &ranges)
-            .await
-        {
+        let store = self.remote.store.as_ref();
+        let parts = match get_pieces(store, &pack_path(pack), &ranges).await {
             Ok(parts) => parts,
-            Err(object_store::Error::NotFound { .. }) => return Ok(None),
-            Err(e) => return Err(e.into()),
+            Err(Error::Store(object_store::Error::NotFound { .. })) => return Ok(None),
+            Err(e) => return Err(e),
         };
-        let received: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        let received: u64 = parts.iter().flatten().map(|p| p.len() as u64).sum();
         self.received_bytes.fetch_add(received, Relaxed);
         entries
             .iter()
@@ -532,7 +529,7 @@ impl InstantRestore {
             .map(|(&(i, _), part)| {
                 let (mut plain, mut fps) = (Vec::new(), Vec::new());
                 let hash = &self.first.entries[i].hash;
-                format::decode_record_fps_into(part, hash, &mut plain, Some(&mut fps))?;
+                format::decode_pieces_fps_into(part, hash, &mut plain, Some(&mut fps))?;
                 Ok((i, plain, fps))
             })
             .collect::<Result<_>>()
