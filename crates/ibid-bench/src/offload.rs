@@ -107,15 +107,7 @@ pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
     println!("round\tpush MB/s\tPUT MB/s\tratio\trestore MB/s\tGET MB/s\tratio\tfirst read ms\tGET ms\tratio");
     let (mut push_r, mut restore_r, mut read_r) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..a.rounds {
-        let (_dir, pool) = fresh_pool(&base)?;
-        let v = pool.create_volume("v", size)?;
-        let mut rng = Rng(round as u64 + 1);
-        let mut buf = vec![0u8; 4 * MIB as usize];
-        for off in (0..size).step_by(buf.len()) {
-            rng.fill(&mut buf);
-            v.write(off, &buf, false)?;
-        }
-        pool.create_snapshot("v", "s")?;
+        let (_dir, pool, mut rng) = snapshot_pool(&base, size, round)?;
         let c = config(&format!("r{round}"))?;
         let remote = Remote::s3(&c)?;
         let store = raw_store(&config(&format!("r{round}-peer"))?)?;
@@ -199,6 +191,25 @@ pub(crate) fn offload(a: &OffloadArgs) -> Result<()> {
     Ok(())
 }
 
+/// A fresh pool whose volume `v` holds `size` bytes of incompressible data (seeded by `round`)
+/// and snapshot `s` of it; and the generator, to draw more.
+fn snapshot_pool(
+    base: &std::path::Path,
+    size: u64,
+    round: usize,
+) -> Result<(tempfile::TempDir, ibid_engine::Pool, Rng)> {
+    let (dir, pool) = fresh_pool(base)?;
+    let v = pool.create_volume("v", size)?;
+    let mut rng = Rng(round as u64 + 1);
+    let mut buf = vec![0u8; 4 * MIB as usize];
+    for off in (0..size).step_by(buf.len()) {
+        rng.fill(&mut buf);
+        v.write(off, &buf, false)?;
+    }
+    pool.create_snapshot("v", "s")?;
+    Ok((dir, pool, rng))
+}
+
 /// [`offload`] against an in-memory store: per round, a push of a snapshot of `size` bytes of
 /// incompressible data and a restore of it into another pool, timed and with the process's CPU
 /// seconds (all its threads: the transfers, the pools' writers and commits) per GiB.
@@ -217,15 +228,7 @@ fn in_memory(a: &OffloadArgs, size: u64, base: &std::path::Path) -> Result<()> {
     let (mut push_cpu, mut restore_cpu) = (Vec::new(), Vec::new());
     let gib = size as f64 / (1u64 << 30) as f64;
     for round in 0..a.rounds {
-        let (_dir, pool) = fresh_pool(base)?;
-        let v = pool.create_volume("v", size)?;
-        let mut rng = Rng(round as u64 + 1);
-        let mut buf = vec![0u8; 4 * MIB as usize];
-        for off in (0..size).step_by(buf.len()) {
-            rng.fill(&mut buf);
-            v.write(off, &buf, false)?;
-        }
-        pool.create_snapshot("v", "s")?;
+        let (_dir, pool, _) = snapshot_pool(base, size, round)?;
         pool.flush()?;
         let remote = Remote::new(Arc::new(object_store::memory::InMemory::new()));
         let timed = |f: &dyn Fn() -> Result<()>| -> Result<(f64, f64)> {
