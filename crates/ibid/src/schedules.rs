@@ -6,6 +6,12 @@
 //! Kept in `schedules.json` in the pool directory (written crash-safely, like `qos.json`).
 //! Only snapshots named `auto-...` are ever deleted by a schedule, never one made by hand, and
 //! never one with clients connected (it is retried at the next run).
+//!
+//! A push that fails (the remote unreachable, or busy with a GC) is tried again, for the same
+//! snapshot, [`RETRY_FIRST_S`] later, then at doubling intervals up to [`RETRY_MAX_S`], until it
+//! succeeds or the schedule's next run makes a newer snapshot to push (which sends what the
+//! failed one would have: pushes are incremental). Without it a daily schedule that met a
+//! network blip would leave the volume without an off-site copy for a day.
 
 use crate::api::ApiError;
 use crate::clients::Clients;
@@ -39,6 +45,10 @@ const KEEP_MAX: u64 = 1000;
 /// A schedule whose remote retention deleted snapshots GCs that remote, at most this often
 /// (a GC reads every manifest of the remote).
 const GC_EVERY_S: u64 = 3600;
+/// Seconds after a failed scheduled push before it is tried again.
+pub const RETRY_FIRST_S: u64 = 10;
+/// Longest wait between two tries of a failed scheduled push.
+pub const RETRY_MAX_S: u64 = 900;
 
 /// One volume's schedule.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -63,6 +73,19 @@ struct Status {
     last_run_unix_s: Option<u64>,
     last_push_unix_s: Option<u64>,
     last_error: Option<String>,
+    /// A push that failed, to be tried again.
+    retry: Option<Retry>,
+}
+
+/// A failed scheduled push waiting to be tried again.
+#[derive(Clone)]
+struct Retry {
+    /// The snapshot whose push failed.
+    snapshot: String,
+    /// When to try again (Unix seconds).
+    at_unix_s: u64,
+    /// The wait before this try (doubled after another failure).
+    delay_s: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -147,6 +170,8 @@ impl Schedules {
             "next_run_unix_s": next,
             "lag_s": now.saturating_sub(next),
             "last_error": st.last_error,
+            "push_retry_snapshot": st.retry.as_ref().map(|r| &r.snapshot),
+            "push_retry_unix_s": st.retry.as_ref().map(|r| r.at_unix_s),
         })
     }
 }
@@ -222,13 +247,26 @@ impl Runner {
                     .map(|(v, s)| (v.clone(), s.clone()))
                     .collect()
             };
+            let retries: Vec<(String, Schedule, Retry)> = {
+                let table = self.schedules.table.lock();
+                let status = self.schedules.status.lock();
+                table
+                    .iter()
+                    .filter(|(v, s)| s.remote.is_some() && !due.iter().any(|(d, _)| d == *v))
+                    .filter_map(|(v, s)| {
+                        let retry = status.get(v)?.retry.clone()?;
+                        (retry.at_unix_s <= now).then(|| (v.clone(), s.clone(), retry))
+                    })
+                    .collect()
+            };
             for (volume, schedule) in due {
-                self.schedules
-                    .status
-                    .lock()
-                    .entry(volume.clone())
-                    .or_default()
-                    .last_run_unix_s = Some(now);
+                {
+                    let mut status = self.schedules.status.lock();
+                    let st = status.entry(volume.clone()).or_default();
+                    st.last_run_unix_s = Some(now);
+                    // The new snapshot's push sends what a pending retry would have.
+                    st.retry = None;
+                }
                 let outcome = self.run_one(&volume, &schedule, now).await;
                 let mut status = self.schedules.status.lock();
                 let st = status.entry(volume.clone()).or_default();
@@ -245,6 +283,47 @@ impl Runner {
                         st.last_error = Some(e);
                     }
                 }
+            }
+            for (volume, schedule, retry) in retries {
+                self.retry_push(&volume, &schedule, retry).await;
+            }
+        }
+    }
+
+    /// Tries a failed push of `retry.snapshot` again (if the snapshot is still there), and
+    /// records the outcome: done, or another try after twice the wait.
+    async fn retry_push(&self, volume: &str, schedule: &Schedule, retry: Retry) {
+        let exists = self
+            .pool
+            .list_snapshots(Some(volume))
+            .iter()
+            .any(|s| s.name == retry.snapshot);
+        let outcome = match exists {
+            true => Some(
+                self.push_and_retain(volume, schedule, &retry.snapshot, true)
+                    .await,
+            ),
+            false => None,
+        };
+        let mut status = self.schedules.status.lock();
+        let st = status.entry(volume.to_string()).or_default();
+        match outcome {
+            None => st.retry = None,
+            Some(Ok(_)) => {
+                tracing::info!("schedule of {volume}: push of {} done", retry.snapshot);
+                st.retry = None;
+                st.last_error = None;
+                st.last_push_unix_s = Some(now_unix_s());
+            }
+            Some(Err(e)) => {
+                let delay_s = (retry.delay_s * 2).min(RETRY_MAX_S);
+                tracing::warn!("schedule of {volume}: {e}; tried again in {delay_s} s");
+                st.last_error = Some(e);
+                st.retry = Some(Retry {
+                    at_unix_s: now_unix_s() + delay_s,
+                    delay_s,
+                    ..retry
+                });
             }
         }
     }
@@ -265,6 +344,31 @@ impl Runner {
         })
         .await
         .map_err(|e| format!("snapshot task: {e}"))??;
+        if s.remote.is_none() {
+            return Ok(false);
+        }
+        let pushed = self.push_and_retain(volume, s, &name, false).await;
+        if pushed.is_err() {
+            let mut status = self.schedules.status.lock();
+            status.entry(volume.to_string()).or_default().retry = Some(Retry {
+                snapshot: name,
+                at_unix_s: now_unix_s() + RETRY_FIRST_S,
+                delay_s: RETRY_FIRST_S,
+            });
+        }
+        pushed
+    }
+
+    /// Pushes `volume@name` to the schedule's remote and applies its remote retention; whether
+    /// it pushed (false without a remote). `retrying`: an earlier try failed (and may have
+    /// pushed it all the same).
+    async fn push_and_retain(
+        &self,
+        volume: &str,
+        s: &Schedule,
+        name: &str,
+        retrying: bool,
+    ) -> Result<bool, String> {
         let Some(remote_name) = &s.remote else {
             return Ok(false);
         };
@@ -272,21 +376,27 @@ impl Runner {
             .remotes
             .remote(remote_name)
             .map_err(|e| format!("remote {remote_name}: {e:?}"))?;
-        let report = remote.push(&self.pool, volume, &name, Arc::default()).await;
-        let report = report.map_err(|e| {
-            self.stats.push_failures.fetch_add(1, Relaxed);
-            format!("push {volume}@{name} to {remote_name}: {e}")
-        })?;
-        self.stats.pushes.fetch_add(1, Relaxed);
-        self.stats
-            .pushed_bytes
-            .fetch_add(report.bytes_sent, Relaxed);
-        self.stats
-            .chunks_sent
-            .fetch_add(report.chunks_sent, Relaxed);
-        self.stats
-            .chunks_skipped
-            .fetch_add(report.chunks_skipped, Relaxed);
+        match remote.push(&self.pool, volume, name, Arc::default()).await {
+            Ok(report) => {
+                self.stats.pushes.fetch_add(1, Relaxed);
+                self.stats
+                    .pushed_bytes
+                    .fetch_add(report.bytes_sent, Relaxed);
+                self.stats
+                    .chunks_sent
+                    .fetch_add(report.chunks_sent, Relaxed);
+                self.stats
+                    .chunks_skipped
+                    .fetch_add(report.chunks_skipped, Relaxed);
+            }
+            // A try again after the push landed but its answer, or the retention after it,
+            // failed: the remote has the snapshot; go on to the retention.
+            Err(ibid_offload::Error::AlreadyExists(_)) if retrying => {}
+            Err(e) => {
+                self.stats.push_failures.fetch_add(1, Relaxed);
+                return Err(format!("push {volume}@{name} to {remote_name}: {e}"));
+            }
+        }
         self.stats
             .last_push_unix_s
             .lock()

@@ -279,6 +279,8 @@ fn snapshots_go_to_ceph_rgw_and_come_back() {
     eprintln!("[{:.1} s] jobs", t.elapsed().as_secs_f64());
     schedules_snapshot_push_and_keep_the_newest(&rgw);
     eprintln!("[{:.1} s] schedules", t.elapsed().as_secs_f64());
+    a_failed_scheduled_push_is_tried_again(&rgw);
+    eprintln!("[{:.1} s] schedule retry", t.elapsed().as_secs_f64());
     instant_restores_serve_at_once_and_survive_kill_9(&rgw);
     eprintln!("[{:.1} s] instant restore", t.elapsed().as_secs_f64());
 }
@@ -824,6 +826,91 @@ fn schedules_snapshot_push_and_keep_the_newest(rgw: &Rgw) {
     );
     let v = json(&srv, rgw, &["remote", "verify", "rgw"]);
     assert_eq!(v["ok"], true, "{v}");
+}
+
+/// A scheduled push the remote refuses (another host's GC of it holds its lock) is tried again
+/// for the same snapshot, and lands once the remote is free — not an hour later at the
+/// schedule's next run.
+fn a_failed_scheduled_push_is_tried_again(rgw: &Rgw) {
+    let srv = Server::start(&["--no-default-volume"]);
+    add_remote(&srv, rgw, "rgw", "retry");
+    ok(&srv, rgw, &["volume", "create", "v", "--size", "16M"]);
+    write_random(&srv.url("v"), 0, MIB);
+    let lock = format!(
+        "{}/{}/{}/retry/locks/gc-elsewhere-1-0",
+        rgw.endpoint, rgw.bucket, rgw.run
+    );
+    let body = r#"{"kind":"gc","host":"elsewhere","pid":1,"started_unix_s":0}"#;
+    s3(rgw, "PUT", &lock, Some(body));
+    ok(
+        &srv,
+        rgw,
+        &[
+            "schedule", "set", "v", "--every", "1h", "--keep", "2", "--remote", "rgw",
+        ],
+    );
+    let waiting = wait_for_schedule(&srv, rgw, "a failed push waiting", |s| {
+        s["push_retry_snapshot"].is_string()
+    });
+    let snapshot = waiting["push_retry_snapshot"]
+        .as_str()
+        .expect("snapshot")
+        .to_string();
+    let error = waiting["last_error"].as_str().expect("an error");
+    assert!(error.contains("garbage collection"), "{waiting}");
+    assert!(waiting["push_retry_unix_s"].is_u64(), "{waiting}");
+    s3(rgw, "DELETE", &lock, None);
+    let done = wait_for_schedule(&srv, rgw, "the push tried again", |s| {
+        s["push_retry_snapshot"].is_null()
+    });
+    assert_eq!(
+        (&done["runs"], &done["last_error"]),
+        (&Value::from(1), &Value::Null),
+        "{done}"
+    );
+    assert!(done["last_push_unix_s"].is_u64(), "{done}");
+    let remote = json(&srv, rgw, &["snapshot", "list", "--remote", "rgw"]);
+    let names: Vec<&str> = remote
+        .as_array()
+        .expect("remote")
+        .iter()
+        .map(|s| s["name"].as_str().expect("name"))
+        .collect();
+    assert_eq!(names, [snapshot.as_str()], "{remote}");
+    ok(&srv, rgw, &["schedule", "remove", "v"]);
+}
+
+/// Polls `schedule list` until its first schedule passes `done` (within 60 s); that schedule.
+fn wait_for_schedule(srv: &Server, rgw: &Rgw, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = json(srv, rgw, &["schedule", "list"]);
+        if done(&list[0]) {
+            return list[0].clone();
+        }
+        assert!(Instant::now() < deadline, "{what}: not in 60 s: {list}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// An S3 request to the gateway, signed by curl (`--aws-sigv4`), with `body` if given.
+fn s3(rgw: &Rgw, method: &str, url: &str, body: Option<&str>) {
+    let user = format!("{}:{}", rgw.key, rgw.secret);
+    let mut args = vec![
+        "-sS",
+        "--fail",
+        "-X",
+        method,
+        "--aws-sigv4",
+        "aws:amz:us-east-1:s3",
+    ];
+    // RGW wants the payload's hash header; curl 7.88 does not send it by itself.
+    args.extend(["-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"]);
+    args.extend(["--user", &user, url]);
+    if let Some(body) = body {
+        args.extend(["--data-binary", body]);
+    }
+    run("curl", &args);
 }
 
 /// After a restart that cut a job off: (the interrupted job, the job running it again) once

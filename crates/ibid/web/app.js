@@ -285,7 +285,8 @@ function problems() {
   // tenth of the interval).
   for (const x of state.schedules || []) {
     if (x.last_error) {
-      out.push(['warn', `The snapshot schedule of ${x.volume} failed at its last run (${fmtTime(x.last_run_unix_s)}): ${x.last_error}`]);
+      const retry = x.push_retry_snapshot ? ` The push of ${x.push_retry_snapshot} is tried again at ${fmtTime(x.push_retry_unix_s)}.` : '';
+      out.push(['warn', `The snapshot schedule of ${x.volume} failed (last run ${fmtTime(x.last_run_unix_s)}): ${x.last_error}${retry}`]);
     } else if (x.lag_s > Math.max(60, x.every_s / 10)) {
       out.push(['warn', `The snapshot schedule of ${x.volume} is ${fmtAge(x.lag_s)} late.`]);
     }
@@ -908,7 +909,8 @@ async function pageVolume(main, name) {
       h('dt', {}, 'Next run'), h('dd', { id: 'schedule-next' }, fmtTime(sched.next_run_unix_s)),
       h('dt', {}, 'Lag'), h('dd', { id: 'schedule-lag' }, sched.lag_s ? `${fmtAge(sched.lag_s)} late` : 'on time'),
       h('dt', {}, 'Runs'), h('dd', {}, `${fmtNum(sched.runs)} since the server started`),
-      sched.last_error ? [h('dt', {}, 'Last error'), h('dd', { class: 'error' }, sched.last_error)] : null)
+      sched.last_error ? [h('dt', {}, 'Last error'), h('dd', { class: 'error' }, sched.last_error)] : null,
+      sched.push_retry_snapshot ? [h('dt', {}, 'Push retry'), h('dd', { id: 'schedule-retry' }, `${sched.push_retry_snapshot} at ${fmtTime(sched.push_retry_unix_s)}`)] : null)
       : h('p', { class: 'muted', id: 'schedule-none' }, 'No schedule: snapshots are taken only when asked.'));
 
   // Actions

@@ -96,7 +96,10 @@ fn print(ctx: &Ctx, doc: &Value, list: &[Value]) -> Result<(), CliError> {
                 .as_u64()
                 .map_or_else(|| "-".into(), timestamp),
             timestamp(u64_field(s, "next_run_unix_s")?),
-            s["last_error"].as_str().unwrap_or("").to_string(),
+            match (s["last_error"].as_str(), s["push_retry_unix_s"].as_u64()) {
+                (Some(e), Some(at)) => format!("{e} (push tried again at {})", timestamp(at)),
+                (e, _) => e.unwrap_or("").to_string(),
+            },
         ]);
     }
     print_table(
