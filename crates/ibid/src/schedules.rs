@@ -344,9 +344,6 @@ impl Runner {
         })
         .await
         .map_err(|e| format!("snapshot task: {e}"))??;
-        if s.remote.is_none() {
-            return Ok(false);
-        }
         let pushed = self.push_and_retain(volume, s, &name, false).await;
         if pushed.is_err() {
             let mut status = self.schedules.status.lock();

@@ -784,13 +784,7 @@ fn schedules_snapshot_push_and_keep_the_newest(rgw: &Rgw) {
     // The runner may be in its next run: stop the schedule, then look.
     ok(&srv, rgw, &["schedule", "remove", "v"]);
     std::thread::sleep(Duration::from_secs(3));
-    let local = json(&srv, rgw, &["snapshot", "list", "v"]);
-    let mut local: Vec<String> = local
-        .as_array()
-        .expect("snapshots")
-        .iter()
-        .map(|s| s["name"].as_str().expect("name").to_string())
-        .collect();
+    let mut local = names(&json(&srv, rgw, &["snapshot", "list", "v"]));
     local.sort();
     assert_eq!(local.len(), 3, "{local:?}");
     assert_eq!(local[2], "manual", "{local:?}");
@@ -798,13 +792,7 @@ fn schedules_snapshot_push_and_keep_the_newest(rgw: &Rgw) {
         local[..2].iter().all(|n| n.starts_with("auto-")),
         "{local:?}"
     );
-    let remote = json(&srv, rgw, &["snapshot", "list", "--remote", "rgw"]);
-    let remote: Vec<&str> = remote
-        .as_array()
-        .expect("remote")
-        .iter()
-        .map(|s| s["name"].as_str().expect("name"))
-        .collect();
+    let remote = names(&json(&srv, rgw, &["snapshot", "list", "--remote", "rgw"]));
     assert_eq!(
         remote,
         [local[1].as_str()],
@@ -869,15 +857,18 @@ fn a_failed_scheduled_push_is_tried_again(rgw: &Rgw) {
         "{done}"
     );
     assert!(done["last_push_unix_s"].is_u64(), "{done}");
-    let remote = json(&srv, rgw, &["snapshot", "list", "--remote", "rgw"]);
-    let names: Vec<&str> = remote
-        .as_array()
-        .expect("remote")
-        .iter()
-        .map(|s| s["name"].as_str().expect("name"))
-        .collect();
-    assert_eq!(names, [snapshot.as_str()], "{remote}");
+    let remote = names(&json(&srv, rgw, &["snapshot", "list", "--remote", "rgw"]));
+    assert_eq!(remote, [snapshot.as_str()], "{remote:?}");
     ok(&srv, rgw, &["schedule", "remove", "v"]);
+}
+
+/// The `name` of each entry of a `snapshot list` answer.
+fn names(list: &Value) -> Vec<String> {
+    list.as_array()
+        .expect("a list")
+        .iter()
+        .map(|s| s["name"].as_str().expect("name").to_string())
+        .collect()
 }
 
 /// Polls `schedule list` until its first schedule passes `done` (within 60 s); that schedule.
