@@ -51,3 +51,35 @@ fn engine_quick_prints_the_table() {
         );
     }
 }
+
+/// `ibid-bench offload --memory --quick` pushes and restores through the in-memory store and
+/// prints each round's rates and CPU seconds per GiB, and their medians.
+#[test]
+fn offload_memory_quick_prints_cpu_per_gib() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = Command::new(env!("CARGO_BIN_EXE_ibid-bench"))
+        .args(["offload", "--memory", "--quick", "--rounds", "1", "--dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run ibid-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "ibid-bench failed:\n{stdout}\n{stderr}"
+    );
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("0\t"))
+        .unwrap_or_else(|| panic!("no round 0 in:\n{stdout}"));
+    let figures: Vec<f64> = row
+        .split('\t')
+        .skip(1)
+        .map(|c| c.parse().expect("a number"))
+        .collect();
+    assert!(
+        figures.len() == 4 && figures.iter().all(|&x| x > 0.0),
+        "{row}"
+    );
+    assert!(stdout.contains("medians: push "), "{stdout}");
+}
