@@ -47,6 +47,7 @@ mod gc;
 mod inner;
 mod journal;
 mod layer_filter;
+mod map_page;
 pub mod map_table;
 pub mod meta;
 mod neighbours;

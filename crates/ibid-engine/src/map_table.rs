@@ -8,13 +8,7 @@
 //! of page handling whatever its size, and one row per block was, after the chunk records
 //! (`chunk_table.rs`), the largest per-block cost of a commit of new data.
 //!
-//! # Page format (the value of a `map.pages` row)
-//!
-//! ```text
-//! present u16 LE   bit i set: block (page << PAGE_BLOCKS_BITS) + i has an entry (never 0:
-//!                  a page left with no entry is deleted)
-//! value   u64 LE   one per set bit, in bit order: a chunk id, or format::ZERO_TOMBSTONE
-//! ```
+//! The page format (the value of a `map.pages` row) is in `map_page.rs`.
 //!
 //! Pools of format version 10 and older kept one row per block in `map` ([`meta::MAP`]);
 //! [`upgrade`] moves them into pages when such a pool is opened.
@@ -24,108 +18,18 @@
 //! transaction are gathered in [`Changes`], which reads each page once, applies every change
 //! to it and writes it back once, or made by [`take`], which removes a range's entries.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::format;
+use crate::map_page::Page;
 use crate::meta;
 use crate::store::{ReadTxn, Reader, WriteTxn};
 use std::collections::BTreeMap;
 
-/// Blocks per page, as a power of two.
-pub const PAGE_BLOCKS_BITS: u32 = 4;
-/// Blocks per page.
-pub const PAGE_BLOCKS: u64 = 1 << PAGE_BLOCKS_BITS;
-/// Largest encoded page.
-const PAGE_BYTES_MAX: usize = 2 + 8 * PAGE_BLOCKS as usize;
+pub use crate::map_page::{PAGE_BLOCKS, PAGE_BLOCKS_BITS};
 
 /// The key of the page holding `layer`'s entry for `block`.
 pub fn page_key(layer: u64, block: u64) -> [u8; 16] {
     format::map_key(layer, block >> PAGE_BLOCKS_BITS)
-}
-
-/// One page, decoded: which of its blocks have an entry, and their values.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Page {
-    present: u16,
-    values: [u64; PAGE_BLOCKS as usize],
-}
-
-impl Page {
-    /// The presence bitmap of encoded page `b`, checked against its length.
-    fn present(key: &[u8; 16], b: &[u8]) -> Result<u16> {
-        let present = match b {
-            [lo, hi, ..] => u16::from_le_bytes([*lo, *hi]),
-            _ => 0,
-        };
-        if present == 0 || b.len() != 2 + 8 * present.count_ones() as usize {
-            let (layer, page) = format::decode_map_key(key);
-            return Err(Error::Corrupt(format!(
-                "map page {page} of layer {layer}: {} bytes",
-                b.len()
-            )));
-        }
-        Ok(present)
-    }
-
-    /// The entry in `slot` of encoded page `b`, read without decoding the others.
-    fn value_in(key: &[u8; 16], b: &[u8], slot: usize) -> Result<Option<u64>> {
-        let present = Page::present(key, b)?;
-        if present & (1 << slot) == 0 {
-            return Ok(None);
-        }
-        let at = 2 + 8 * (present & ((1 << slot) - 1)).count_ones() as usize;
-        Ok(Some(u64::from_le_bytes(
-            b[at..at + 8].try_into().expect("8 bytes"),
-        )))
-    }
-
-    fn decode(key: &[u8; 16], b: &[u8]) -> Result<Page> {
-        let present = Page::present(key, b)?;
-        let mut page = Page {
-            present,
-            ..Page::default()
-        };
-        let mut at = 2;
-        for i in 0..PAGE_BLOCKS as usize {
-            if present & (1 << i) != 0 {
-                page.values[i] = u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
-                at += 8;
-            }
-        }
-        Ok(page)
-    }
-
-    fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(PAGE_BYTES_MAX);
-        out.extend_from_slice(&self.present.to_le_bytes());
-        for i in 0..PAGE_BLOCKS as usize {
-            if self.present & (1 << i) != 0 {
-                out.extend_from_slice(&self.values[i].to_le_bytes());
-            }
-        }
-        out
-    }
-
-    fn get(&self, slot: usize) -> Option<u64> {
-        (self.present & (1 << slot) != 0).then_some(self.values[slot])
-    }
-
-    fn set(&mut self, slot: usize, value: Option<u64>) {
-        match value {
-            Some(v) => {
-                self.present |= 1 << slot;
-                self.values[slot] = v;
-            }
-            None => {
-                self.present &= !(1 << slot);
-                self.values[slot] = 0;
-            }
-        }
-    }
-
-    /// The (slot, value) pairs of its entries, ascending.
-    fn entries(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
-        (0..PAGE_BLOCKS as usize).filter_map(|i| self.get(i).map(|v| (i, v)))
-    }
 }
 
 fn slot(block: u64) -> usize {
@@ -405,6 +309,7 @@ pub fn upgrade(txn: &mut WriteTxn) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::store::{Backend, Store};
 
     /// Entries set, removed and taken across page and layer boundaries read back as a

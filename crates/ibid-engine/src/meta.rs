@@ -151,7 +151,10 @@ pub const POOL_KEY: &str = "pool";
 /// (`map.pages`); a version 10 pool has its `map` rows moved into pages when opened. 12 — the
 /// map's changes logged (`map.log`) and written back a slice at a time. 13 — the reference
 /// log cut in 64 slices (key `slice << 56 | row`), not 16 (`slice << 60 | row`); a version 12
-/// pool's log is summed and logged again when it is opened (`ref_log::upgrade`).
+/// pool's log is summed and logged again when it is opened (`ref_log::upgrade`). 14 — the
+/// map log records a change to an existing page as a delta (`map_page.rs`); a version 13
+/// pool's log rows hold whole pages only, which this build reads as they are, but a build
+/// that knows only version 13 would take a delta for corruption.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -182,7 +185,7 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 13;
+pub const POOL_FORMAT_VERSION: u64 = 14;
 /// First format whose reference log is cut in 64 slices, not 16.
 pub const REF_LOG_64_SLICES_VERSION: u64 = 13;
 /// Oldest pool format version this build opens (and upgrades).

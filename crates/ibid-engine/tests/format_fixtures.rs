@@ -239,3 +239,8 @@ fn a_format_11_pool_opens_with_its_map_writes_deferred_from_then_on() {
 fn a_format_12_pool_has_its_reference_log_cut_in_this_formats_slices() {
     opens_and_lives_on("pool-v12.tar.gz", 12);
 }
+
+#[test]
+fn a_format_13_pool_has_its_whole_page_log_rows_read_beside_new_deltas() {
+    opens_and_lives_on("pool-v13.tar.gz", 13);
+}

@@ -912,20 +912,28 @@ impl WriteTxn<'_> {
     /// transaction and committing only if it returns `Ok`: what must be durable before the
     /// changes are (the records they point at) can be made so while the backend works.
     pub fn commit_after(mut self, ready: impl FnOnce() -> Result<()>) -> Result<()> {
-        self.base = None;
         let mut ready = Some(ready);
         let mut ready = || ready.take().map_or(Ok(()), |f| f());
         let all = self.write_back_all && !self.pending.is_empty();
         if self.batch.is_empty() && !all {
+            self.base = None;
             return ready();
         }
-        // The map's changes go to its log; the slices due are written back.
+        // The map's changes go to its log (pages that exist as deltas over what `base`
+        // holds); the slices due are written back.
         let through = self.write_through && self.pending.is_empty();
-        let staged = (!through).then(|| {
-            self.store
-                .deferred
-                .stage(&mut self.batch, &self.pending, all)
-        });
+        let staged = match through {
+            true => None,
+            false => {
+                let base = self.base.as_deref().expect("released only below");
+                let (cache, generation) = (&self.store.cache, self.generation);
+                let committed =
+                    |key: &[u8]| cached_get(cache, generation, base, deferred::DEFERRED, key);
+                let deferred = &self.store.deferred;
+                Some(deferred.stage(&mut self.batch, &self.pending, all, &committed)?)
+            }
+        };
+        self.base = None;
         let cache = &self.store.cache;
         cache.begin(&self.batch);
         let written = self.store.backend.write(&self.batch, &mut ready);
