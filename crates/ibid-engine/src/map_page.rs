@@ -138,7 +138,11 @@ fn decoded(key: &[u8], b: Option<&[u8]>) -> Option<Page> {
 /// base to apply to), or either not a page.
 pub(crate) fn delta(key: &[u8], old: Option<&[u8]>, new: Option<&[u8]>) -> Option<Vec<u8>> {
     old?;
-    let (old, new) = (decoded(key, old)?, decoded(key, new)?);
+    Some(delta_of(&decoded(key, old)?, &decoded(key, new)?))
+}
+
+/// The delta that turns page `old` into `new` (an empty page: none).
+pub(crate) fn delta_of(old: &Page, new: &Page) -> Vec<u8> {
     let changed = (0..PAGE_BLOCKS as usize)
         .filter(|&i| old.get(i) != new.get(i))
         .fold(0u16, |m, i| m | 1 << i);
@@ -149,7 +153,7 @@ pub(crate) fn delta(key: &[u8], old: Option<&[u8]>, new: Option<&[u8]>) -> Optio
     for i in (0..PAGE_BLOCKS as usize).filter(|&i| (changed & new.present) & (1 << i) != 0) {
         out.extend_from_slice(&new.values[i].to_le_bytes());
     }
-    Some(out)
+    out
 }
 
 /// Takes a delta from the front of `b` and applies it to page `old` at `key` (absent: no

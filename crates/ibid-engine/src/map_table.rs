@@ -270,8 +270,9 @@ impl Changes {
     /// Applies the changes to `txn`.
     pub fn write(self, txn: &mut WriteTxn) -> Result<()> {
         for (key, edit) in self.pages {
-            let mut page = match txn.get(meta::MAP_PAGES, &key)? {
-                Some(b) => Page::decode(&key, &b)?,
+            let read: Option<Vec<u8>> = txn.get(meta::MAP_PAGES, &key)?;
+            let mut page = match &read {
+                Some(b) => Page::decode(&key, b)?,
                 None => Page::default(),
             };
             let before = page;
@@ -284,7 +285,11 @@ impl Changes {
                 page.set(i, Some(v));
             }
             if page != before {
-                write_page(txn, &key, &page);
+                let value = (page.present != 0).then(|| page.encode());
+                let delta = read
+                    .is_some()
+                    .then(|| crate::map_page::delta_of(&before, &page));
+                txn.set_deferred(&key, value, delta);
             }
         }
         Ok(())

@@ -81,6 +81,16 @@ pub type Change = (Bytes, Option<Bytes>);
 /// commit's page deltas.
 pub type Before<'a> = dyn Fn(&[u8]) -> Result<Option<Vec<u8>>> + 'a;
 
+/// How a commit's changes are logged: `deltas`, the page deltas its writers gave (over the
+/// committed pages), by key; for any other change, `committed` reads the value the change
+/// replaces (the base of a delta computed here).
+pub struct Logged<'a> {
+    /// Deltas given, by key.
+    pub deltas: &'a FxHashMap<[u8; 16], Vec<u8>>,
+    /// Reads a key's committed value.
+    pub committed: &'a Before<'a>,
+}
+
 /// The slice of `key`: its stretch of 256 keys, taken from the last 8 bytes (a map page key's
 /// page number) with the first 8 (its layer) mixed in so every layer's first stretch is not in
 /// slice 0.
@@ -357,14 +367,14 @@ impl Deferred {
     /// documentation), or of every slice with `all`. Nothing changes here until
     /// [`Deferred::publish`].
     ///
-    /// `committed` reads the table's B-tree as of `pending` (the base of the changes logged as
-    /// deltas).
+    /// `logged` gives the changes' page deltas, or their bases (`pending` over the table's
+    /// B-tree).
     pub fn stage(
         &self,
         batch: &mut Batch,
         pending: &Pending,
         all: bool,
-        committed: &Before,
+        logged: &Logged,
     ) -> Result<Staged> {
         let mut log = self.log.lock().clone();
         let ops = &mut batch.tables[DEFERRED.index()];
@@ -425,10 +435,7 @@ impl Deferred {
             let row = (s as u64) << SEQ_BITS | log.next_seq;
             log.next_seq += 1;
             log.rows[s].push(row);
-            let row_value = encode_row(&changes, &|key: &[u8]| match pending.get(key) {
-                Some(v) => Ok(v.map(<[u8]>::to_vec)),
-                None => committed(key),
-            })?;
+            let row_value = encode_row(&changes, logged)?;
             batch.tables[LOG.index()].set(row.encode(), Some(row_value));
             next.push(s, changes);
         }
@@ -491,9 +498,9 @@ impl Deferred {
     }
 }
 
-/// The log row of `changes` (one slice's, in key order); `old` gives a key's value before them
-/// (for the page deltas).
-fn encode_row(changes: &[Change], old: &Before) -> Result<Vec<u8>> {
+/// The log row of `changes` (one slice's, in key order), with the page deltas `logged` gives
+/// or lets compute.
+fn encode_row(changes: &[Change], logged: &Logged) -> Result<Vec<u8>> {
     let mut out = (changes.len() as u32).to_le_bytes().to_vec();
     for (k, v) in changes {
         out.extend_from_slice(&(k.len() as u16).to_le_bytes());
@@ -502,7 +509,20 @@ fn encode_row(changes: &[Change], old: &Before) -> Result<Vec<u8>> {
             out.push(0);
             continue;
         };
-        match map_page::delta(k, old(k)?.as_deref(), Some(v)) {
+        let given = <&[u8; 16]>::try_from(&**k)
+            .ok()
+            .and_then(|k| logged.deltas.get(k));
+        if let Some(delta) = given {
+            debug_assert_eq!(
+                Some(delta),
+                map_page::delta(k, (logged.committed)(k)?.as_deref(), Some(v)).as_ref(),
+                "the delta given for {k:02x?}"
+            );
+            out.push(2);
+            out.extend_from_slice(delta);
+            continue;
+        }
+        match map_page::delta(k, (logged.committed)(k)?.as_deref(), Some(v)) {
             Some(delta) => {
                 out.push(2);
                 out.extend_from_slice(&delta);
@@ -575,6 +595,10 @@ mod tests {
         Bytes::from(b)
     }
 
+    fn logged<'a>(deltas: &'a FxHashMap<[u8; 16], Vec<u8>>, committed: &'a Before) -> Logged<'a> {
+        Logged { deltas, committed }
+    }
+
     /// Rows decode to what was encoded — values, deletes, and changes to existing pages as
     /// deltas over the old pages; a cut, a bad tag or a delta over another page than its own
     /// is corrupt, not misread.
@@ -587,12 +611,14 @@ mod tests {
         let d: Change = (Bytes::from(&k2[..]), Some(page(&[(1, 5)])));
         let old: BTreeMap<Vec<u8>, Bytes> = [(k1.to_vec(), page(&[(0, 7), (4, 8)]))].into();
         let changes = vec![c, d, a.clone(), b.clone()];
-        let row =
-            encode_row(&changes, &|k: &[u8]| Ok(old.get(k).map(|v| v.to_vec()))).expect("encoded");
+        let deltas = FxHashMap::default();
+        let committed = |k: &[u8]| Ok(old.get(k).map(|v| v.to_vec()));
+        let row = encode_row(&changes, &logged(&deltas, &committed)).expect("encoded");
         let mut base = |k: &[u8]| Ok(old.get(k).cloned());
         assert_eq!(decode_row(1, &row, &mut base).expect("good"), changes);
         // The change to the page that existed is a delta (12 bytes), the new one whole.
-        let whole = encode_row(&changes, &|_: &[u8]| Ok(None)).expect("encoded");
+        let none = |_: &[u8]| Ok(None);
+        let whole = encode_row(&changes, &logged(&deltas, &none)).expect("encoded");
         assert_eq!(whole.len() - row.len(), (4 + 2 + 16) - 12);
         assert_eq!(
             decode_row(1, &whole, &mut |_: &[u8]| Ok(None)).expect("good"),
@@ -615,7 +641,7 @@ mod tests {
             decode_row(1, &row, &mut elsewhere),
             Err(Error::Corrupt(_))
         ));
-        let swapped = encode_row(&[b, a], &|_: &[u8]| Ok(None)).expect("encoded");
+        let swapped = encode_row(&[b, a], &logged(&deltas, &none)).expect("encoded");
         assert!(decode_row(1, &swapped, &mut base).is_err(), "order");
     }
 

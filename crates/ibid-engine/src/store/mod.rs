@@ -554,6 +554,7 @@ impl Store {
             write_back_all: false,
             write_through: false,
             generation,
+            deltas: FxHashMap::default(),
             batch,
             store: self,
             guard,
@@ -779,6 +780,10 @@ pub struct WriteTxn<'a> {
     write_through: bool,
     /// The row cache's generation of `base`.
     generation: u64,
+    /// Page deltas of deferred-table keys whose one change in this transaction its writer
+    /// made over the committed page and described ([`WriteTxn::set_deferred`]): logged as
+    /// they are, without reading the page again.
+    deltas: FxHashMap<[u8; 16], Vec<u8>>,
     batch: Batch,
     store: &'a Store,
     /// The store's writer lock; gets the batch back, emptied, when the transaction ends.
@@ -815,12 +820,42 @@ impl WriteTxn<'_> {
         key: &K,
         value: &V,
     ) {
-        self.batch.tables[def.table.index()].set(key.encode(), Some(value.encode()));
+        let key = key.encode();
+        self.forget_delta(def.table, &key);
+        self.batch.tables[def.table.index()].set(key, Some(value.encode()));
     }
 
     /// Deletes `key` (absent or not).
     pub fn remove<K: Codec + ?Sized, V: Codec + ?Sized>(&mut self, def: Def<K, V>, key: &K) {
-        self.batch.tables[def.table.index()].set(key.encode(), None);
+        let key = key.encode();
+        self.forget_delta(def.table, &key);
+        self.batch.tables[def.table.index()].set(key, None);
+    }
+
+    /// Sets `key` of the deferred table ([`deferred::DEFERRED`], the map's pages) to `value`
+    /// (`None`: deletes it). `delta`: the page delta from the page this transaction read at
+    /// `key` to `value` (`map_page.rs`), if it read one: when that was the committed page (no
+    /// change to `key` in this transaction before), the map log records it as it is.
+    pub fn set_deferred(&mut self, key: &[u8; 16], value: Option<Vec<u8>>, delta: Option<Vec<u8>>) {
+        let ops = &mut self.batch.tables[deferred::DEFERRED.index()];
+        match delta {
+            Some(delta) if ops.get(key).is_none() => {
+                self.deltas.insert(*key, delta);
+            }
+            _ => {
+                self.deltas.remove(key);
+            }
+        }
+        ops.set(key.to_vec(), value);
+    }
+
+    /// Drops the delta given for `key` of `table` (changed again: no longer its change).
+    fn forget_delta(&mut self, table: Table, key: &[u8]) {
+        if table == deferred::DEFERRED && !self.deltas.is_empty() {
+            if let Ok(key) = <&[u8; 16]>::try_from(key) {
+                self.deltas.remove(key);
+            }
+        }
     }
 
     /// Entries with keys in `range` as this transaction sees them, in key order.
@@ -857,6 +892,7 @@ impl WriteTxn<'_> {
         for (kb, vb) in self.range_raw(def.table, &byte_bounds(&range))? {
             let (k, v) = (K::decode(&kb)?, V::decode(&vb)?);
             if take(&k, &v) {
+                self.forget_delta(def.table, &kb);
                 self.batch.tables[def.table.index()].set(kb, None);
                 out.push((k, v));
             }
@@ -927,10 +963,17 @@ impl WriteTxn<'_> {
             false => {
                 let base = self.base.as_deref().expect("released only below");
                 let (cache, generation) = (&self.store.cache, self.generation);
-                let committed =
-                    |key: &[u8]| cached_get(cache, generation, base, deferred::DEFERRED, key);
+                let pending = &self.pending;
+                let committed = |key: &[u8]| match pending.get(key) {
+                    Some(v) => Ok(v.map(<[u8]>::to_vec)),
+                    None => cached_get(cache, generation, base, deferred::DEFERRED, key),
+                };
                 let deferred = &self.store.deferred;
-                Some(deferred.stage(&mut self.batch, &self.pending, all, &committed)?)
+                let logged = deferred::Logged {
+                    deltas: &self.deltas,
+                    committed: &committed,
+                };
+                Some(deferred.stage(&mut self.batch, &self.pending, all, &logged)?)
             }
         };
         self.base = None;
