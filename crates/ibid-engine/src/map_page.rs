@@ -156,6 +156,17 @@ pub(crate) fn delta_of(old: &Page, new: &Page) -> Vec<u8> {
     out
 }
 
+/// The length of the delta at the front of `b`, `None` if `b` is shorter than its head says.
+pub(crate) fn delta_len(b: &[u8]) -> Option<usize> {
+    let head = b.get(..DELTA_HEAD)?;
+    let (present, changed) = (
+        u16::from_le_bytes([head[0], head[1]]),
+        u16::from_le_bytes([head[2], head[3]]),
+    );
+    let n = DELTA_HEAD + 8 * (changed & present).count_ones() as usize;
+    (b.len() >= n).then_some(n)
+}
+
 /// Takes a delta from the front of `b` and applies it to page `old` at `key` (absent: no
 /// page): the new page, `None` if the delta deletes it.
 pub(crate) fn apply_delta(
@@ -253,7 +264,9 @@ mod tests {
             apply_delta(&key, None, &mut &d[..]),
             Err(Error::Corrupt(_))
         ));
+        assert_eq!(delta_len(&d), Some(d.len()));
         for cut in 0..d.len() {
+            assert_eq!(delta_len(&d[..cut]), None);
             assert!(matches!(
                 apply_delta(&key, old.as_deref(), &mut &d[..cut]),
                 Err(Error::Corrupt(_))

@@ -326,18 +326,43 @@ impl Deferred {
         let mut log = LogState::default();
         let mut pending = Pending::default();
         // Rows in key order: each slice's in sequence order, so a later change stacks higher.
-        for item in snap.range(LOG, Bound::Unbounded, Bound::Unbounded)? {
-            let (k, v) = item?;
-            let row = u64::decode(&k)?;
+        let rows: Vec<(u64, Vec<u8>)> = snap
+            .range(LOG, Bound::Unbounded, Bound::Unbounded)?
+            .map(|item| {
+                let (k, v) = item?;
+                Ok((u64::decode(&k)?, v))
+            })
+            .collect::<Result<_>>()?;
+        // The B-tree's pages under the keys whose first logged change is a delta, read in key
+        // order (neighbouring reads share the B-tree's pages) before the rows are applied.
+        let mut seen: rustc_hash::FxHashSet<&[u8]> = Default::default();
+        let mut bases: Vec<&[u8]> = Vec::new();
+        for (row, v) in &rows {
+            for (key, stored) in parse_row(*row, v)? {
+                if seen.insert(key) && matches!(stored, Stored::Delta(_)) {
+                    bases.push(key);
+                }
+            }
+        }
+        bases.sort_unstable();
+        let bases: FxHashMap<&[u8], Option<Bytes>> = bases
+            .into_iter()
+            .map(|key| Ok((key, snap.get(DEFERRED, key)?.map(Bytes::from))))
+            .collect::<Result<_>>()?;
+        for (row, v) in &rows {
+            let row = *row;
             let slice = (row >> SEQ_BITS) as usize;
             if slice >= SLICES {
                 return Err(Error::Corrupt(format!(
                     "map log row {row:#x}: slice {slice}"
                 )));
             }
-            let changes = decode_row(row, &v, &mut |key: &[u8]| match pending.get(key) {
+            let changes = decode_row(row, v, &mut |key: &[u8]| match pending.get(key) {
                 Some(v) => Ok(v.map(Bytes::from)),
-                None => Ok(snap.get(DEFERRED, key)?.map(Bytes::from)),
+                None => match bases.get(key) {
+                    Some(v) => Ok(v.clone()),
+                    None => Ok(snap.get(DEFERRED, key)?.map(Bytes::from)),
+                },
             })?;
             if let Some((k, _)) = changes.iter().find(|(k, _)| slice_of(k) != slice) {
                 return Err(Error::Corrupt(format!(
@@ -537,45 +562,81 @@ fn encode_row(changes: &[Change], logged: &Logged) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// One change of a log row, as stored.
+enum Stored<'a> {
+    /// Tag 0.
+    Deleted,
+    /// Tag 1: the value.
+    Set(&'a [u8]),
+    /// Tag 2: a page delta over the value before.
+    Delta(&'a [u8]),
+}
+
+/// The changes of log row `row` (value `b`) as stored, in key order.
+fn parse_row(row: u64, mut b: &[u8]) -> Result<Vec<(&[u8], Stored<'_>)>> {
+    let corrupt = |what: &str| Error::Corrupt(format!("map log row {row:#x}: {what}"));
+    fn take<'a>(b: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = (b.len() >= n).then(|| b.split_at(n))?;
+        *b = rest;
+        Some(head)
+    }
+    let truncated = || corrupt("truncated");
+    let count = u32::from_le_bytes(
+        take(&mut b, 4)
+            .ok_or_else(truncated)?
+            .try_into()
+            .expect("4"),
+    );
+    let mut out: Vec<(&[u8], Stored)> = Vec::new();
+    for _ in 0..count {
+        let n = u16::from_le_bytes(
+            take(&mut b, 2)
+                .ok_or_else(truncated)?
+                .try_into()
+                .expect("2"),
+        );
+        let key = take(&mut b, n as usize).ok_or_else(truncated)?;
+        if out.last().is_some_and(|(k, _)| *k >= key) {
+            return Err(corrupt("keys out of order"));
+        }
+        let stored = match take(&mut b, 1).ok_or_else(truncated)?[0] {
+            0 => Stored::Deleted,
+            1 => {
+                let n = take(&mut b, 4).ok_or_else(truncated)?;
+                let n = u32::from_le_bytes(n.try_into().expect("4"));
+                Stored::Set(take(&mut b, n as usize).ok_or_else(truncated)?)
+            }
+            2 => {
+                let n = map_page::delta_len(b).ok_or_else(truncated)?;
+                Stored::Delta(take(&mut b, n).ok_or_else(truncated)?)
+            }
+            t => return Err(corrupt(&format!("tag {t}"))),
+        };
+        out.push((key, stored));
+    }
+    if !b.is_empty() {
+        return Err(corrupt("bytes after the last change"));
+    }
+    Ok(out)
+}
+
 /// The changes of log row `row` (value `b`); `old` gives a key's value before them (the base
 /// of a page delta).
 fn decode_row(
     row: u64,
-    mut b: &[u8],
+    b: &[u8],
     old: &mut dyn FnMut(&[u8]) -> Result<Option<Bytes>>,
 ) -> Result<Vec<Change>> {
-    let corrupt = |what: &str| Error::Corrupt(format!("map log row {row:#x}: {what}"));
-    let take = |b: &mut &[u8], n: usize| -> Result<Vec<u8>> {
-        if b.len() < n {
-            return Err(corrupt("truncated"));
-        }
-        let (head, rest) = b.split_at(n);
-        *b = rest;
-        Ok(head.to_vec())
-    };
-    let count = u32::from_le_bytes(take(&mut b, 4)?.try_into().expect("4 bytes"));
-    let mut out: Vec<Change> = Vec::new();
-    for _ in 0..count {
-        let n = u16::from_le_bytes(take(&mut b, 2)?.try_into().expect("2 bytes")) as usize;
-        let key = take(&mut b, n)?;
-        if out.last().is_some_and(|(k, _)| **k >= *key) {
-            return Err(corrupt("keys out of order"));
-        }
-        let value = match take(&mut b, 1)?[0] {
-            0 => None,
-            1 => {
-                let n = u32::from_le_bytes(take(&mut b, 4)?.try_into().expect("4 bytes"));
-                Some(Bytes::from(take(&mut b, n as usize)?))
-            }
-            2 => map_page::apply_delta(&key, old(&key)?.as_deref(), &mut b)
-                .map_err(|e| corrupt(&e.to_string()))?
+    let mut out = Vec::new();
+    for (key, stored) in parse_row(row, b)? {
+        let value = match stored {
+            Stored::Deleted => None,
+            Stored::Set(v) => Some(Bytes::from(v)),
+            Stored::Delta(mut d) => map_page::apply_delta(key, old(key)?.as_deref(), &mut d)
+                .map_err(|e| Error::Corrupt(format!("map log row {row:#x}: {e}")))?
                 .map(Bytes::from),
-            t => return Err(corrupt(&format!("tag {t}"))),
         };
         out.push((Bytes::from(key), value));
-    }
-    if !b.is_empty() {
-        return Err(corrupt("bytes after the last change"));
     }
     Ok(out)
 }
