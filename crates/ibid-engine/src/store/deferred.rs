@@ -334,7 +334,7 @@ impl Deferred {
             })
             .collect::<Result<_>>()?;
         // The B-tree's pages under the keys whose first logged change is a delta, read in key
-        // order (neighbouring reads share the B-tree's pages) before the rows are applied.
+        // order before the rows are applied.
         let mut seen: rustc_hash::FxHashSet<&[u8]> = Default::default();
         let mut bases: Vec<&[u8]> = Vec::new();
         for (row, v) in &rows {
@@ -345,10 +345,7 @@ impl Deferred {
             }
         }
         bases.sort_unstable();
-        let bases: FxHashMap<&[u8], Option<Bytes>> = bases
-            .into_iter()
-            .map(|key| Ok((key, snap.get(DEFERRED, key)?.map(Bytes::from))))
-            .collect::<Result<_>>()?;
+        let bases = read_bases(snap, &bases)?;
         for (row, v) in &rows {
             let row = *row;
             let slice = (row >> SEQ_BITS) as usize;
@@ -562,6 +559,48 @@ fn encode_row(changes: &[Change], logged: &Logged) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Rows a scan for the next of [`read_bases`]' keys passes before it seeks to that key.
+const BASE_SCAN_GAP_MAX: usize = 32;
+
+/// The deferred table's B-tree values under `keys` (sorted, distinct; `None`: absent), read by
+/// scans that seek again past gaps of more than [`BASE_SCAN_GAP_MAX`] rows: where the keys are
+/// most of the table (a large pending state at open), one pass over it instead of a B-tree
+/// descent per key.
+fn read_bases<'k>(
+    snap: &dyn Snapshot,
+    keys: &[&'k [u8]],
+) -> Result<FxHashMap<&'k [u8], Option<Bytes>>> {
+    let mut out = FxHashMap::default();
+    let mut i = 0;
+    while i < keys.len() {
+        let mut rows = snap.range(DEFERRED, Bound::Included(keys[i]), Bound::Unbounded)?;
+        let mut gap = 0;
+        while i < keys.len() && gap <= BASE_SCAN_GAP_MAX {
+            let Some(row) = rows.next() else {
+                // The table ends: the keys left are absent.
+                out.extend(keys[i..].iter().map(|k| (*k, None)));
+                i = keys.len();
+                break;
+            };
+            let (k, v) = row?;
+            while i < keys.len() && keys[i] < &k[..] {
+                out.insert(keys[i], None);
+                i += 1;
+                gap = 0;
+            }
+            match keys.get(i) {
+                Some(key) if *key == &k[..] => {
+                    out.insert(*key, Some(Bytes::from(v)));
+                    i += 1;
+                    gap = 0;
+                }
+                _ => gap += 1,
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// One change of a log row, as stored.
 enum Stored<'a> {
     /// Tag 0.
@@ -654,6 +693,48 @@ mod tests {
             b.extend_from_slice(&id.to_le_bytes());
         }
         Bytes::from(b)
+    }
+
+    /// The bases read by scans are the B-tree's values, present or absent, whether the keys
+    /// lie close together, far apart, before or past every row.
+    #[test]
+    fn bases_are_read_by_scans_as_by_point_reads() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let mut txn = store.write()?;
+        txn.write_through();
+        for n in (0..2000).filter(|n| n % 3 != 0) {
+            txn.insert(meta::MAP_PAGES, &key(n), page(&[(n % 16, n)]).as_ref());
+        }
+        txn.commit()?;
+        let snap = store.backend.snapshot()?;
+        let mut next = crate::test_data::xorshift(0xba5e);
+        for round in 0..20 {
+            // Dense runs, sparse picks and keys past the last row.
+            let mut wanted: Vec<[u8; 16]> = match round % 3 {
+                0 => (0..2100)
+                    .filter(|_| next().is_multiple_of(2))
+                    .map(key)
+                    .collect(),
+                1 => (0..40).map(|_| key(next() % 2100)).collect(),
+                _ => (0..300)
+                    .map(|_| key(next() % 300 + (next() % 8) * 250))
+                    .collect(),
+            };
+            wanted.sort_unstable();
+            wanted.dedup();
+            let keys: Vec<&[u8]> = wanted.iter().map(|k| &k[..]).collect();
+            let got = read_bases(&*snap, &keys)?;
+            assert_eq!(got.len(), keys.len(), "round {round}");
+            for k in &keys {
+                assert_eq!(
+                    got[k].as_deref(),
+                    snap.get(DEFERRED, k)?.as_deref(),
+                    "round {round}"
+                );
+            }
+        }
+        Ok(())
     }
 
     fn logged<'a>(deltas: &'a FxHashMap<[u8; 16], Vec<u8>>, committed: &'a Before) -> Logged<'a> {
