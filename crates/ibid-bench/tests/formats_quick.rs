@@ -1,21 +1,12 @@
 //! `ibid-bench formats --quick` runs and prints a number for every row.
 
-use std::process::Command;
+mod common;
+
+use common::run_bench;
 
 #[test]
 fn formats_quick_prints_the_table() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let out = Command::new(env!("CARGO_BIN_EXE_ibid-bench"))
-        .args(["formats", "--quick", "--dir"])
-        .arg(dir.path())
-        .output()
-        .expect("run ibid-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "ibid-bench failed:\n{stdout}\n{stderr}"
-    );
+    let stdout = run_bench(&["formats", "--quick"]);
     let mut rows = 0;
     for f in ["thin", "lazyzeroedthick", "eagerzeroedthick"] {
         for size in ["1 GiB", "1 TiB", "1 PiB"] {

@@ -1,21 +1,12 @@
 //! `ibid-bench engine --quick` runs and prints every row of its tables.
 
-use std::process::Command;
+mod common;
+
+use common::run_bench;
 
 #[test]
 fn engine_quick_prints_the_table() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let out = Command::new(env!("CARGO_BIN_EXE_ibid-bench"))
-        .args(["engine", "--quick", "--dir"])
-        .arg(dir.path())
-        .output()
-        .expect("run ibid-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "ibid-bench failed:\n{stdout}\n{stderr}"
-    );
+    let stdout = run_bench(&["engine", "--quick"]);
     for row in [
         "| test | MB/s | IOPS | p50 µs | p99 µs | CPU cores | MB per CPU-s | goal |",
         "| seq write 1 MiB unique incompressible |",
@@ -56,18 +47,7 @@ fn engine_quick_prints_the_table() {
 /// prints each round's rates and CPU seconds per GiB, and their medians.
 #[test]
 fn offload_memory_quick_prints_cpu_per_gib() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let out = Command::new(env!("CARGO_BIN_EXE_ibid-bench"))
-        .args(["offload", "--memory", "--quick", "--rounds", "1", "--dir"])
-        .arg(dir.path())
-        .output()
-        .expect("run ibid-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "ibid-bench failed:\n{stdout}\n{stderr}"
-    );
+    let stdout = run_bench(&["offload", "--memory", "--quick", "--rounds", "1"]);
     let row = stdout
         .lines()
         .find(|l| l.starts_with("0\t"))

@@ -1,21 +1,12 @@
 //! `ibid-bench sharing --quick` runs and prints every row of its tables.
 
-use std::process::Command;
+mod common;
+
+use common::run_bench;
 
 #[test]
 fn sharing_quick_prints_the_table() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let out = Command::new(env!("CARGO_BIN_EXE_ibid-bench"))
-        .args(["sharing", "--quick", "--dir"])
-        .arg(dir.path())
-        .output()
-        .expect("run ibid-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "ibid-bench failed:\n{stdout}\n{stderr}"
-    );
+    let stdout = run_bench(&["sharing", "--quick"]);
     for row in [
         "| measurement | unit | median (min–max) | goal |",
         "| fill: 64 MiB unique incompressible",
