@@ -122,9 +122,11 @@ impl Pool {
         Self::open_locked(dir, config, lock)
     }
 
-    /// Opens an existing pool. Recovery is bounded: it reads the pool record and the volume
-    /// list, deletes segment files written after the last commit, and rebuilds the dedup
-    /// filter in the background.
+    /// Opens an existing pool. Recovery is bounded by what was written since the last commit
+    /// and by the map's logged changes, not by the pool's size: it reads the pool record, the
+    /// volume list and the map log, replays the journal and commits it, deletes segment files
+    /// written after the last commit, and rebuilds the dedup filter in the background. One
+    /// log line says how long each step took.
     pub fn open(dir: impl AsRef<Path>, config: PoolConfig) -> Result<Pool> {
         let dir = dir.as_ref();
         if !crate::store::exists_on(&*config.disk, dir) {

@@ -49,6 +49,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// What the metadata store says the pool is.
 struct StoredCatalog {
@@ -69,18 +70,24 @@ pub(crate) fn open(
     config: PoolConfig,
     lock: Box<dyn Any + Send + Sync>,
 ) -> Result<Arc<Inner>> {
+    let mut steps = Steps::new();
     make_room(&*config.disk, dir)?;
     let fs_space = FsSpace::new(config.disk.clone(), dir)?;
     let db = Store::open_on(&*config.disk, dir)?;
+    steps.done("store");
     let mut catalog = read_catalog(&db)?;
     if upgrade_format(&db, &mut catalog.record, dir)? {
         let txn = db.read()?;
         catalog.dedup_runs = Runs::load(&txn)?;
         catalog.ref_log = RefLog::load(&txn)?;
     }
+    steps.done("catalog");
     let journaled = read_journal(&*config.disk, dir, &mut catalog)?;
+    let journaled_len = journaled.len();
+    steps.done("journal read");
     let segments = open_chunk_store(&config, dir, &catalog, &journaled)?;
     let journal = Journal::open(&*config.disk, dir, config.direct_io)?;
+    steps.done("segments");
     let zeroing = std::mem::take(&mut catalog.zeroing);
     let committed = catalog.record.commits;
     let inner = assemble(dir, config, lock, db, fs_space, segments, journal, catalog);
@@ -91,9 +98,54 @@ pub(crate) fn open(
             zeroing
         )
     });
+    steps.done("assemble");
     resume_zeroing(&inner, zeroing);
-    replay_journal(&inner, journaled, dir)?;
+    replay_journal(&inner, journaled, dir, &mut steps)?;
+    tracing::info!(
+        "pool {}: opened in {:.3} s ({journaled_len} journaled changes): {steps}",
+        dir.display(),
+        steps.total().as_secs_f64(),
+    );
     Ok(inner)
+}
+
+/// How long each step of an open took, for the line that says where a recovery's time went.
+struct Steps {
+    started: Instant,
+    last: Instant,
+    took: Vec<(&'static str, Duration)>,
+}
+
+impl Steps {
+    fn new() -> Steps {
+        let now = Instant::now();
+        Steps {
+            started: now,
+            last: now,
+            took: Vec::new(),
+        }
+    }
+
+    /// Ends step `name` (it began where the last one ended).
+    fn done(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.took.push((name, now - self.last));
+        self.last = now;
+    }
+
+    fn total(&self) -> Duration {
+        self.last - self.started
+    }
+}
+
+impl std::fmt::Display for Steps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (name, took)) in self.took.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{name} {:.3} s", took.as_secs_f64())?;
+        }
+        Ok(())
+    }
 }
 
 /// Step 1: releases the reserve file if the filesystem has less than its size available.
@@ -404,17 +456,27 @@ fn resume_zeroing(inner: &Inner, zeroing: BTreeMap<u64, Vec<(u64, u64)>>) {
     }
 }
 
-/// Step 7b: replays the journaled changes and commits them.
-fn replay_journal(inner: &Inner, journaled: Vec<(u64, Change)>, dir: &Path) -> Result<()> {
+/// Step 7b: replays the journaled changes and commits them (each timed in `steps`).
+fn replay_journal(
+    inner: &Inner,
+    journaled: Vec<(u64, Change)>,
+    dir: &Path,
+    steps: &mut Steps,
+) -> Result<()> {
     if journaled.is_empty() {
         return Ok(());
     }
     let replayed = journaled.len();
-    if let Err(e) = inner.replay(journaled).and_then(|()| inner.commit()) {
+    let replay = inner.replay(journaled).and_then(|()| {
+        steps.done("replay");
+        inner.commit()
+    });
+    if let Err(e) = replay {
         // Fail the pool so that dropping it does not commit a partial replay.
         inner.fail(&e);
         return Err(e);
     }
+    steps.done("commit");
     tracing::info!(
         "pool {}: replayed {replayed} journaled changes",
         dir.display()

@@ -323,6 +323,7 @@ pub struct Deferred {
 impl Deferred {
     /// Loads the pending changes and the log's bookkeeping from `snap`'s log rows.
     pub fn load(snap: &dyn Snapshot) -> Result<Deferred> {
+        let started = std::time::Instant::now();
         let mut log = LogState::default();
         let mut pending = Pending::default();
         // Rows in key order: each slice's in sequence order, so a later change stacks higher.
@@ -345,7 +346,9 @@ impl Deferred {
             }
         }
         bases.sort_unstable();
+        let read_at = std::time::Instant::now();
         let bases = read_bases(snap, &bases)?;
+        let bases_took = read_at.elapsed();
         for (row, v) in &rows {
             let row = *row;
             let slice = (row >> SEQ_BITS) as usize;
@@ -369,6 +372,17 @@ impl Deferred {
             pending.push(slice, changes);
             log.rows[slice].push(row);
             log.next_seq = log.next_seq.max((row & ((1 << SEQ_BITS) - 1)) + 1);
+        }
+        if !rows.is_empty() {
+            tracing::info!(
+                "map log: {} rows, {} changes pending, {} base pages read in {:.3} s; \
+                 loaded in {:.3} s",
+                rows.len(),
+                pending.len(),
+                bases.len(),
+                bases_took.as_secs_f64(),
+                started.elapsed().as_secs_f64()
+            );
         }
         Ok(Deferred {
             published: RwLock::new(Arc::new(pending)),

@@ -500,6 +500,7 @@ impl Store {
     pub fn open_on(disk: &dyn Disk, dir: &Path) -> Result<Store> {
         let kind = Backend::detect(disk, dir)
             .ok_or_else(|| Error::NotFound(format!("metadata store in {}", dir.display())))?;
+        let started = std::time::Instant::now();
         let backend: Box<dyn MetaStore> = match kind {
             Backend::Redb => Box::new(redb::RedbStore::open(disk, dir)?),
             Backend::Fjall => {
@@ -507,6 +508,10 @@ impl Store {
                 Box::new(fjall::FjallStore::open(dir)?)
             }
         };
+        tracing::debug!(
+            "metadata store {kind:?} opened in {:.3} s",
+            started.elapsed().as_secs_f64()
+        );
         Store::new(backend, kind)
     }
 
