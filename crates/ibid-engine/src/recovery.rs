@@ -100,7 +100,7 @@ pub(crate) fn open(
     });
     steps.done("assemble");
     resume_zeroing(&inner, zeroing);
-    replay_journal(&inner, journaled, dir, &mut steps)?;
+    replay_journal(&inner, journaled, &mut steps)?;
     tracing::info!(
         "pool {}: opened in {:.3} s ({journaled_len} journaled changes): {steps}",
         dir.display(),
@@ -457,16 +457,10 @@ fn resume_zeroing(inner: &Inner, zeroing: BTreeMap<u64, Vec<(u64, u64)>>) {
 }
 
 /// Step 7b: replays the journaled changes and commits them (each timed in `steps`).
-fn replay_journal(
-    inner: &Inner,
-    journaled: Vec<(u64, Change)>,
-    dir: &Path,
-    steps: &mut Steps,
-) -> Result<()> {
+fn replay_journal(inner: &Inner, journaled: Vec<(u64, Change)>, steps: &mut Steps) -> Result<()> {
     if journaled.is_empty() {
         return Ok(());
     }
-    let replayed = journaled.len();
     let replay = inner.replay(journaled).and_then(|()| {
         steps.done("replay");
         inner.commit()
@@ -477,10 +471,6 @@ fn replay_journal(
         return Err(e);
     }
     steps.done("commit");
-    tracing::info!(
-        "pool {}: replayed {replayed} journaled changes",
-        dir.display()
-    );
     Ok(())
 }
 

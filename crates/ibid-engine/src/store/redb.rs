@@ -9,8 +9,8 @@
 //! atomic and survives a crash once [`super::MetaStore::write`] returns. Each batch also saves
 //! redb's allocator state and commits in two phases (redb's *quick repair*), so that opening the
 //! file after a crash reads that state instead of walking every page of the file to rebuild it
-//! (a full repair: 1.3–1.4 s for a 1.1 GB file with a warm page cache, and growing with the
-//! store; with quick repair 1 ms). What it costs a batch did not show beyond the noise of
+//! (a full repair: 1.3–2.0 s for a 1.1 GB file, and growing with the store; with quick
+//! repair 1–2 ms). What it costs a batch did not show beyond the noise of
 //! docs/BENCHMARKS.md, "Recovery after a crash, step by step".
 //!
 //! Snapshots: the store keeps one read transaction on the last committed state and hands it
@@ -311,12 +311,11 @@ fn database(
     let flag = repairing.clone();
     let started = std::time::Instant::now();
     let db = ::redb::Builder::new()
-        .set_repair_callback(move |session| {
+        .set_repair_callback(move |_| {
             if !flag.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
-                    "{FILE}: not closed cleanly, and its last commit saved no allocator state: \
-                     redb repairs it by reading the whole file ({:.0} % done)",
-                    session.progress() * 100.0
+                    "{FILE}: not closed cleanly, and its last commit saved no allocator state \
+                     (an older build wrote it): redb repairs it by reading the whole file"
                 );
             }
         })
