@@ -709,12 +709,18 @@ mod tests {
         Bytes::from(b)
     }
 
+    /// A new redb store in a temporary directory (which goes when the first is dropped).
+    fn redb_store() -> Result<(tempfile::TempDir, Store)> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        Ok((dir, store))
+    }
+
     /// The bases read by scans are the B-tree's values, present or absent, whether the keys
     /// lie close together, far apart, before or past every row.
     #[test]
     fn bases_are_read_by_scans_as_by_point_reads() -> Result<()> {
-        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
-        let store = Store::create(dir.path(), Backend::Redb)?;
+        let (_dir, store) = redb_store()?;
         let mut txn = store.write()?;
         txn.write_through();
         for n in (0..2000).filter(|n| n % 3 != 0) {
@@ -908,8 +914,7 @@ mod tests {
     /// is pending, and is deferred like any other once something is.
     #[test]
     fn written_through_changes_skip_the_log_only_while_nothing_is_pending() -> Result<()> {
-        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
-        let store = Store::create(dir.path(), Backend::Redb)?;
+        let (_dir, store) = redb_store()?;
         let mut txn = store.write()?;
         txn.write_through();
         txn.insert(meta::MAP_PAGES, &key(1), b"one".as_slice());
@@ -946,8 +951,7 @@ mod tests {
     /// show every group's keys equal, by point reads and by a scan.
     #[test]
     fn readers_see_whole_commits_while_slices_are_written_back() -> Result<()> {
-        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
-        let store = Store::create(dir.path(), Backend::Redb)?;
+        let (_dir, store) = redb_store()?;
         const GROUPS: u64 = 8;
         // Group g's keys: page g·16 + s·256 of layer 1, for s in 0..16: one in each slice.
         let group = |g: u64| -> Vec<[u8; 16]> {
