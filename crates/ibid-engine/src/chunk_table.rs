@@ -251,7 +251,20 @@ impl Pages {
             .map(|(key, (entries, _))| (key, entries))
             .collect();
         changed.sort_unstable_by_key(|&(key, _)| key);
+        let mut stretch = None;
         for (key, entries) in changed {
+            // Each stretch of pages changed is offered for packing: a fold rewrites most pages
+            // of its stretches, whose rows shrank as their chunks died.
+            let s = key / crate::ref_log::SPAN_PAGES;
+            if stretch != Some(s) {
+                stretch = Some(s);
+                let lo = s * crate::ref_log::SPAN_PAGES;
+                txn.pack(
+                    meta::CHUNK_PAGES,
+                    &lo,
+                    &(lo + crate::ref_log::SPAN_PAGES - 1),
+                );
+            }
             if entries.is_empty() {
                 txn.remove(meta::CHUNK_PAGES, &key);
             } else {

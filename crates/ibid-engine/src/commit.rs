@@ -143,11 +143,13 @@ impl Inner {
         self.check_failed()?;
         // The cleaner's passes since the last commit (their copies are durable already).
         let moves0 = std::time::Instant::now();
+        let written0 = self.db.bytes_written();
         if let Err(e) = self.apply_relocations() {
             self.fail(&e);
             return Err(e);
         }
         let moves = moves0.elapsed();
+        let written1 = self.db.bytes_written();
         let batch = self.cut(cs);
         // Orphans are re-checked by every applied batch; an otherwise empty one runs for them.
         let orphans = self.batches.take_orphans();
@@ -220,10 +222,11 @@ impl Inner {
         if let Some(pacer) = &self.pacer {
             pacer.note_commit(entries as u64, t0.elapsed());
         }
+        let written2 = self.db.bytes_written();
         tracing::debug!(
             "commit {}: {} map entries, {} new chunks, {} chunks freed, {:.1} ms \
-             ({:.1} ms of it waiting for the segments' sync), after {:.1} ms applying the \
-             cleaner's moves; {} map changes pending",
+             ({:.1} ms of it waiting for the segments' sync), {} KiB to the store; after \
+             {:.1} ms and {} KiB applying the cleaner's moves; {} map changes pending",
             batch.no,
             entries,
             batch
@@ -234,7 +237,9 @@ impl Inner {
             applied.died.len(),
             t0.elapsed().as_secs_f64() * 1e3,
             waited.as_secs_f64() * 1e3,
+            (written2 - written1) >> 10,
             moves.as_secs_f64() * 1e3,
+            (written1 - written0) >> 10,
             self.db.pending_map_changes()
         );
         for seg in applied.dead_segments {

@@ -454,7 +454,17 @@ impl Deferred {
         for s in (0..SLICES).filter(|&s| back[s]) {
             let table = &mut batch.tables[DEFERRED.index()];
             let layers = pending.slices[s].iter().map(|l| &l.changes[..]);
+            let mut stretch: Option<Vec<u8>> = None;
             for (k, v) in newest_per_key(layers) {
+                // Each stretch written back is offered for packing (see `WriteTxn::pack`).
+                let head = &k[..k.len().saturating_sub(1)];
+                if stretch.as_deref() != Some(head) {
+                    let (mut lo, mut hi) = (head.to_vec(), head.to_vec());
+                    lo.push(0);
+                    hi.push(u8::MAX);
+                    table.pack(lo, hi);
+                    stretch = Some(head.to_vec());
+                }
                 table.set(k.to_vec(), v.as_deref().map(<[u8]>::to_vec));
             }
             let rows = &mut batch.tables[LOG.index()];

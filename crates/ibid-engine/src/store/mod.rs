@@ -151,6 +151,8 @@ pub struct TableOps {
     log: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     /// Key → position in `log` of its latest change, covering the first `.1` changes.
     index: RefCell<(FxHashMap<Vec<u8>, usize>, usize)>,
+    /// Key ranges (inclusive) to write packed ([`WriteTxn::pack`]), in arrival order.
+    packs: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 impl TableOps {
@@ -178,6 +180,31 @@ impl TableOps {
         self.log.is_empty()
     }
 
+    /// Asks for the rows of `lo..=hi` to be written packed (see [`WriteTxn::pack`]).
+    pub fn pack(&mut self, lo: Vec<u8>, hi: Vec<u8>) {
+        if lo <= hi {
+            self.packs.push((lo, hi));
+        }
+    }
+
+    /// The ranges to write packed, in key order, overlapping ones joined.
+    pub fn packs(&self) -> Vec<(&[u8], &[u8])> {
+        let mut v: Vec<(&[u8], &[u8])> = self
+            .packs
+            .iter()
+            .map(|(lo, hi)| (lo.as_slice(), hi.as_slice()))
+            .collect();
+        v.sort_unstable();
+        let mut out: Vec<(&[u8], &[u8])> = Vec::with_capacity(v.len());
+        for (lo, hi) in v {
+            match out.last_mut() {
+                Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
+                _ => out.push((lo, hi)),
+            }
+        }
+        out
+    }
+
     /// Forgets every change, keeping the memory for the next batch unless it holds room for
     /// more than [`TableOps::RETAINED_MAX`] changes (a rare huge batch, such as the deletion
     /// of a large layer, gives its memory back).
@@ -194,6 +221,7 @@ impl TableOps {
             index.0.clear();
         }
         index.1 = 0;
+        self.packs.clear();
     }
 
     /// Most changes a table's emptied batch keeps room for (a commit under a sequential write
@@ -256,6 +284,11 @@ pub trait MetaStore: Send + Sync {
     fn write(&self, batch: &Batch, ready: &mut dyn FnMut() -> Result<()>) -> Result<()>;
     /// Bytes the store occupies on disk (allocated, not apparent: sparse parts are free).
     fn disk_bytes(&self) -> u64;
+    /// Bytes written to its files since it was opened, where the backend counts them (0 where
+    /// it does not).
+    fn bytes_written(&self) -> u64 {
+        0
+    }
 }
 
 /// A consistent read view.
@@ -571,6 +604,12 @@ impl Store {
         self.backend.disk_bytes()
     }
 
+    /// Bytes written to the store's files since it was opened (0 where the backend does not
+    /// count them: fjall).
+    pub fn bytes_written(&self) -> u64 {
+        self.backend.bytes_written()
+    }
+
     /// Writes every pending map change back to the map's table (one transaction; nothing
     /// if none is pending).
     pub fn write_back_all(&self) -> Result<()> {
@@ -835,6 +874,21 @@ impl WriteTxn<'_> {
         let key = key.encode();
         self.forget_delta(def.table, &key);
         self.batch.tables[def.table.index()].set(key, None);
+    }
+
+    /// Asks the backend to write the rows of `lo..=hi` packed when it applies this batch: a
+    /// hint, not a change (what the table holds afterwards is the same). redb leaves a leaf
+    /// as sparse as the values replaced in it left it — a value that shrinks never merges its
+    /// leaf with a neighbour, only a deletion can — so a table whose rows shrink as they are
+    /// rewritten (the chunk table's pages, as their chunks die) kept about a third of its
+    /// leaves' bytes in use, and every commit that rewrote a stretch of it wrote three times
+    /// the pages it needed. Where this batch changes about every leaf of the range anyway,
+    /// the backend rewrites all of its rows, so they are laid out in full leaves again; where
+    /// it changes few, or a minority of its rows, it applies them as usual. Ask for ranges the
+    /// batch may rewrite densely: a stretch of the chunk table (a fold's), a stretch of the
+    /// map written back.
+    pub fn pack<K: Codec + ?Sized, V: Codec + ?Sized>(&mut self, def: Def<K, V>, lo: &K, hi: &K) {
+        self.batch.tables[def.table.index()].pack(lo.encode(), hi.encode());
     }
 
     /// Sets `key` of the deferred table ([`deferred::DEFERRED`], the map's pages) to `value`

@@ -30,7 +30,7 @@ use parking_lot::RwLock;
 use std::any::Any;
 use std::ops::Bound;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// The store's file in the pool directory.
@@ -269,44 +269,57 @@ pub struct RedbStore {
     file: Arc<dyn DiskFile>,
     /// Whether this open had to run redb's full repair.
     repaired: bool,
+    /// Bytes redb has written to the file since it was opened.
+    written: Arc<AtomicU64>,
 }
 
 /// redb's storage on a file of the [`Disk`] seam: every byte the store reads or writes goes
 /// through it.
 #[derive(Debug)]
-struct DiskBackend(Arc<dyn DiskFile>);
+struct DiskBackend {
+    file: Arc<dyn DiskFile>,
+    /// Bytes written so far.
+    written: Arc<AtomicU64>,
+}
 
 impl ::redb::StorageBackend for DiskBackend {
     fn len(&self) -> std::io::Result<u64> {
-        self.0.len()
+        self.file.len()
     }
 
     fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        self.0.read_exact_at(out, offset)
+        self.file.read_exact_at(out, offset)
     }
 
     fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.0.set_len(len)
+        self.file.set_len(len)
     }
 
     fn sync_data(&self) -> std::io::Result<()> {
-        self.0.sync_data()
+        self.file.sync_data()
     }
 
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.0.write_all_at(data, offset)
+        self.written.fetch_add(data.len() as u64, Ordering::Relaxed);
+        self.file.write_all_at(data, offset)
     }
 }
 
-/// Opens `dir`'s database file on `disk` as a redb database (`mode`: create it or not); the
-/// flag says whether redb had to repair it by walking the whole file (see the module doc).
-fn database(
-    disk: &dyn Disk,
-    dir: &Path,
-    mode: OpenMode,
-) -> Result<(Database, Arc<dyn DiskFile>, bool)> {
+/// A database file opened by [`database`].
+struct Opened {
+    db: Database,
+    file: Arc<dyn DiskFile>,
+    /// Bytes redb writes to it, counted.
+    written: Arc<AtomicU64>,
+    /// Whether redb had to repair it by walking the whole file (see the module doc).
+    repaired: bool,
+}
+
+/// Opens `dir`'s database file on `disk` as a redb database (`mode`: create it or not).
+fn database(disk: &dyn Disk, dir: &Path, mode: OpenMode) -> Result<Opened> {
     let path = dir.join(FILE);
     let file = (disk.open(&path, mode)).map_err(|e| Error::io("open metadata store", e))?;
+    let written = Arc::new(AtomicU64::new(0));
     let repairing = Arc::new(AtomicBool::new(false));
     let flag = repairing.clone();
     let started = std::time::Instant::now();
@@ -319,7 +332,10 @@ fn database(
                 );
             }
         })
-        .create_with_backend(DiskBackend(file.clone()))?;
+        .create_with_backend(DiskBackend {
+            file: file.clone(),
+            written: written.clone(),
+        })?;
     let repaired = repairing.load(Ordering::Relaxed);
     if repaired {
         tracing::info!(
@@ -327,39 +343,45 @@ fn database(
             started.elapsed().as_secs_f64()
         );
     }
-    Ok((db, file, repaired))
+    Ok(Opened {
+        db,
+        file,
+        written,
+        repaired,
+    })
 }
 
 impl RedbStore {
     /// Creates the database in `dir` on `disk` with every table, empty.
     pub fn create(disk: &dyn Disk, dir: &Path) -> Result<RedbStore> {
-        let (db, file, _) = database(disk, dir, OpenMode::CreateNew)?;
-        let txn = db.begin_write()?;
+        let opened = database(disk, dir, OpenMode::CreateNew)?;
+        let txn = opened.db.begin_write()?;
         for t in Table::ALL {
             dispatch!(t, create_table, &txn)?;
         }
         txn.commit()?;
-        RedbStore::new(db, file, false)
+        RedbStore::new(opened)
     }
 
     /// Opens the database in `dir` on `disk` (redb repairs it first if it was not closed
     /// cleanly), and moves the tables of an older layout to the current one.
     pub fn open(disk: &dyn Disk, dir: &Path) -> Result<RedbStore> {
-        let (db, file, repaired) = database(disk, dir, OpenMode::Existing)?;
-        migrate_array_keys(&db, MAP_ARRAY_KEYS, MAP)?;
-        migrate_index(&db, FPS_ARRAY_KEYS)?;
-        migrate_index(&db, FPS_BYTE_KEYS)?;
-        create_missing_tables(&db)?;
-        RedbStore::new(db, file, repaired)
+        let opened = database(disk, dir, OpenMode::Existing)?;
+        migrate_array_keys(&opened.db, MAP_ARRAY_KEYS, MAP)?;
+        migrate_index(&opened.db, FPS_ARRAY_KEYS)?;
+        migrate_index(&opened.db, FPS_BYTE_KEYS)?;
+        create_missing_tables(&opened.db)?;
+        RedbStore::new(opened)
     }
 
-    fn new(db: Database, file: Arc<dyn DiskFile>, repaired: bool) -> Result<RedbStore> {
-        let current = RwLock::new(Arc::new(RedbSnapshot::begin(&db)?));
+    fn new(opened: Opened) -> Result<RedbStore> {
+        let current = RwLock::new(Arc::new(RedbSnapshot::begin(&opened.db)?));
         Ok(RedbStore {
             current,
-            db,
-            file,
-            repaired,
+            db: opened.db,
+            file: opened.file,
+            repaired: opened.repaired,
+            written: opened.written,
         })
     }
 
@@ -493,7 +515,14 @@ impl MetaStore for RedbStore {
         // 0.55 GiB of a full 10 GiB pool's ~1.4 GiB of garbage room).
         self.file.allocated().unwrap_or(0)
     }
+
+    fn bytes_written(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
+    }
 }
+
+/// A batch's changes in key order: `(key, Some(value))` sets, `(key, None)` deletes.
+type Changes<'a> = [(&'a [u8], Option<&'a [u8]>)];
 
 fn apply_ops<K: Key + Conv, V: Conv>(
     def: TableDefinition<K, V>,
@@ -501,7 +530,25 @@ fn apply_ops<K: Key + Conv, V: Conv>(
     ops: &TableOps,
 ) -> Result<()> {
     let mut table = txn.open_table(def)?;
-    for (k, v) in ops.sorted() {
+    let sorted = ops.sorted();
+    let mut rest = &sorted[..];
+    for (lo, hi) in ops.packs() {
+        let before = rest.partition_point(|(k, _)| *k < lo);
+        apply_each(&mut table, &rest[..before])?;
+        rest = &rest[before..];
+        let within = rest.partition_point(|(k, _)| *k <= hi);
+        apply_packed(&mut table, lo, hi, &rest[..within])?;
+        rest = &rest[within..];
+    }
+    apply_each(&mut table, rest)
+}
+
+/// Applies `changes` one by one.
+fn apply_each<K: Key + Conv, V: Conv>(
+    table: &mut ::redb::Table<K, V>,
+    changes: &Changes,
+) -> Result<()> {
+    for &(k, v) in changes {
         let key = K::decode_seam(k)?;
         match v {
             Some(v) => {
@@ -514,6 +561,114 @@ fn apply_ops<K: Key + Conv, V: Conv>(
     }
     Ok(())
 }
+
+/// Applies `changes`, all within `lo..=hi`, rewriting every row of the range packed when they
+/// touch about every leaf of it ([`crate::store::WriteTxn::pack`]): the range's rows are
+/// removed through a cursor and the merged stream inserted back in key order, which redb lays
+/// out in full leaves (a leaf run rebuilt at once) instead of the leaves the rows were in. The
+/// rows go [`PACK_ROWS`] at a time, so a large range is never held in memory whole.
+fn apply_packed<K: Key + Conv, V: Conv>(
+    table: &mut ::redb::Table<K, V>,
+    lo: &[u8],
+    hi: &[u8],
+    changes: &Changes,
+) -> Result<()> {
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let (lo_key, hi_key) = (K::decode_seam(lo)?, K::decode_seam(hi)?);
+    let (mut rows, mut bytes) = (0usize, 0usize);
+    for item in
+        table.range::<K::SelfType<'_>>((Bound::Included(lo_key), Bound::Included(hi_key)))?
+    {
+        let (k, v) = item?;
+        rows += 1;
+        bytes += K::as_bytes(&k.value()).as_ref().len() + V::as_bytes(&v.value()).as_ref().len();
+    }
+    // Fewer changes than the leaves the range would fill leave some of them untouched, which
+    // a rewrite of every row would copy for nothing; and each row rewritten costs about what a
+    // change applied alone does (redb's cursor deletes one entry at a time), so a range whose
+    // rows mostly stay as they are (a slice of the dedup index merged: a few new keys per
+    // leaf) is cheaper applied change by change.
+    if changes.len() < bytes / PACKED_LEAF_BYTES || changes.len() * 2 < rows {
+        return apply_each(table, changes);
+    }
+    let mut cursor = table.lower_bound_mut(Bound::Included(K::decode_seam(lo)?))?;
+    // The rows taken out, one batch at a time: keys and values end to end, and where each ends.
+    let mut taken: Vec<u8> = Vec::new();
+    let mut ends: Vec<(usize, usize)> = Vec::new();
+    let mut next = 0;
+    let mut left = rows;
+    while left > 0 || next < changes.len() {
+        let n = left.min(PACK_ROWS);
+        left -= n;
+        taken.clear();
+        ends.clear();
+        for _ in 0..n {
+            let Some((k, v)) = cursor.remove_next()? else {
+                break;
+            };
+            K::with_seam_bytes(&k.value(), |k| taken.extend_from_slice(k));
+            let key_end = taken.len();
+            V::with_seam_bytes(&v.value(), |v| taken.extend_from_slice(v));
+            ends.push((key_end, taken.len()));
+        }
+        if ends.len() < n {
+            left = 0;
+        }
+        // This batch's rows merged with the changes up to its last row (all that are left,
+        // after the last batch).
+        let mut at = 0;
+        let mut old = ends.iter().map(|&(key_end, end)| {
+            let start = std::mem::replace(&mut at, end);
+            (&taken[start..key_end], &taken[key_end..end])
+        });
+        let upto = ends.last().filter(|_| left > 0).map(|&(key_end, _)| {
+            let start = ends.len().checked_sub(2).map_or(0, |i| ends[i].1);
+            &taken[start..key_end]
+        });
+        if upto.is_some_and(|k| k > hi) {
+            return Err(Error::Corrupt(format!(
+                "metadata: a packed rewrite of {rows} rows went past its range"
+            )));
+        }
+        let mut row = old.next();
+        loop {
+            let change = changes
+                .get(next)
+                .filter(|(k, _)| upto.is_none_or(|upto| *k <= upto));
+            match (row, change) {
+                (None, None) => break,
+                (Some((k, v)), None) => {
+                    cursor.insert_before(K::decode_seam(k)?, V::decode_seam(v)?)?;
+                    row = old.next();
+                }
+                (Some((k, v)), Some((ck, _))) if k < *ck => {
+                    cursor.insert_before(K::decode_seam(k)?, V::decode_seam(v)?)?;
+                    row = old.next();
+                }
+                (_, Some(&(ck, cv))) => {
+                    if row.is_some_and(|(k, _)| k == ck) {
+                        row = old.next();
+                    }
+                    if let Some(cv) = cv {
+                        cursor.insert_before(K::decode_seam(ck)?, V::decode_seam(cv)?)?;
+                    }
+                    next += 1;
+                }
+            }
+        }
+    }
+    cursor.close()?;
+    Ok(())
+}
+
+/// Rows a packed rewrite takes out of the table at a time (few in unit tests, so that their
+/// ranges take several).
+const PACK_ROWS: usize = if cfg!(test) { 48 } else { 16 << 10 };
+
+/// Bytes of rows a packed leaf holds, about (redb's pages are 4 KiB, less their headers).
+const PACKED_LEAF_BYTES: usize = 3 << 10;
 
 struct RedbSnapshot {
     /// Tables opened so far, by [`Table::index`] (each a `ReadOnlyTable<K, V>`): opening a
@@ -621,7 +776,7 @@ mod tests {
     use crate::disk::SimDisk;
     use crate::format;
     use crate::meta;
-    use crate::store::Store;
+    use crate::store::{Backend, Store};
 
     /// A batch that sets `key` of the pool table to `value`.
     fn pool_row(key: &str, value: &[u8]) -> Batch {
@@ -775,6 +930,108 @@ mod tests {
         let names: Vec<String> = txn.list_tables()?.map(|t| t.name().to_string()).collect();
         assert!(names.iter().all(|n| n != "map" && n != "fps"), "{names:?}");
         assert!(names.iter().any(|n| n == "map.bytes"), "{names:?}");
+        Ok(())
+    }
+
+    /// Rounds of changes over rows that shrink (as the chunk table's pages do as their chunks
+    /// die), applied with packed ranges asked for and without: both tables hold what a model
+    /// says after every round (the packed rewrites taking their ranges several batches of
+    /// rows at a time, and scattered changes in ranges they barely touch applied as plain
+    /// ones), and the packed table its rows in far fewer leaves.
+    #[test]
+    fn packed_ranges_hold_the_same_rows_in_fuller_leaves() -> Result<()> {
+        let dirs = [tempfile::tempdir(), tempfile::tempdir()]
+            .map(|d| d.map_err(|e| Error::io("tempdir", e)));
+        let [plain_dir, packed_dir] = dirs;
+        let (plain_dir, packed_dir) = (plain_dir?, packed_dir?);
+        let span = 256u64;
+        let pages = 16 * span;
+        let mut model: std::collections::BTreeMap<u64, Vec<u8>> = Default::default();
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        {
+            let stores = [
+                Store::create(plain_dir.path(), Backend::Redb)?,
+                Store::create(packed_dir.path(), Backend::Redb)?,
+            ];
+            // Full pages of 16 entries (1,152 bytes), in commits of 1,024.
+            for c in 0..pages / 1024 {
+                for store in &stores {
+                    let mut txn = store.write()?;
+                    for k in c * 1024..(c + 1) * 1024 {
+                        txn.insert(meta::CHUNK_PAGES, &k, vec![k as u8; 1152].as_slice());
+                    }
+                    txn.commit()?;
+                }
+            }
+            for k in 0..pages {
+                model.insert(k, vec![k as u8; 1152]);
+            }
+            for round in 0..48u64 {
+                // Every page of one stretch in 16 shrinks (or goes), and a few pages elsewhere.
+                let stretch = round % 16;
+                let mut changes: Vec<(u64, Option<Vec<u8>>)> = Vec::new();
+                for k in stretch * span..(stretch + 1) * span {
+                    let Some(v) = model.get(&k) else { continue };
+                    let kept = (v.len() / 72).saturating_sub(1 + (next() % 4) as usize);
+                    changes.push((k, (kept > 0).then(|| vec![round as u8; kept * 72])));
+                }
+                for _ in 0..3 {
+                    let k = next() % pages;
+                    changes.push((k, Some(vec![7; 72 * (1 + (next() % 16) as usize)])));
+                }
+                for (k, v) in &changes {
+                    match v {
+                        Some(v) => model.insert(*k, v.clone()),
+                        None => model.remove(k),
+                    };
+                }
+                for (packed, store) in stores.iter().enumerate() {
+                    let mut txn = store.write()?;
+                    for (k, v) in &changes {
+                        if packed == 1 {
+                            let lo = k / span * span;
+                            txn.pack(meta::CHUNK_PAGES, &lo, &(lo + span - 1));
+                        }
+                        match v {
+                            Some(v) => txn.insert(meta::CHUNK_PAGES, k, v.as_slice()),
+                            None => txn.remove(meta::CHUNK_PAGES, k),
+                        }
+                    }
+                    txn.commit()?;
+                    let rows: Vec<(u64, Vec<u8>)> = store
+                        .read()?
+                        .iter(meta::CHUNK_PAGES)?
+                        .collect::<Result<_>>()?;
+                    let expect: Vec<(u64, Vec<u8>)> =
+                        model.iter().map(|(k, v)| (*k, v.clone())).collect();
+                    assert!(
+                        rows == expect,
+                        "round {round}, packed {packed}: rows differ"
+                    );
+                }
+            }
+        }
+        let leaves = |dir: &Path| -> Result<u64> {
+            let space = file_space(&dir.join("meta.redb"))?;
+            Ok(space
+                .tables
+                .iter()
+                .find(|t| t.name == "chunk.pages")
+                .map_or(0, |t| t.leaf_pages))
+        };
+        let (plain, packed) = (leaves(plain_dir.path())?, leaves(packed_dir.path())?);
+        let bytes: usize = model.values().map(|v| v.len() + 8).sum();
+        // Packed, a leaf holds over 3 KiB of rows; plain, the shrunk rows stay where they were.
+        assert!(
+            (packed as usize) * 3072 < bytes && plain > packed * 3 / 2,
+            "{packed} leaves packed, {plain} plain, for {bytes} bytes of rows"
+        );
         Ok(())
     }
 }
