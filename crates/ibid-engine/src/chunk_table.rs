@@ -25,6 +25,7 @@
 use crate::error::{Error, Result};
 use crate::format::{ChunkRecord, CHUNK_RECORD_BYTES};
 use crate::meta;
+use crate::ref_log::SPAN_PAGES;
 use crate::shard::SHARD_BITS;
 use crate::store::{ReadTxn, Reader, WriteTxn};
 use rustc_hash::FxHashMap;
@@ -255,15 +256,10 @@ impl Pages {
         for (key, entries) in changed {
             // Each stretch of pages changed is offered for packing: a fold rewrites most pages
             // of its stretches, whose rows shrank as their chunks died.
-            let s = key / crate::ref_log::SPAN_PAGES;
-            if stretch != Some(s) {
-                stretch = Some(s);
-                let lo = s * crate::ref_log::SPAN_PAGES;
-                txn.pack(
-                    meta::CHUNK_PAGES,
-                    &lo,
-                    &(lo + crate::ref_log::SPAN_PAGES - 1),
-                );
+            let lo = key / SPAN_PAGES * SPAN_PAGES;
+            if stretch != Some(lo) {
+                stretch = Some(lo);
+                txn.pack(meta::CHUNK_PAGES, &lo, &(lo + SPAN_PAGES - 1));
             }
             if entries.is_empty() {
                 txn.remove(meta::CHUNK_PAGES, &key);

@@ -576,6 +576,15 @@ fn apply_packed<K: Key + Conv, V: Conv>(
     if changes.is_empty() {
         return Ok(());
     }
+    // Fewer changes than the leaves the range would fill leave some of them untouched, which
+    // a rewrite of every row would copy for nothing; and each row rewritten costs about what a
+    // change applied alone does (redb's cursor deletes one entry at a time), so a range whose
+    // rows mostly stay as they are (a slice of the dedup index merged: a few new keys per
+    // leaf) is cheaper applied change by change. The count stops as soon as either is known
+    // (a range the cleaner's moves touch at a page or two is not read whole).
+    let sparse = |rows: usize, bytes: usize| {
+        changes.len() < bytes / PACKED_LEAF_BYTES || changes.len() * 2 < rows
+    };
     let (lo_key, hi_key) = (K::decode_seam(lo)?, K::decode_seam(hi)?);
     let (mut rows, mut bytes) = (0usize, 0usize);
     for item in
@@ -584,13 +593,11 @@ fn apply_packed<K: Key + Conv, V: Conv>(
         let (k, v) = item?;
         rows += 1;
         bytes += K::as_bytes(&k.value()).as_ref().len() + V::as_bytes(&v.value()).as_ref().len();
+        if sparse(rows, bytes) {
+            break;
+        }
     }
-    // Fewer changes than the leaves the range would fill leave some of them untouched, which
-    // a rewrite of every row would copy for nothing; and each row rewritten costs about what a
-    // change applied alone does (redb's cursor deletes one entry at a time), so a range whose
-    // rows mostly stay as they are (a slice of the dedup index merged: a few new keys per
-    // leaf) is cheaper applied change by change.
-    if changes.len() < bytes / PACKED_LEAF_BYTES || changes.len() * 2 < rows {
+    if sparse(rows, bytes) {
         return apply_each(table, changes);
     }
     let mut cursor = table.lower_bound_mut(Bound::Included(K::decode_seam(lo)?))?;
