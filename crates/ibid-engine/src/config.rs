@@ -66,14 +66,19 @@ pub struct PoolConfig {
     /// New chunks a commit must have for their dedup index keys to be written as one sorted
     /// run rather than into the index's B-tree (see `dedup_index.rs`).
     pub dedup_run_keys_min: usize,
-    /// Runs the dedup index keeps before a commit merges them all into its B-tree (1: every
-    /// run is merged at once, i.e. no runs).
+    /// Most runs the dedup index keeps: a commit that would keep as many merges the slices
+    /// merged longest ago until the oldest runs go (with one slice: merges them all).
     pub dedup_runs_max: usize,
-    /// Slices of the dedup index's key space that commits writing a run merge in turn, one
-    /// each (1: runs are only merged all at once, at `dedup_runs_max`). Each then rewrites a
-    /// slice of the B-tree's leaves rather than one commit in `dedup_runs_max` rewriting them
-    /// all (see `dedup_index.rs`); keep it below `dedup_runs_max`.
+    /// Slices of the dedup index's key space merged into its B-tree separately (1: runs are
+    /// only merged all at once, at `dedup_runs_max`). A commit merges the slices merged
+    /// longest ago while the runs keep more than `dedup_run_keys_target` keys, so each merge
+    /// rewrites a slice of the B-tree's leaves for all the keys the slice gathered (see
+    /// `dedup_index.rs`).
     pub dedup_merge_slices: usize,
+    /// Keys the dedup index's runs keep unmerged (16 bytes of memory each; 1 Mi = 16 MiB):
+    /// the more, the fewer times a B-tree leaf is rewritten per new key. Keep it under half
+    /// of 2 Mi, past which a commit merges every run at once.
+    pub dedup_run_keys_target: usize,
     /// Committed map entries (and windows) of zeroed ranges one commit settles (see
     /// `commit.rs`): a large zeroed range is settled over several commits, so each stays
     /// short and its memory bounded.
@@ -141,8 +146,9 @@ impl Default for PoolConfig {
             direct_io: true,
             dedup_filter_min: 1 << 20,
             dedup_run_keys_min: 4096,
-            dedup_runs_max: 32,
-            dedup_merge_slices: 16,
+            dedup_runs_max: 256,
+            dedup_merge_slices: 64,
+            dedup_run_keys_target: 1 << 20,
             zero_settle_entries_max: 64 << 10,
             flatten_step_entries: 16 << 10,
             disk: crate::disk::fs(),

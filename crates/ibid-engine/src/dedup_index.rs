@@ -10,21 +10,28 @@
 //! the runs are merged into the B-tree in key order, so that a leaf is rewritten once for
 //! several commits' keys. Smaller commits insert their keys into the B-tree directly.
 //!
-//! The merge is **rolling**: the key space is cut into [`RunPolicy::slices`] slices (by the
-//! fingerprint prefix's high bits, [`slice_of`]), and every commit that writes a run also
-//! merges one slice (commit number modulo slices) of every run, of the gone rows and of its
-//! own keys. Each such commit thus rewrites about one slice of the B-tree's leaves, the same
-//! work every time, where merging all runs at once every few commits made every one of those
-//! commits several times longer than the others (seconds on a pool of millions of chunks, felt
-//! by every writer paced behind it). The rows are not rewritten without the slice (that wrote
+//! The merge is **rolling** and **budgeted**: the key space is cut into
+//! [`RunPolicy::slices`] slices (by the fingerprint prefix's high bits, [`slice_of`]), and a
+//! commit that writes a run merges nothing while the runs keep at most
+//! [`RunPolicy::keys_target`] keys; past it, it merges the slices merged longest ago (of every
+//! run, of the gone rows and of its own keys), oldest first, until they keep no more. A leaf is
+//! thus rewritten once for all the keys its slice gathered since its last merge — about
+//! `2 × keys_target / slices` in the steady state, whatever the commits carry — so a key costs
+//! about the B-tree's size over `2 × keys_target` bytes of rewritten leaves. Merging one slice
+//! of 16 every commit (until session 60) rewrote a sixteenth of the tree for each commit's few
+//! keys per leaf: ~9.5 MB a commit, ~390 bytes of `meta.redb` per overwritten block, on a
+//! 16 GiB pool. Merging all runs at once every few commits made every one of those commits
+//! several times longer than the others (seconds on a pool of millions of chunks, felt by
+//! every writer paced behind it). The rows are not rewritten without the slice (that wrote
 //! each key ~8 more times, ~120 bytes of metadata per new block, and was most of the merge's
 //! CPU): the **merge marks** ([`crate::meta::FPS_MERGED_KEY`], one small row) hold, per slice,
 //! the commit that last merged it, and a row's keys of slice `s` are merged once the row is
-//! not newer than that commit. A row is deleted once every slice of it is merged, within
-//! `slices` commits that write runs. Keys sort by slice, so a row's keys of one slice are one
-//! range of it, found by binary search. The commit that would bring the runs to
-//! [`RunPolicy::runs_max`] (or past [`RUN_KEYS_MAX`] keys) still merges them all, as does
-//! every one when `slices` is 1.
+//! not newer than that commit. A row is deleted once every slice of it is merged; a commit
+//! that would keep [`RunPolicy::runs_max`] runs or more than [`GONE_ROWS_MAX`] gone rows
+//! merges the oldest slices until the oldest rows go (a few slices, not everything). Keys sort
+//! by slice, so a row's keys of one slice are one range of it, found by binary search. A
+//! commit past [`RUN_KEYS_MAX`] keys still merges them all, as does the one that would bring
+//! the runs to `runs_max` when `slices` is 1.
 //!
 //! Every key is in exactly one place: the B-tree or one run. A chunk that dies leaves its key
 //! where it is: the commit writes the keys of the chunks that died in it as one **gone row**
@@ -38,9 +45,11 @@
 //! runs when the gone rows pass [`GONE_ROWS_MAX`] or their keys [`RUN_KEYS_MAX`], so that
 //! deaths without new data (overwrites with duplicates, zeroing) are applied too.
 //!
-//! The runs and the gone keys of runs (*dead* keys) are kept in memory ([`Runs`], loaded at
-//! open), so a lookup in them is a binary search per run, with no store read; gone keys of the
-//! B-tree are only counted in memory and read back by the merge. A commit installs its new [`Runs`]
+//! The runs' keys not merged yet, and those of them whose chunks died (*dead* keys), are kept
+//! in memory ([`Runs`], loaded at open) per slice, each as a few sorted layers ([`Layers`]),
+//! so a lookup is a binary search in a few layers of its slice whatever the number of runs,
+//! with no store read; gone keys of the B-tree are only counted in memory and read back by
+//! the merge. A commit installs its new [`Runs`]
 //! after its transaction is durable and before it publishes (empties the `committing`
 //! slots); a lookup, with its fingerprint's shard locked, checks the `committing` slot, then
 //! takes the runs, then its store snapshot. So a key the lookup misses in the slot was
@@ -66,51 +75,21 @@ pub(crate) struct RunPolicy {
     /// A commit with fewer new keys inserts them into the B-tree directly (a run of a few
     /// keys would save nothing and cost a row).
     pub keys_min: usize,
-    /// Most runs kept: the commit that would write one more merges them all instead.
+    /// Most runs kept: a commit that would keep as many merges the oldest slices until the
+    /// oldest runs go (with one slice: merges them all).
     pub runs_max: usize,
-    /// Slices of the key space merged in turn (1: the runs are merged only all at once).
-    /// With more, every commit that writes a run also merges one slice of every run (see
-    /// [`slice_of`]), so a run empties within that many such commits.
+    /// Slices of the key space merged separately (1: the runs are merged only all at once;
+    /// see [`slice_of`]).
     pub slices: usize,
+    /// Keys the runs may keep unmerged after a commit (16 bytes of memory each): past it, a
+    /// commit writing a run merges slices, the oldest merged first, until they keep no more.
+    pub keys_target: usize,
 }
 
 /// The slice of the key space `key` is in, of `slices` (fingerprints are uniform, so each
 /// slice holds an equal share of the keys and of the B-tree's leaves).
 pub(crate) fn slice_of(key: u128, slices: usize) -> usize {
     (((key >> 64) * slices as u128) >> 64) as usize
-}
-
-/// One commit's new index keys, sorted.
-#[derive(Debug)]
-pub(crate) struct Run {
-    /// The commit (batch) number that wrote it: its key in `fps.runs`.
-    pub no: u64,
-    /// The keys, ascending.
-    pub keys: Vec<u128>,
-    /// The lowest and highest chunk id among the keys. A commit's new chunks have ids taken
-    /// between its cut and the one before, so the runs' id ranges barely overlap, and a key
-    /// whose chunk id lies outside a run's range is not searched for in it: a dying chunk's
-    /// key costs one binary search, not one per run (which was half of an overwrite
-    /// commit's CPU, every search a chain of cache misses).
-    ids: (u64, u64),
-}
-
-impl Run {
-    fn new(no: u64, keys: Vec<u128>) -> Run {
-        let ids = keys
-            .iter()
-            .map(|&k| meta::fps_key_chunk(k))
-            .fold((u64::MAX, u64::MIN), |(lo, hi), id| {
-                (lo.min(id), hi.max(id))
-            });
-        Run { no, keys, ids }
-    }
-
-    /// Whether `key` is in this run (merged out or not).
-    fn contains(&self, key: u128) -> bool {
-        let id = meta::fps_key_chunk(key);
-        self.ids.0 <= id && id <= self.ids.1 && self.keys.binary_search(&key).is_ok()
-    }
 }
 
 /// The positions in ascending `keys` of the keys of slice `slice` (of `slices`): one range,
@@ -121,14 +100,158 @@ fn slice_range(keys: &[u128], slice: usize, slices: usize) -> std::ops::Range<us
     start..end
 }
 
+/// The keys of slice `slice` (of `slices`) in packed row `no` (see [`encode`]), found by
+/// binary search in the packed bytes: a merge reads each gone row for a slice or a few, and
+/// unpacking whole rows of tens of thousands of keys for that was most of its time.
+fn slice_of_row(no: u64, v: &[u8], slice: usize, slices: usize) -> Result<Vec<u128>> {
+    if !v.len().is_multiple_of(16) {
+        return Err(Error::Corrupt(format!(
+            "dedup index row {no}: {} bytes, not whole 16-byte keys",
+            v.len()
+        )));
+    }
+    let at = |i: usize| u128::from_be_bytes(v[i * 16..i * 16 + 16].try_into().expect("16 bytes"));
+    let first = |pred: &dyn Fn(u128) -> bool| {
+        let (mut lo, mut hi) = (0, v.len() / 16);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match pred(at(mid)) {
+                true => hi = mid,
+                false => lo = mid + 1,
+            }
+        }
+        lo
+    };
+    let start = first(&|k| slice_of(k, slices) >= slice);
+    let end = first(&|k| slice_of(k, slices) > slice);
+    decode(no, &v[start.min(end) * 16..end * 16])
+}
+
+/// One sorted layer of index keys.
+#[derive(Debug)]
+struct Layer {
+    /// The keys, ascending.
+    keys: Vec<u128>,
+    /// The lowest and highest chunk id among the keys. A commit's new chunks have ids taken
+    /// between its cut and the one before, so layers made of neighbouring commits' keys
+    /// barely overlap in ids, and a key whose chunk id lies outside a layer's range is not
+    /// searched for in it: a dying chunk's key costs about one binary search, not one per
+    /// layer (per run, that was half of an overwrite commit's CPU, every search a chain of
+    /// cache misses).
+    ids: (u64, u64),
+}
+
+impl Layer {
+    fn new(keys: Vec<u128>) -> Layer {
+        let ids = keys
+            .iter()
+            .map(|&k| meta::fps_key_chunk(k))
+            .fold((u64::MAX, u64::MIN), |(lo, hi), id| {
+                (lo.min(id), hi.max(id))
+            });
+        Layer { keys, ids }
+    }
+
+    /// Whether `key` is in this layer.
+    fn contains(&self, key: u128) -> bool {
+        let id = meta::fps_key_chunk(key);
+        self.ids.0 <= id && id <= self.ids.1 && self.keys.binary_search(&key).is_ok()
+    }
+}
+
+/// A set of index keys (no key twice) as sorted layers, oldest first, shared by the [`Runs`]
+/// of consecutive commits. Keys come in a commit's worth at a time; a new layer is merged into
+/// the one below while that one is no larger (a binary counter), so the set holds about log₂
+/// of its commits' layers and a key is copied about as many times.
+#[derive(Debug, Clone, Default)]
+struct Layers(Vec<Arc<Layer>>);
+
+/// Two ascending sequences of distinct keys merged into one.
+fn merge_sorted(a: &[u128], b: &[u128]) -> Vec<u128> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        if a[i] < b[j] {
+            out.push(a[i]);
+            i += 1;
+        } else {
+            out.push(b[j]);
+            j += 1;
+        }
+    }
+    out.extend_from_slice(&a[i..]);
+    out.extend_from_slice(&b[j..]);
+    out
+}
+
+impl Layers {
+    /// Adds `keys` (ascending, none already in the set).
+    fn push(&mut self, keys: Vec<u128>) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut keys = keys;
+        while let Some(top) = self.0.last() {
+            if top.keys.len() > keys.len() {
+                break;
+            }
+            keys = merge_sorted(&top.keys, &keys);
+            self.0.pop();
+        }
+        self.0.push(Arc::new(Layer::new(keys)));
+    }
+
+    fn contains(&self, key: u128) -> bool {
+        self.0.iter().any(|l| l.contains(key))
+    }
+
+    fn len(&self) -> usize {
+        self.0.iter().map(|l| l.keys.len()).sum()
+    }
+
+    /// Every key (ascending within a layer, not across them).
+    fn iter(&self) -> impl Iterator<Item = u128> + '_ {
+        self.0.iter().flat_map(|l| l.keys.iter().copied())
+    }
+
+    /// The keys with fingerprint prefix `prefix`, the newest chunk first within a layer and
+    /// the newest layer first.
+    fn with_prefix(&self, prefix: u64) -> impl Iterator<Item = u128> + '_ {
+        let lo = (prefix as u128) << 64;
+        self.0.iter().rev().flat_map(move |l| {
+            let from = l.keys.partition_point(|&k| k < lo);
+            let to = from + l.keys[from..].partition_point(|&k| meta::fps_key_prefix(k) == prefix);
+            l.keys[from..to].iter().rev().copied()
+        })
+    }
+
+    /// The set cut into `slices` sets by [`slice_of`], each layer cut along.
+    fn split(&self, slices: usize) -> Vec<Layers> {
+        let mut out = vec![Layers::default(); slices];
+        for layer in &self.0 {
+            for (s, part) in out.iter_mut().enumerate() {
+                let range = slice_range(&layer.keys, s, slices);
+                if !range.is_empty() {
+                    part.0
+                        .push(Arc::new(Layer::new(layer.keys[range].to_vec())));
+                }
+            }
+        }
+        out
+    }
+}
+
 /// The index keys not (yet) in the B-tree, and the keys of chunks that died since the last
 /// merge, as committed.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub(crate) struct Runs {
-    /// Oldest first, each with its keys as written (those of merged slices included).
-    runs: Vec<Arc<Run>>,
-    /// Keys of chunks that died while in a run (not merged out yet).
-    dead: FxHashSet<u128>,
+    /// The stored runs' commit numbers, oldest first (each holds keys of a slice not merged).
+    rows: Vec<u64>,
+    /// Per slice (as many as the merge marks; one while there are none), the runs' keys of the
+    /// slice not merged into the B-tree yet, dead ones included.
+    pending: Vec<Layers>,
+    /// Per slice, like `pending`: those of its keys whose chunks died (merged out with it).
+    dead: Vec<Layers>,
     /// The commit numbers of the gone rows, oldest first.
     gone_rows: Vec<u64>,
     /// Gone keys that are in the B-tree (stale there until the next merge removes them).
@@ -138,6 +261,19 @@ pub(crate) struct Runs {
     /// slice at a time since the rows kept were written; otherwise as long as the slice count
     /// that merged them.
     merged: Vec<u64>,
+}
+
+impl Default for Runs {
+    fn default() -> Runs {
+        Runs {
+            rows: Vec::new(),
+            pending: vec![Layers::default()],
+            dead: vec![Layers::default()],
+            gone_rows: Vec::new(),
+            gone_in_tree: 0,
+            merged: Vec::new(),
+        }
+    }
 }
 
 /// The commit that last merged `key`'s slice by `marks` (0 when there are no marks): a row's
@@ -222,14 +358,28 @@ pub(crate) fn upgrade(txn: &mut WriteTxn, no: u64) -> Result<usize> {
 impl Runs {
     /// The runs and gone keys committed in `txn`'s snapshot.
     pub fn load(txn: &ReadTxn) -> Result<Runs> {
-        let mut runs = Runs {
-            merged: Self::load_marks(txn)?,
-            ..Runs::default()
-        };
+        let merged = Self::load_marks(txn)?;
+        let slices = merged.len().max(1);
+        let mut pending: Vec<Vec<u128>> = vec![Vec::new(); slices];
+        let mut rows = Vec::new();
         for item in txn.iter(meta::FPS_RUNS)? {
             let (no, v) = item?;
-            runs.runs.push(Arc::new(Run::new(no, decode(no, &v)?)));
+            let keys = decode(no, &v)?;
+            rows.push(no);
+            for (s, part) in pending.iter_mut().enumerate() {
+                if no > merged.get(s).copied().unwrap_or(0) {
+                    part.extend_from_slice(&keys[slice_range(&keys, s, slices)]);
+                }
+            }
         }
+        let mut runs = Runs {
+            rows,
+            pending: pending.into_iter().map(Self::layers_of).collect(),
+            dead: vec![Layers::default(); slices],
+            merged,
+            ..Runs::default()
+        };
+        let mut dead: Vec<Vec<u128>> = vec![Vec::new(); slices];
         for item in txn.iter(meta::FPS_GONE)? {
             let (no, v) = item?;
             runs.gone_rows.push(no);
@@ -238,13 +388,22 @@ impl Runs {
                     continue;
                 }
                 if runs.contains(k) {
-                    runs.dead.insert(k);
+                    dead[runs.slice(k)].push(k);
                 } else {
                     runs.gone_in_tree += 1;
                 }
             }
         }
+        runs.dead = dead.into_iter().map(Self::layers_of).collect();
         Ok(runs)
+    }
+
+    /// `keys` (distinct, in any order) as one sorted layer.
+    fn layers_of(mut keys: Vec<u128>) -> Layers {
+        keys.sort_unstable();
+        let mut layers = Layers::default();
+        layers.push(keys);
+        layers
     }
 
     /// The merge marks stored in `txn`'s snapshot (empty when there are none).
@@ -272,69 +431,43 @@ impl Runs {
         Ok(out)
     }
 
+    /// The slice `key` is held in (of as many as [`Runs::pending`] has).
+    fn slice(&self, key: u128) -> usize {
+        slice_of(key, self.pending.len())
+    }
+
     /// Whether the keys of `key`'s slice in row `no` (a run or a gone row) are not merged yet.
     fn pending(&self, no: u64, key: u128) -> bool {
         no > mark_of(&self.merged, key)
     }
 
-    /// The runs whose keys of `key`'s slice are not merged yet.
-    fn pending_runs(&self, key: u128) -> impl DoubleEndedIterator<Item = &Arc<Run>> + '_ {
-        let mark = mark_of(&self.merged, key);
-        self.runs.iter().filter(move |r| r.no > mark)
-    }
-
-    /// The chunk ids of live keys with fingerprint prefix `prefix`, newest run first.
+    /// The chunk ids of live keys with fingerprint prefix `prefix`, newest first.
     pub fn candidates(&self, prefix: u64) -> impl Iterator<Item = u64> + '_ {
-        let lo = (prefix as u128) << 64;
-        self.pending_runs(lo).rev().flat_map(move |run| {
-            let from = run.keys.partition_point(|&k| k < lo);
-            run.keys[from..]
-                .iter()
-                .take_while(move |&&k| meta::fps_key_prefix(k) == prefix)
-                .filter(|k| !self.dead.contains(k))
-                .map(|&k| meta::fps_key_chunk(k))
-        })
+        let s = self.slice((prefix as u128) << 64);
+        let dead = &self.dead[s];
+        self.pending[s]
+            .with_prefix(prefix)
+            .filter(move |&k| !dead.contains(k))
+            .map(meta::fps_key_chunk)
     }
 
     /// Whether `key` is in a run, not merged out (dead or not).
     pub fn contains(&self, key: u128) -> bool {
-        self.pending_runs(key).any(|r| r.contains(key))
+        self.pending[self.slice(key)].contains(key)
     }
 
     /// Whether `key` is a live key of a run.
     pub fn holds(&self, key: u128) -> bool {
-        !self.dead.contains(&key) && self.contains(key)
+        let s = self.slice(key);
+        self.pending[s].contains(key) && !self.dead[s].contains(key)
     }
 
-    /// Every live key in the runs (unordered across runs).
+    /// Every live key in the runs (unordered across slices and layers).
     pub fn keys(&self) -> impl Iterator<Item = u128> + '_ {
-        self.runs
+        self.pending
             .iter()
-            .flat_map(|r| self.pending_keys(r))
-            .filter(|k| !self.dead.contains(k))
-    }
-
-    /// The positions in `run.keys` of its keys not merged out yet, ascending.
-    fn pending_ranges<'a>(
-        &'a self,
-        run: &'a Run,
-    ) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
-        // Without marks, one slice holding every key, never merged (commit numbers start at 1).
-        let slices = self.merged.len().max(1);
-        (0..slices)
-            .filter(move |&s| run.no > self.merged.get(s).copied().unwrap_or(0))
-            .map(move |s| slice_range(&run.keys, s, slices))
-    }
-
-    /// The keys of `run` not merged out yet (dead ones included), ascending.
-    fn pending_keys<'a>(&'a self, run: &'a Run) -> impl Iterator<Item = u128> + 'a {
-        self.pending_ranges(run)
-            .flat_map(move |range| run.keys[range].iter().copied())
-    }
-
-    /// How many keys of `run` are not merged out yet.
-    fn pending_len(&self, run: &Run) -> usize {
-        self.pending_ranges(run).map(|r| r.len()).sum()
+            .zip(&self.dead)
+            .flat_map(|(keys, dead)| keys.iter().filter(|&k| !dead.contains(k)))
     }
 
     /// The merge marks (see [`Runs::merged`]'s field doc; empty when there are none).
@@ -344,26 +477,22 @@ impl Runs {
 
     /// Every dead key.
     pub fn dead(&self) -> impl Iterator<Item = u128> + '_ {
-        self.dead.iter().copied()
+        self.dead.iter().flat_map(|d| d.iter())
     }
 
     /// Number of runs.
     pub fn len(&self) -> usize {
-        self.runs.len()
+        self.rows.len()
     }
 
-    /// The runs' commit numbers and counts of keys not merged out, the number of dead keys,
-    /// the gone rows and the number of gone keys of the B-tree (to compare two views of the
-    /// runs).
-    pub fn summary(&self) -> (Vec<(u64, usize)>, usize, Vec<u64>, usize) {
-        let runs = self
-            .runs
-            .iter()
-            .map(|r| (r.no, self.pending_len(r)))
-            .collect();
+    /// The runs' commit numbers, the number of keys in them not merged out, the number of
+    /// dead keys, the gone rows and the number of gone keys of the B-tree (to compare two
+    /// views of the runs).
+    pub fn summary(&self) -> (Vec<u64>, usize, usize, Vec<u64>, usize) {
         (
-            runs,
-            self.dead.len(),
+            self.rows.clone(),
+            self.stored_keys(),
+            self.dead.iter().map(Layers::len).sum(),
             self.gone_rows.clone(),
             self.gone_in_tree,
         )
@@ -371,7 +500,84 @@ impl Runs {
 
     /// Keys in the runs not merged out, dead ones included.
     fn stored_keys(&self) -> usize {
-        self.runs.iter().map(|r| self.pending_len(r)).sum()
+        self.pending.iter().map(Layers::len).sum()
+    }
+
+    /// The held keys and dead keys cut into `slices` slices (they are held in one until the
+    /// first merge a slice at a time).
+    fn partitioned(&self, slices: usize) -> (Vec<Layers>, Vec<Layers>) {
+        if self.pending.len() == slices {
+            return (self.pending.clone(), self.dead.clone());
+        }
+        debug_assert_eq!(self.pending.len(), 1, "resliced without a full merge");
+        (self.pending[0].split(slices), self.dead[0].split(slices))
+    }
+
+    /// Adds ascending `keys` (a new run's) to the held keys, slice by slice.
+    fn hold(held: &mut [Layers], keys: &[u128]) {
+        let slices = held.len();
+        for (s, part) in held.iter_mut().enumerate() {
+            part.push(keys[slice_range(keys, s, slices)].to_vec());
+        }
+    }
+
+    /// The slices a commit adding ascending `added` as a run merges (none while the budget
+    /// allows), oldest merged first (the lowest mark; marks tie at first, and the lower slice
+    /// goes first), while any of these holds for what the runs would keep: more than
+    /// `policy.keys_target` keys; `policy.runs_max` runs or more (the commit's own counted);
+    /// more than [`GONE_ROWS_MAX`] gone rows (`gone_row`: the commit writes one). And one slice
+    /// in any case while `tree_gone` (the gone keys of the B-tree after the commit) is past
+    /// half of [`RUN_KEYS_MAX`], so that deaths without new keys are applied a slice at a time
+    /// before they would force a merge of everything.
+    fn slices_to_merge(
+        &self,
+        added: &[u128],
+        gone_row: bool,
+        tree_gone: usize,
+        policy: RunPolicy,
+    ) -> Vec<usize> {
+        let slices = policy.slices;
+        let marks = match self.merged.is_empty() {
+            true => vec![0; slices],
+            false => self.merged.clone(),
+        };
+        let mut order: Vec<usize> = (0..slices).collect();
+        order.sort_by_key(|&s| (marks[s], s));
+        let mut held: Vec<usize> = match self.pending.len() == slices {
+            true => self.pending.iter().map(Layers::len).collect(),
+            false => {
+                let mut held = vec![0; slices];
+                for l in self.pending.iter().flat_map(|p| &p.0) {
+                    for (s, n) in held.iter_mut().enumerate() {
+                        *n += slice_range(&l.keys, s, slices).len();
+                    }
+                }
+                held
+            }
+        };
+        for (s, n) in held.iter_mut().enumerate() {
+            *n += slice_range(added, s, slices).len();
+        }
+        let mut left: usize = held.iter().sum();
+        let mut one_more = tree_gone > RUN_KEYS_MAX / 2;
+        let mut chosen = Vec::new();
+        for s in order {
+            // Rows no newer than the lowest mark left (this slice's) are deleted.
+            let floor = marks[s];
+            let runs = self.rows.iter().filter(|&&r| r > floor).count() + 1;
+            let gone_rows =
+                self.gone_rows.iter().filter(|&&r| r > floor).count() + gone_row as usize;
+            let over = left > policy.keys_target
+                || runs >= policy.runs_max
+                || gone_rows > GONE_ROWS_MAX
+                || std::mem::take(&mut one_more);
+            if !over {
+                break;
+            }
+            chosen.push(s);
+            left -= held[s];
+        }
+        chosen
     }
 }
 
@@ -431,22 +637,27 @@ impl<'a> IndexUpdate<'a> {
         self.added.sort_unstable();
         let runs = self.runs;
         let as_run = self.added.len() >= policy.keys_min.max(1);
+        let sliced = policy.slices > 1;
         let runs_full = as_run
-            && (runs.len() + 1 >= policy.runs_max
+            && ((!sliced && runs.len() + 1 >= policy.runs_max)
                 || runs.stored_keys() + self.added.len() > RUN_KEYS_MAX);
         let tree_gone = runs.gone_in_tree + self.gone.len() - self.dead.len();
         let gone_full = !self.gone.is_empty()
-            && (runs.gone_rows.len() + 1 > GONE_ROWS_MAX || tree_gone > RUN_KEYS_MAX);
+            && ((!sliced && runs.gone_rows.len() + 1 > GONE_ROWS_MAX) || tree_gone > RUN_KEYS_MAX);
         // Rows merged a slice at a time by another slice count (the pool's setting changed):
         // merged all at once, after which the marks start afresh.
         let resliced = !runs.merged.is_empty() && runs.merged.len() != policy.slices;
         if runs_full || gone_full || resliced {
             return self.merge(txn).map(Some);
         }
-        if as_run && policy.slices > 1 {
-            return self
-                .merge_slice(txn, no, (no % policy.slices as u64) as usize, policy.slices)
-                .map(Some);
+        if sliced && (as_run || !self.gone.is_empty()) {
+            // A commit with few new keys merges only to bound the gone rows (its keys then
+            // go where a run's would).
+            let chosen =
+                runs.slices_to_merge(&self.added, !self.gone.is_empty(), tree_gone, policy);
+            if !chosen.is_empty() {
+                return self.merge_slices(txn, no, &chosen, policy.slices).map(Some);
+            }
         }
         if !as_run {
             for k in &self.added {
@@ -462,54 +673,63 @@ impl<'a> IndexUpdate<'a> {
             txn.insert(meta::FPS_GONE, &no, encode(&self.gone).as_slice());
             next.gone_rows.push(no);
             next.gone_in_tree = tree_gone;
-            next.dead.extend(self.dead);
+            self.dead.sort_unstable();
+            Runs::hold(&mut next.dead, &self.dead);
         }
         if as_run {
             txn.insert(meta::FPS_RUNS, &no, encode(&self.added).as_slice());
-            next.runs.push(Arc::new(Run::new(no, self.added)));
+            next.rows.push(no);
+            Runs::hold(&mut next.pending, &self.added);
         }
         Ok(Some(next))
     }
 
-    /// Commit `no`'s changes with slice `slice` (of `slices`) merged: the slice's live keys of
-    /// every run and of the added ones go into the B-tree, its gone keys of the B-tree are
+    /// Commit `no`'s changes with slices `chosen` (of `slices`) merged: their live keys of
+    /// every run and of the added ones go into the B-tree, their gone keys of the B-tree are
     /// removed from it, in key order; the merge marks record that the rows so far hold no more
-    /// of the slice, and rows with every slice merged are deleted; the other added keys become
-    /// run `no` and the other gone keys gone row `no`. Every key stays in exactly one place.
-    fn merge_slice(self, txn: &mut WriteTxn, no: u64, slice: usize, slices: usize) -> Result<Runs> {
+    /// of them, and rows with every slice merged are deleted; the other added keys become run
+    /// `no` and the other gone keys gone row `no`. Every key stays in exactly one place.
+    fn merge_slices(
+        self,
+        txn: &mut WriteTxn,
+        no: u64,
+        chosen: &[usize],
+        slices: usize,
+    ) -> Result<Runs> {
         let runs = self.runs;
         debug_assert!(runs.merged.is_empty() || runs.merged.len() == slices);
-        let ours = |k: &u128| slice_of(*k, slices) == slice;
-        let mut merged = match runs.merged.is_empty() {
+        let mut ours = vec![false; slices];
+        for &s in chosen {
+            ours[s] = true;
+        }
+        let ours = |k: &u128| ours[slice_of(*k, slices)];
+        // Rows newer than its mark hold keys of a slice not merged yet.
+        let before = match runs.merged.is_empty() {
             true => vec![0; slices],
             false => runs.merged.clone(),
         };
-        // Rows newer than this hold keys of the slice not merged yet.
-        let last = merged[slice];
-        merged[slice] = no;
+        let mut merged = before.clone();
+        let (mut pending, mut dead) = runs.partitioned(slices);
         let mut into_tree: Vec<u128> = Vec::new();
-        for run in runs.runs.iter().filter(|r| r.no > last) {
-            let range = slice_range(&run.keys, slice, slices);
-            into_tree.extend(
-                run.keys[range]
-                    .iter()
-                    .copied()
-                    .filter(|k| !runs.dead.contains(k)),
-            );
+        for &s in chosen {
+            merged[s] = no;
+            let gone = std::mem::take(&mut dead[s]);
+            into_tree.extend(pending[s].iter().filter(|&k| !gone.contains(k)));
+            pending[s] = Layers::default();
         }
-        // Dead keys of the slice left the runs with it; the others stay dead.
-        let mut dead: FxHashSet<u128> = runs.dead.iter().copied().filter(|k| !ours(k)).collect();
+        let oldest = chosen.iter().map(|&s| before[s]).min().unwrap_or(0);
         let mut stale: Vec<u128> = Vec::new();
-        for &row_no in runs.gone_rows.iter().filter(|&&r| r > last) {
+        for &row_no in runs.gone_rows.iter().filter(|&&r| r > oldest) {
             let row = txn.get(meta::FPS_GONE, &row_no)?.ok_or_else(|| {
                 Error::Corrupt(format!("dedup index gone row {row_no} is missing"))
             })?;
-            let keys = decode(row_no, &row)?;
-            let range = slice_range(&keys, slice, slices);
-            stale.extend(keys[range].iter().copied().filter(|k| !runs.contains(*k)));
+            for &s in chosen.iter().filter(|&&s| row_no > before[s]) {
+                let keys = slice_of_row(row_no, &row, s, slices)?;
+                stale.extend(keys.into_iter().filter(|&k| !runs.contains(k)));
+            }
         }
         let stale_before = stale.len();
-        // This commit's gone keys of the slice: those of the B-tree go now, those of a run
+        // This commit's gone keys of the slices: those of the B-tree go now, those of a run
         // left it above (they are dead there).
         let dead_now: FxHashSet<u128> = self.dead.iter().copied().collect();
         let (gone_now, gone_later): (Vec<u128>, Vec<u128>) =
@@ -517,7 +737,9 @@ impl<'a> IndexUpdate<'a> {
         stale.extend(gone_now.into_iter().filter(|k| !dead_now.contains(k)));
         into_tree.retain(|k| !dead_now.contains(k));
         let in_tree_later = gone_later.iter().filter(|k| !dead_now.contains(k)).count();
-        dead.extend(self.dead.into_iter().filter(|k| !ours(k)));
+        let mut dead_later: Vec<u128> = self.dead.into_iter().filter(|k| !ours(k)).collect();
+        dead_later.sort_unstable();
+        Runs::hold(&mut dead, &dead_later);
         let (added_now, added_later): (Vec<u128>, Vec<u128>) =
             self.added.into_iter().partition(|k| ours(k));
         into_tree.extend(added_now);
@@ -532,17 +754,18 @@ impl<'a> IndexUpdate<'a> {
         // A row no newer than every mark holds nothing unmerged.
         let done = merged.iter().copied().min().unwrap_or(0);
         let mut next = Runs {
-            runs: Vec::new(),
+            rows: Vec::new(),
+            pending,
             dead,
             gone_rows: Vec::new(),
             gone_in_tree: runs.gone_in_tree - stale_before + in_tree_later,
             merged,
         };
-        for run in &runs.runs {
-            if run.no <= done {
-                txn.remove(meta::FPS_RUNS, &run.no);
+        for &row_no in &runs.rows {
+            if row_no <= done {
+                txn.remove(meta::FPS_RUNS, &row_no);
             } else {
-                next.runs.push(run.clone());
+                next.rows.push(row_no);
             }
         }
         for &row_no in &runs.gone_rows {
@@ -561,18 +784,21 @@ impl<'a> IndexUpdate<'a> {
         }
         if !added_later.is_empty() {
             txn.insert(meta::FPS_RUNS, &no, encode(&added_later).as_slice());
-            next.runs.push(Arc::new(Run::new(no, added_later)));
+            next.rows.push(no);
+            Runs::hold(&mut next.pending, &added_later);
         }
-        if next.runs.is_empty() && next.gone_rows.is_empty() {
-            next.merged.clear();
+        if next.rows.is_empty() && next.gone_rows.is_empty() {
             txn.remove(meta::POOL, meta::FPS_MERGED_KEY);
-        } else {
-            txn.insert(
-                meta::POOL,
-                meta::FPS_MERGED_KEY,
-                encode_marks(&next.merged).as_slice(),
-            );
+            return Ok(Runs {
+                gone_in_tree: next.gone_in_tree,
+                ..Runs::default()
+            });
         }
+        txn.insert(
+            meta::POOL,
+            meta::FPS_MERGED_KEY,
+            encode_marks(&next.merged).as_slice(),
+        );
         Ok(next)
     }
 
@@ -580,12 +806,12 @@ impl<'a> IndexUpdate<'a> {
     /// gone key of the B-tree, in key order; removes the runs and the gone rows.
     fn merge(self, txn: &mut WriteTxn) -> Result<Runs> {
         let runs = self.runs;
-        let dead: FxHashSet<u128> = runs.dead.iter().chain(&self.dead).copied().collect();
+        let dead: FxHashSet<u128> = runs.dead().chain(self.dead.iter().copied()).collect();
         let mut all = self.added;
         all.extend(
-            runs.runs
+            runs.pending
                 .iter()
-                .flat_map(|r| runs.pending_keys(r))
+                .flat_map(Layers::iter)
                 .filter(|k| !dead.contains(k)),
         );
         all.sort_unstable();
@@ -618,8 +844,8 @@ impl<'a> IndexUpdate<'a> {
         for k in &stale {
             txn.remove(meta::FPS, k);
         }
-        for r in &runs.runs {
-            txn.remove(meta::FPS_RUNS, &r.no);
+        for &no in &runs.rows {
+            txn.remove(meta::FPS_RUNS, &no);
         }
         if !runs.merged.is_empty() {
             txn.remove(meta::POOL, meta::FPS_MERGED_KEY);
@@ -637,6 +863,7 @@ mod tests {
         keys_min: 4,
         runs_max: 3,
         slices: 1,
+        keys_target: 0,
     };
 
     /// Key `i` of prefix `p` (several chunks may share a prefix).
@@ -688,8 +915,8 @@ mod tests {
 
             let first = [key(7, 10), key(3, 11), key(7, 12), key(1, 13), key(5, 14)];
             let runs = commit(&store, &runs, 2, &first, &[])?;
-            assert_eq!(runs.summary(), (vec![(2, 5)], 0, vec![], 0));
-            assert_eq!(runs.candidates(7).collect::<Vec<_>>(), vec![10, 12]);
+            assert_eq!(runs.summary(), (vec![2], 5, 0, vec![], 0));
+            assert_eq!(runs.candidates(7).collect::<Vec<_>>(), vec![12, 10]);
             assert_eq!(runs.candidates(4).count(), 0);
             assert_eq!(btree(&store)?.len(), 2, "a run leaves the B-tree alone");
             let second = [key(7, 20), key(6, 21), key(8, 22), key(0, 23)];
@@ -701,8 +928,8 @@ mod tests {
                 &second,
                 &[(key(3, 11), false), (key(2, 2), false)],
             )?;
-            assert_eq!(runs.summary(), (vec![(2, 5), (3, 4)], 1, vec![3], 1));
-            assert_eq!(runs.candidates(7).collect::<Vec<_>>(), vec![20, 10, 12]);
+            assert_eq!(runs.summary(), (vec![2, 3], 9, 1, vec![3], 1));
+            assert_eq!(runs.candidates(7).collect::<Vec<_>>(), vec![20, 12, 10]);
             assert_eq!(runs.candidates(3).count(), 0, "a dead key is no candidate");
             assert!(runs.holds(key(6, 21)) && !runs.holds(key(3, 11)));
             assert_eq!(
@@ -712,15 +939,17 @@ mod tests {
             );
             let loaded = Runs::load(&store.read()?)?;
             assert_eq!(loaded.summary(), runs.summary());
-            assert_eq!(
-                loaded.keys().collect::<Vec<_>>(),
-                runs.keys().collect::<Vec<_>>()
-            );
+            let sorted = |r: &Runs| {
+                let mut keys: Vec<u128> = r.keys().collect();
+                keys.sort_unstable();
+                keys
+            };
+            assert_eq!(sorted(&loaded), sorted(&runs));
 
             // The third run merges: every live key lands in the B-tree, in one place.
             let third = [key(4, 30), key(4, 31), key(9, 32), key(2, 33)];
             let runs = commit(&store, &runs, 4, &third, &[(key(7, 12), false)])?;
-            assert_eq!(runs.summary(), (vec![], 0, vec![], 0));
+            assert_eq!(runs.summary(), (vec![], 0, 0, vec![], 0));
             let mut expect: Vec<u128> = [&first[..], &second, &third, &[key(9, 1)]]
                 .concat()
                 .into_iter()
@@ -754,7 +983,7 @@ mod tests {
         for i in 0..GONE_ROWS_MAX as u64 {
             runs = commit(&store, &runs, first + i, &[], &[(all[i as usize], false)])?;
         }
-        let (_, dead, rows, in_tree) = runs.summary();
+        let (_, _, dead, rows, in_tree) = runs.summary();
         assert_eq!(
             (dead, rows.len(), in_tree),
             (0, GONE_ROWS_MAX, GONE_ROWS_MAX)
@@ -767,7 +996,7 @@ mod tests {
         assert_eq!(Runs::load(&store.read()?)?.summary(), runs.summary());
         let last = GONE_ROWS_MAX;
         runs = commit(&store, &runs, first + n, &[], &[(all[last], false)])?;
-        assert_eq!(runs.summary(), (vec![], 0, vec![], 0));
+        assert_eq!(runs.summary(), (vec![], 0, 0, vec![], 0));
         assert_eq!(btree(&store)?, {
             let mut live = all[last + 1..].to_vec();
             live.sort_unstable();
@@ -784,47 +1013,128 @@ mod tests {
         let store = Store::create(dir.path(), Backend::Redb)?;
         let added = [key(1, 1), key(2, 2), key(3, 3), key(4, 4), key(5, 5)];
         let runs = commit(&store, &Runs::default(), 1, &added, &[(key(3, 3), true)])?;
-        assert_eq!(runs.summary(), (vec![(1, 4)], 0, vec![], 0));
+        assert_eq!(runs.summary(), (vec![1], 4, 0, vec![], 0));
         assert!(!runs.contains(key(3, 3)));
         let runs = commit(&store, &runs, 2, &[key(6, 6)], &[(key(6, 6), true)])?;
-        assert_eq!(runs.summary(), (vec![(1, 4)], 0, vec![], 0));
+        assert_eq!(runs.summary(), (vec![1], 4, 0, vec![], 0));
         assert!(btree(&store)?.is_empty());
         Ok(())
     }
 
-    /// A run is searched only for keys whose chunk id lies in its range of ids, and found there
-    /// whether or not other runs' ranges overlap it.
+    /// A layer is searched only for keys whose chunk id lies in its range of ids, and found
+    /// there whether or not other layers' ranges overlap it; layers merge like a binary counter.
     #[test]
-    fn a_run_is_searched_by_its_chunk_ids() {
-        let runs = Runs {
-            runs: vec![
-                Arc::new(Run::new(1, vec![key(1, 10), key(5, 30)])),
-                Arc::new(Run::new(2, vec![key(2, 20), key(3, 40)])),
-            ],
-            ..Runs::default()
-        };
-        for k in [key(1, 10), key(5, 30), key(2, 20), key(3, 40)] {
-            assert!(runs.contains(k), "{k:#x}");
+    fn a_layer_is_searched_by_its_chunk_ids() {
+        let mut layers = Layers::default();
+        layers.push(vec![key(1, 10), key(5, 30)]);
+        layers.push(vec![key(3, 40)]);
+        assert_eq!(layers.0.len(), 2, "a smaller layer stays on top");
+        for k in [key(1, 10), key(5, 30), key(3, 40)] {
+            assert!(layers.contains(k), "{k:#x}");
         }
         for k in [key(1, 20), key(2, 10), key(5, 9), key(3, 41), key(4, 25)] {
-            assert!(!runs.contains(k), "{k:#x}");
+            assert!(!layers.contains(k), "{k:#x}");
         }
-        assert_eq!(Run::new(3, vec![]).ids, (u64::MAX, 0));
-        assert!(!Run::new(3, vec![]).contains(key(0, 0)));
+        layers.push(vec![key(2, 20)]);
+        assert_eq!(layers.0.len(), 1, "equal layers merge, and again below");
+        assert_eq!(
+            layers.iter().collect::<Vec<_>>(),
+            vec![key(1, 10), key(2, 20), key(3, 40), key(5, 30)]
+        );
+        assert_eq!(layers.with_prefix(3).collect::<Vec<_>>(), vec![key(3, 40)]);
+        assert_eq!(Layer::new(vec![]).ids, (u64::MAX, 0));
+        assert!(!Layer::new(vec![]).contains(key(0, 0)));
     }
 
-    /// Random commits with slice merges (and full merges past `runs_max`), checked after
+    /// A commit merges nothing while the runs keep at most `keys_target` keys; past it, the
+    /// slices merged longest ago, oldest first, until they keep no more; a commit that would
+    /// keep `runs_max` runs merges the oldest slices until the oldest rows go, and no more.
+    #[test]
+    fn slices_merge_past_the_budget_oldest_first() -> Result<()> {
+        let budget = RunPolicy {
+            keys_min: 1,
+            runs_max: 100,
+            slices: 4,
+            keys_target: 10,
+        };
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
+        let store = Store::create(dir.path(), Backend::Redb)?;
+        let q = u64::MAX / 4 + 1;
+        // `per` keys in each slice, ids from `id`.
+        let keys = |per: u64, id: u64| -> Vec<u128> {
+            (0..4u64)
+                .flat_map(|s| (0..per).map(move |i| key(s * q + id + i, id + s * per + i)))
+                .collect()
+        };
+        let step = |runs: &Runs, no: u64, added: &[u128], policy: RunPolicy| -> Result<Runs> {
+            let mut txn = store.write()?;
+            let mut update = IndexUpdate::new(runs);
+            for &k in added {
+                update.add(k);
+            }
+            let next = update.finish(&mut txn, no, policy)?.expect("a run");
+            txn.commit()?;
+            assert_eq!(Runs::load(&store.read()?)?.summary(), next.summary());
+            assert_eq!(Runs::load(&store.read()?)?.marks(), next.marks());
+            Ok(next)
+        };
+        let runs = step(&Runs::default(), 1, &keys(2, 100), budget)?;
+        assert!(
+            runs.marks().is_empty() && btree(&store)?.is_empty(),
+            "8 keys: no merge"
+        );
+        // 12 keys held: slice 0 (3 keys) goes.
+        let runs = step(&runs, 2, &keys(1, 200), budget)?;
+        assert_eq!(runs.marks(), &[2, 0, 0, 0][..]);
+        assert_eq!(btree(&store)?.len(), 3);
+        // 1 + 4 + 4 + 4 keys held: slice 1, the oldest of the three never merged, goes.
+        let runs = step(&runs, 3, &keys(1, 300), budget)?;
+        assert_eq!(runs.marks(), &[2, 3, 0, 0][..]);
+        assert_eq!(btree(&store)?.len(), 7);
+        assert_eq!(runs.len(), 3, "every row holds keys of slices 2 and 3");
+        // A fourth run would make `runs_max`: slices 2 and 3 go, then rows 1 and 2 hold
+        // nothing, and slices 0 and 1 stay.
+        let rows = RunPolicy {
+            runs_max: 3,
+            keys_target: 1000,
+            ..budget
+        };
+        let runs = step(&runs, 4, &keys(1, 400), rows)?;
+        assert_eq!(runs.marks(), &[2, 3, 4, 4][..]);
+        let stored: Vec<u64> = store
+            .read()?
+            .iter(meta::FPS_RUNS)?
+            .map(|e| e.map(|(no, _)| no))
+            .collect::<Result<_>>()?;
+        assert_eq!(stored, vec![3, 4]);
+        assert_eq!(
+            runs.summary().1,
+            3,
+            "slice 0's of run 3 and 4, slice 1's of run 4"
+        );
+        assert_eq!(btree(&store)?.len(), 20 - 3);
+        Ok(())
+    }
+
+    /// Random commits with slice merges, budgeted and bounded by `runs_max`, checked after
     /// each against a model: every live key is in exactly one place (a run or the B-tree),
     /// every gone key is dead in a run or stale in the B-tree, the runs and merge marks reload
-    /// as held, a run empties within `slices` commits that write runs, and no run or gone row
-    /// is ever rewritten.
+    /// as held, fewer than `runs_max` runs are kept, and no run or gone row is ever
+    /// rewritten.
     #[test]
     fn slice_merges_keep_every_key_in_one_place() -> Result<()> {
-        let policy = RunPolicy {
-            keys_min: 4,
-            runs_max: 7,
-            slices: 4,
-        };
+        for keys_target in [0, 12, 40] {
+            slice_merges_by(RunPolicy {
+                keys_min: 4,
+                runs_max: 7,
+                slices: 4,
+                keys_target,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn slice_merges_by(policy: RunPolicy) -> Result<()> {
         let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
         let store = Store::create(dir.path(), Backend::Redb)?;
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
@@ -862,12 +1172,13 @@ mod tests {
                 let k = live.swap_remove((next() % live.len() as u64) as usize);
                 update.remove(k, false);
             }
-            let before = runs.len();
+            let marks = runs.marks().to_vec();
             let after = update.finish(&mut txn, no, policy)?;
             txn.commit()?;
             live.extend(added);
             if let Some(after) = after {
-                if after.len() > 0 && after.len() <= before + 1 && adds >= policy.keys_min {
+                // Some slices merged, not all.
+                if !after.marks().is_empty() && after.marks() != marks {
                     slice_merges += 1;
                 }
                 runs = after;
@@ -898,7 +1209,7 @@ mod tests {
             for &k in &gone {
                 assert!(!live.contains(&k), "commit {no}: live key {k:#x} gone");
                 assert!(
-                    runs.dead.contains(&k) != tree.contains(&k),
+                    runs.dead[runs.slice(k)].contains(k) != tree.contains(&k),
                     "commit {no}: gone key {k:#x} neither dead in a run nor in the B-tree"
                 );
             }
@@ -916,7 +1227,10 @@ mod tests {
                 "commit {no}"
             );
         }
-        assert!(slice_merges > 20, "only {slice_merges} slice merges");
+        assert!(
+            slice_merges > 10,
+            "{policy:?}: only {slice_merges} slice merges"
+        );
         Ok(())
     }
 
@@ -929,6 +1243,7 @@ mod tests {
             keys_min: 2,
             runs_max: 16,
             slices: 4,
+            keys_target: 6,
         };
         let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
         let store = Store::create(dir.path(), Backend::Redb)?;
@@ -946,7 +1261,7 @@ mod tests {
             txn.commit()?;
             all.extend(added);
         }
-        assert_eq!(runs.marks(), &[0, 1, 2, 3][..]);
+        assert_eq!(runs.marks(), &[2, 3, 3, 0][..]);
         assert_eq!(runs.len(), 3, "rows with unmerged slices are kept");
         let mut txn = store.write()?;
         let two = RunPolicy { slices: 2, ..four };
@@ -954,7 +1269,7 @@ mod tests {
             .finish(&mut txn, 4, two)?
             .expect("a merge");
         txn.commit()?;
-        assert_eq!(runs.summary(), (vec![], 0, vec![], 0));
+        assert_eq!(runs.summary(), (vec![], 0, 0, vec![], 0));
         assert!(runs.marks().is_empty());
         assert!(store
             .read()?

@@ -220,6 +220,7 @@ impl Inner {
             keys_min: self.config.dedup_run_keys_min,
             runs_max: self.config.dedup_runs_max,
             slices: self.config.dedup_merge_slices,
+            keys_target: self.config.dedup_run_keys_target,
         }
     }
 

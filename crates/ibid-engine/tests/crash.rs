@@ -30,9 +30,12 @@ fn config() -> PoolConfig {
         background_interval_ms: 5,
         commit_interval_ms: 5,
         gc_live_pct_max: 90,
-        // Dedup index keys in runs (merged every third) when a crash comes.
+        // Dedup index keys in runs (merged a slice of 3 at a time past a few keys held, or
+        // at the fourth run) when a crash comes.
         dedup_run_keys_min: 1,
-        dedup_runs_max: 3,
+        dedup_runs_max: 4,
+        dedup_merge_slices: 3,
+        dedup_run_keys_target: 6,
         ..PoolConfig::default()
     }
 }

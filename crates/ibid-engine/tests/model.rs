@@ -233,9 +233,12 @@ impl Harness {
             commit_interval_ms: 20,
             // Most aligned copies go through frames (the default keeps them for >= 1 MiB).
             frame_copy_blocks_min: 8,
-            // Dedup index keys in runs from the first new chunk, merged every third run.
+            // Dedup index keys in runs from the first new chunk, merged a slice (of 3) at a
+            // time past a few keys held or at the fourth run.
             dedup_run_keys_min: 1,
-            dedup_runs_max: 3,
+            dedup_runs_max: 4,
+            dedup_merge_slices: 3,
+            dedup_run_keys_target: 6,
             // Zeroed ranges settle over several transactions of each commit.
             zero_settle_entries_max: 4,
             flatten_step_entries: 3,

@@ -25,11 +25,13 @@ pub fn quiet_config(capacity: u64) -> PoolConfig {
         capacity_force: true,
         background: false,
         segment_bytes_max: 1 << 20,
-        // Most commits write their dedup index keys as a run and merge one slice (of 16) of
-        // the runs, and every fourth merges them all, so tests exercise every place a key
-        // can be.
+        // Most commits write their dedup index keys as a run; past a few keys held, or at
+        // the fifth run, they merge the oldest slices (of 4), so tests exercise every place a
+        // key can be.
         dedup_run_keys_min: 2,
-        dedup_runs_max: 4,
+        dedup_runs_max: 5,
+        dedup_merge_slices: 4,
+        dedup_run_keys_target: 8,
         ..PoolConfig::default()
     }
 }
