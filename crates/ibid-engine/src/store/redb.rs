@@ -828,6 +828,40 @@ mod tests {
         Ok(())
     }
 
+    /// The byte count (what the commits' debug lines and `store-bytes.sh` report) grows by at
+    /// least what a batch's values hold and by no more than a few times that, not at all for
+    /// reads, and starts again at zero when the file is reopened.
+    #[test]
+    fn the_store_counts_the_bytes_it_writes() -> Result<()> {
+        let dir = Path::new("/pool");
+        let disk = SimDisk::new(7, 1 << 30);
+        disk.create_dir_all(dir)
+            .map_err(|e| Error::io("mkdir", e))?;
+        let store = RedbStore::create(&disk, dir)?;
+        let before = store.bytes_written();
+        let value = vec![0x5a; 256 << 10];
+        for n in 0..4 {
+            store.write(&pool_row(&format!("big{n}"), &value), &mut || Ok(()))?;
+        }
+        let grew = store.bytes_written() - before;
+        assert!(
+            (1 << 20..4 << 20).contains(&grew),
+            "4 × 256 KiB of values written as {grew} bytes"
+        );
+        let snap = store.snapshot()?;
+        assert_eq!(snap.get(Table::Pool, b"big3")?, Some(value));
+        drop(snap);
+        assert_eq!(
+            store.bytes_written() - before,
+            grew,
+            "a read writes nothing"
+        );
+        drop(store);
+        let reopened = RedbStore::open(&disk, dir)?;
+        assert!(reopened.bytes_written() < 64 << 10);
+        Ok(())
+    }
+
     /// The dedup index as a store reads it: (chunk id, fingerprint prefix) pairs, sorted.
     fn index_entries(store: &Store) -> Result<Vec<(u64, u64)>> {
         let mut got: Vec<(u64, u64)> = store
