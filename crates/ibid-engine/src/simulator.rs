@@ -287,7 +287,7 @@ impl Sim {
             dedup_run_keys_min: 32,
             dedup_runs_max: 6,
             dedup_merge_slices: 3,
-            dedup_run_keys_target: 96,
+            dedup_run_keys_target: 40,
             zero_settle_entries_max: 64,
             flatten_step_entries: 16,
             disk: Arc::new(self.disk.clone()),
