@@ -76,7 +76,7 @@ pub struct PoolConfig {
     /// `dedup_index.rs`).
     pub dedup_merge_slices: usize,
     /// Keys the dedup index's runs keep unmerged (16 bytes of memory each; 1 Mi = 16 MiB):
-    /// the more, the fewer times a B-tree leaf is rewritten per new key. Keep it under half
+    /// the more, the fewer times a B-tree leaf is rewritten per new key. Keep it at most half
     /// of 2 Mi, past which a commit merges every run at once.
     pub dedup_run_keys_target: usize,
     /// Committed map entries (and windows) of zeroed ranges one commit settles (see
