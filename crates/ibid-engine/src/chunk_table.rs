@@ -11,19 +11,22 @@
 //!
 //! ```text
 //! entry*  (1 to PAGE_SEQS, ascending chunk id; a page left with none is deleted)
-//! entry:  chunk id u64 LE | ChunkRecord (64 bytes, see format.rs)
+//! entry:  chunk id's low PAGE_SHIFT bits u16 LE | ChunkRecord (24 bytes, see format.rs)
 //! ```
 //!
-//! Every id in a page has the page's key as `id >> PAGE_SHIFT`. Pools of format version 5 and
-//! older kept one row per chunk in `chunks`; [`upgrade`] moves them into pages when such a pool
-//! is opened.
+//! Every id in a page has the page's key as `id >> PAGE_SHIFT`. The chunks' fingerprints are
+//! kept apart (`chunk_fps.rs`): a fold or a move rewrites 26 bytes per chunk, not 72.
+//!
+//! Pools of format version 5 and older kept one row per chunk in `chunks`, and pools of
+//! versions 6 to 14 pages of 72-byte entries (chunk id u64 | 64-byte record with the
+//! fingerprint); [`upgrade`] moves either into this layout when such a pool is opened.
 //!
 //! Reads take one row and scan at most 16 fixed-size entries. Writes inside a transaction go
 //! through [`Pages`], which reads each page once, applies every change to it in memory and
 //! writes it back once.
 
 use crate::error::{Error, Result};
-use crate::format::{ChunkRecord, CHUNK_RECORD_BYTES};
+use crate::format::{ChunkRecord, Fingerprint, CHUNK_RECORD_BYTES, CHUNK_RECORD_V14_BYTES};
 use crate::meta;
 use crate::ref_log::SPAN_PAGES;
 use crate::shard::SHARD_BITS;
@@ -36,8 +39,16 @@ pub const PAGE_SEQS_BITS: u32 = 4;
 pub const PAGE_SEQS: usize = 1 << PAGE_SEQS_BITS;
 /// A chunk id shifted right by this is its page's key.
 pub const PAGE_SHIFT: u32 = SHARD_BITS + PAGE_SEQS_BITS;
-/// Encoded size of one page entry (chunk id and record).
-pub const ENTRY_BYTES: usize = 8 + CHUNK_RECORD_BYTES;
+/// Encoded size of one page entry (the chunk id's low bits and the record).
+pub const ENTRY_BYTES: usize = 2 + CHUNK_RECORD_BYTES;
+/// Encoded size of an entry of a format-14 page (chunk id u64 and a 64-byte record).
+const ENTRY_V14_BYTES: usize = 8 + CHUNK_RECORD_V14_BYTES;
+/// The low bits of a chunk id that an entry holds (the page key holds the rest).
+const LOW_MASK: u64 = (1 << PAGE_SHIFT) - 1;
+const _: () = assert!(
+    PAGE_SHIFT <= 16,
+    "a page entry holds the id's low bits in a u16"
+);
 
 /// The key of the page holding chunk `id`.
 pub fn page_of(id: u64) -> u64 {
@@ -59,13 +70,19 @@ fn entry_count(key: u64, page: &[u8]) -> Result<usize> {
     Ok(n)
 }
 
-fn entry_id(page: &[u8], i: usize) -> u64 {
+/// The low bits of entry `i`'s chunk id, as stored.
+fn entry_low(page: &[u8], i: usize) -> u64 {
     let at = i * ENTRY_BYTES;
-    u64::from_le_bytes(page[at..at + 8].try_into().expect("8 bytes"))
+    u16::from_le_bytes([page[at], page[at + 1]]) as u64
+}
+
+/// The id of entry `i` of page `key`.
+fn entry_id(key: u64, page: &[u8], i: usize) -> u64 {
+    key << PAGE_SHIFT | entry_low(page, i)
 }
 
 fn entry_record(page: &[u8], i: usize) -> Result<ChunkRecord> {
-    let at = i * ENTRY_BYTES + 8;
+    let at = i * ENTRY_BYTES + 2;
     ChunkRecord::decode(&page[at..at + CHUNK_RECORD_BYTES])
 }
 
@@ -74,8 +91,8 @@ fn decode(key: u64, page: &[u8]) -> Result<Entries> {
     let n = entry_count(key, page)?;
     let mut out: Entries = Vec::with_capacity(n);
     for i in 0..n {
-        let id = entry_id(page, i);
-        if page_of(id) != key || out.last().is_some_and(|&(prev, _)| prev >= id) {
+        let id = entry_id(key, page, i);
+        if entry_low(page, i) > LOW_MASK || out.last().is_some_and(|&(prev, _)| prev >= id) {
             return Err(Error::Corrupt(format!(
                 "chunk page {key:#x}: entry {i} has chunk id {id:#x}"
             )));
@@ -88,7 +105,7 @@ fn decode(key: u64, page: &[u8]) -> Result<Entries> {
 fn encode(entries: &[(u64, ChunkRecord)]) -> Vec<u8> {
     let mut out = Vec::with_capacity(entries.len() * ENTRY_BYTES);
     for (id, rec) in entries {
-        out.extend_from_slice(&id.to_le_bytes());
+        out.extend_from_slice(&((id & LOW_MASK) as u16).to_le_bytes());
         out.extend_from_slice(&rec.encode());
     }
     out
@@ -101,7 +118,7 @@ pub fn get(r: &impl Reader, id: u64) -> Result<Option<ChunkRecord>> {
         return Ok(None);
     };
     for i in 0..entry_count(key, &page)? {
-        if entry_id(&page, i) == id {
+        if entry_id(key, &page, i) == id {
             return entry_record(&page, i).map(Some);
         }
     }
@@ -122,7 +139,7 @@ pub fn get_many(
         if let Some(page) = r.get(meta::CHUNK_PAGES, &key)? {
             let n = entry_count(key, &page)?;
             for &id in &ids[at..end] {
-                if let Some(i) = (0..n).find(|&i| entry_id(&page, i) == id) {
+                if let Some(i) = (0..n).find(|&i| entry_id(key, &page, i) == id) {
                     found(id, entry_record(&page, i)?);
                 }
             }
@@ -165,6 +182,17 @@ pub fn from(txn: &ReadTxn, lo: u64, max: usize) -> Result<Entries> {
         out.extend(decode(key, &page)?.into_iter().filter(|&(id, _)| id >= lo));
         if out.len() >= max {
             break;
+        }
+    }
+    Ok(out)
+}
+
+/// The ids of the chunks whose records are in pages `lo..=hi` as `txn` sees them, ascending.
+pub(crate) fn ids_in_pages(txn: &WriteTxn, lo: u64, hi: u64) -> Result<Vec<u64>> {
+    let mut out = Vec::new();
+    for (key, page) in txn.range(meta::CHUNK_PAGES, lo..=hi)? {
+        for i in 0..entry_count(key, &page)? {
+            out.push(entry_id(key, &page, i));
         }
     }
     Ok(out)
@@ -218,8 +246,9 @@ impl Pages {
             .map(|at| entries[at].1))
     }
 
-    /// Sets chunk `id`'s record.
+    /// Sets chunk `id`'s record (refused if a field is beyond its encoding's range).
     pub fn put(&mut self, r: &impl Reader, id: u64, rec: ChunkRecord) -> Result<()> {
+        rec.check_encodable()?;
         let (entries, dirty) = self.page(r, page_of(id))?;
         if entries.last().is_none_or(|&(last, _)| last < id) {
             entries.push((id, rec));
@@ -270,18 +299,48 @@ impl Pages {
     }
 }
 
-/// Moves the records of a pool of format version 5 or older (one row per chunk in the
-/// `chunks` table) into pages, inside `txn`: the caller commits it with the pool record's new
-/// version, so a crash leaves either layout whole. Returns how many records moved.
+/// Moves the records of a pool of format version 14 or older into this layout, inside `txn`:
+/// the one-row-per-chunk `chunks` table of versions 5 and older, or the 72-byte page entries
+/// of versions 6 to 14, each record's fingerprint moved to `chunk.fps`. The caller commits
+/// `txn` with the pool record's new version, so a crash leaves either layout whole. Returns how
+/// many records moved.
 pub fn upgrade(txn: &mut WriteTxn) -> Result<u64> {
-    let rows = txn.extract_range_if(meta::CHUNKS_BY_ID, .., |_, _| true)?;
-    let moved = rows.len() as u64;
+    let mut moved: Vec<(u64, ChunkRecord, Fingerprint)> = Vec::new();
+    for (id, v) in txn.extract_range_if(meta::CHUNKS_BY_ID, .., |_, _| true)? {
+        let (rec, fp) = ChunkRecord::decode_v14(&v)?;
+        moved.push((id, rec, fp));
+    }
+    for (key, page) in txn.extract_range_if(meta::CHUNK_PAGES, .., |_, _| true)? {
+        if page.is_empty() || !page.len().is_multiple_of(ENTRY_V14_BYTES) {
+            return Err(Error::Corrupt(format!(
+                "format-14 chunk page {key:#x} of {} bytes",
+                page.len()
+            )));
+        }
+        for e in page.chunks_exact(ENTRY_V14_BYTES) {
+            let id = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
+            if page_of(id) != key {
+                return Err(Error::Corrupt(format!(
+                    "format-14 chunk page {key:#x} holds chunk {id:#x}"
+                )));
+            }
+            let (rec, fp) = ChunkRecord::decode_v14(&e[8..])?;
+            moved.push((id, rec, fp));
+        }
+    }
+    moved.sort_unstable_by_key(|&(id, _, _)| id);
+    if moved.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err(Error::Corrupt("a chunk id recorded twice".into()));
+    }
     let mut pages = Pages::new();
-    for (id, v) in rows {
-        pages.put(txn, id, ChunkRecord::decode(&v)?)?;
+    let mut fps = Vec::with_capacity(moved.len());
+    for &(id, rec, fp) in &moved {
+        pages.put(txn, id, rec)?;
+        fps.push((id, fp));
     }
     pages.write(txn);
-    Ok(moved)
+    crate::chunk_fps::add(txn, &fps)?;
+    Ok(moved.len() as u64)
 }
 
 #[cfg(test)]
@@ -297,7 +356,6 @@ mod tests {
             crc: n as u32,
             flags: 0,
             refs: n + 1,
-            fingerprint: [n as u8; 32],
         }
     }
 
@@ -367,8 +425,9 @@ mod tests {
         Ok(())
     }
 
-    /// A page whose length is not whole entries, or whose ids are out of order or belong to
-    /// another page, is reported as corrupt rather than misread.
+    /// A page whose length is not whole entries, or whose ids are out of order or reach past
+    /// the page's low bits, is reported as corrupt rather than misread; a record beyond its
+    /// encoding's range is refused before it is written.
     #[test]
     fn bad_pages_are_corrupt() {
         let good = encode(&[(1 << SHARD_BITS, record(1)), (2 << SHARD_BITS, record(2))]);
@@ -378,7 +437,23 @@ mod tests {
             Err(Error::Corrupt(_))
         ));
         assert!(matches!(decode(0, &[]), Err(Error::Corrupt(_))));
-        assert!(matches!(decode(1, &good), Err(Error::Corrupt(_))));
+        assert_eq!(
+            decode(1, &good).expect("ids are relative to their page")[0].0,
+            1 << PAGE_SHIFT | 1 << SHARD_BITS
+        );
+        let mut beyond = good.clone();
+        beyond[ENTRY_BYTES..ENTRY_BYTES + 2].copy_from_slice(&(LOW_MASK as u16 + 1).to_le_bytes());
+        assert!(matches!(decode(0, &beyond), Err(Error::Corrupt(_))));
+        let mut pages = Pages::new();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::create(dir.path(), Backend::Redb).expect("store");
+        let txn = store.write().expect("txn");
+        let huge = ChunkRecord {
+            refs: 1 << 48,
+            ..record(1)
+        };
+        assert!(pages.put(&txn, 1, huge).is_err());
+        assert_eq!(pages.get(&txn, 1).expect("get"), None, "nothing put");
         let swapped = encode(&[(2 << SHARD_BITS, record(2)), (1 << SHARD_BITS, record(1))]);
         assert!(matches!(decode(0, &swapped), Err(Error::Corrupt(_))));
     }

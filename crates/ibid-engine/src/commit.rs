@@ -17,11 +17,14 @@
 //! record the batch references was already durable (step 2). An error in steps 2–3 fails the
 //! pool: it must be reopened, which recovers the last committed state.
 
-use crate::chunk_table;
+use crate::chunk_fps::{self, Stale};
+use crate::chunk_table::{self, page_of};
 use crate::commit_state::CommitState;
 use crate::dedup_index::{IndexUpdate, Runs};
 use crate::error::{Error, Result};
-use crate::format::{self, ChunkRecord, Frame, SegmentUsage, VolumeRecord};
+use crate::format::{
+    self, ChunkRecord, Fingerprint, Frame, NewChunkRecord, SegmentUsage, VolumeRecord,
+};
 use crate::inner::Inner;
 use crate::journal::FlushOutcome;
 use crate::layer_filter::LayerFilters;
@@ -31,7 +34,9 @@ use crate::overlay::{Entry, Overlay};
 use crate::ref_log::{self, FoldRequest, RefLog};
 use crate::shard::{ShardBatch, SHARDS, SHARD_BITS};
 use crate::store::{Reader, WriteTxn};
+use crate::volume::shard_of_chunk;
 use crate::volume_state::VolumeState;
+use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -81,6 +86,8 @@ struct Applied {
     kept: Vec<u64>,
     /// Layers the deleted volumes left in no stack, listed for deletion (for the event log).
     dropped_layers: Vec<u64>,
+    /// Stale fingerprints swept (for the event log).
+    swept: u64,
 }
 
 impl Inner {
@@ -184,7 +191,7 @@ impl Inner {
         // meanwhile (hundreds of milliseconds per commit of fresh data on a slow disk).
         let mut waited = std::time::Duration::ZERO;
         let outcome = std::thread::scope(|s| {
-            let log = (&mut cs.ref_log, fold.as_slice());
+            let log = (&mut cs.ref_log, &mut cs.fps_stale, fold.as_slice());
             if !self.config.threads {
                 return self.apply(&batch, &mut record, log, || self.segments.sync());
             }
@@ -313,7 +320,7 @@ impl Inner {
                 new_bytes += b
                     .new_chunks
                     .values()
-                    .map(|r| r.physical_bytes())
+                    .map(|r| r.rec.physical_bytes())
                     .sum::<u64>();
                 s.committing = b.clone();
                 b
@@ -376,11 +383,11 @@ impl Inner {
         &self,
         batch: &Batch,
         record: &mut meta::PoolRecord,
-        (ref_log, fold): (&mut RefLog, &[usize]),
+        (ref_log, stale, fold): (&mut RefLog, &mut Stale, &[usize]),
         durable: impl FnOnce() -> Result<()>,
     ) -> Result<Applied> {
         let mut txn = self.db.write()?;
-        let applied = self.apply_tables(&mut txn, batch, record, ref_log, fold)?;
+        let applied = self.apply_tables(&mut txn, batch, record, (ref_log, stale), fold)?;
         record.commits = batch.no;
         // Past every chunk and segment of the batch: they were made before its cut.
         record.next_chunk_seq = self.chunk_seq.load(Ordering::Relaxed);
@@ -397,10 +404,11 @@ impl Inner {
         txn: &mut WriteTxn,
         batch: &Batch,
         record: &mut meta::PoolRecord,
-        ref_log: &mut RefLog,
+        (ref_log, stale): (&mut RefLog, &mut Stale),
         fold: &[usize],
     ) -> Result<Applied> {
         let mut usage: BTreeMap<u64, SegmentUsage> = BTreeMap::new();
+        let stale_before = stale.total();
         let runs = self.dedup.runs();
         let mut index = IndexUpdate::new(&runs);
         // Sorted by chunk id: the reference count updates then read the chunk pages in key
@@ -424,7 +432,7 @@ impl Inner {
         // Every chunk record this commit reads or changes goes through here, a page at a time.
         let mut chunks = chunk_table::Pages::new();
         // In id order across the shards, so each record appends to its page.
-        let mut new_chunks: Vec<(u64, &ChunkRecord, &ShardBatch)> = batch
+        let mut new_chunks: Vec<(u64, &NewChunkRecord, &ShardBatch)> = batch
             .shards
             .iter()
             .flat_map(|shard| {
@@ -435,7 +443,8 @@ impl Inner {
             })
             .collect();
         new_chunks.sort_unstable_by_key(|&(id, _, _)| id);
-        for (id, rec, shard) in new_chunks {
+        let mut new_fps = Vec::with_capacity(new_chunks.len());
+        for (id, new, shard) in new_chunks {
             // A new chunk is stored with its references already counted (no second
             // lookup and rewrite of its record below).
             let refs = shard.deltas.get(&id).copied().unwrap_or(0);
@@ -446,10 +455,11 @@ impl Inner {
             }
             let rec = ChunkRecord {
                 refs: refs as u64,
-                ..*rec
+                ..new.rec
             };
             chunks.put(txn, id, rec)?;
-            index.add(meta::fps_key(&rec.fingerprint, id));
+            index.add(meta::fps_key(&new.fingerprint, id));
+            new_fps.push((id, new.fingerprint));
             let u = segment_usage(&mut usage, txn, rec.segment)?;
             u.total_bytes += rec.physical_bytes();
             u.live_bytes += rec.physical_bytes();
@@ -460,6 +470,7 @@ impl Inner {
                 zero_refs.push((id, Some(rec)));
             }
         }
+        chunk_fps::add(txn, &new_fps)?;
         let mut applied = Applied::default();
         let mut budget = self.config.zero_settle_entries_max.max(1);
         for (v, overlay, vrec) in &batch.volumes {
@@ -569,6 +580,26 @@ impl Inner {
             }
             unreferenced.push((id, rec, stored));
         }
+        // Their fingerprints (a dying chunk's dedup key): a new chunk's from the batch, the
+        // others' from the store.
+        let mut fps: FxHashMap<u64, Fingerprint> = FxHashMap::default();
+        let mut stored_ids: Vec<u64> = Vec::new();
+        for &(id, _, _) in &unreferenced {
+            match batch.shards[shard_of_chunk(id)].new_chunks.get(&id) {
+                Some(new) => {
+                    fps.insert(id, new.fingerprint);
+                }
+                None => stored_ids.push(id),
+            }
+        }
+        chunk_fps::get_many(txn, &mut stored_ids, |id, fp| {
+            fps.insert(id, fp);
+        })?;
+        let fp_of = |id: u64| {
+            fps.get(&id)
+                .copied()
+                .ok_or_else(|| Error::Corrupt(format!("chunk {id:#x} has no fingerprint")))
+        };
         // Which of them die: each shard locked once for all of its chunks. A chunk that a
         // newer, uncommitted write references again is kept (with no reference) until that
         // commits; one that dies has its fingerprint marked dead under the same lock.
@@ -583,11 +614,11 @@ impl Inner {
             }
             let mut s = self.shards[shard].lock();
             for &i in chunks_of {
-                let (id, rec, _) = &unreferenced[i];
+                let (id, _, _) = &unreferenced[i];
                 if s.dirty.deltas.get(id).is_some_and(|&d| d != 0) {
                     kept[i] = true;
                 } else {
-                    s.dead_fps.insert(rec.fingerprint);
+                    s.dead_fps.insert(fp_of(*id)?);
                 }
             }
         }
@@ -605,16 +636,31 @@ impl Inner {
                 txn.remove(meta::ORPHANS, &id);
             }
             chunks.remove(txn, id)?;
+            // Its fingerprint stays in `chunk.fps`, stale, until its slice is swept.
+            stale.died(id);
+            let fp = fp_of(id)?;
             let new = batch.shards[shard].new_chunks.contains_key(&id);
-            index.remove(meta::fps_key(&rec.fingerprint, id), new);
+            index.remove(meta::fps_key(&fp, id), new);
             let u = segment_usage(&mut usage, txn, rec.segment)?;
             u.live_bytes -= rec.physical_bytes().min(u.live_bytes);
             record.live_chunks -= 1;
             record.live_bytes -= rec.physical_bytes();
-            applied.died.push((shard, rec.fingerprint));
+            applied.died.push((shard, fp));
             applied.freed.push(id);
         }
         chunks.write(txn);
+        // Slices folded now whose stale fingerprints outnumber their live chunks are swept
+        // (`chunk_fps.rs`), against the records as this transaction leaves them.
+        let end = page_of(self.chunk_seq.load(Ordering::Relaxed) << SHARD_BITS);
+        for &slice in fold {
+            if stale.due(slice, record.live_chunks) {
+                applied.swept += chunk_fps::sweep(txn, slice, end)?;
+                stale.swept(slice);
+            }
+        }
+        if stale.total() != stale_before || applied.swept > 0 {
+            stale.write(txn);
+        }
         applied.runs = index.finish(txn, batch.no, self.run_policy())?;
         for (seg, u) in usage {
             if u.live_bytes == 0 && self.segments.fully_committed(seg, batch.no) {
@@ -875,6 +921,9 @@ fn describe_commit(batch: &Batch, applied: &Applied, fold: &[usize]) -> String {
     }
     if !applied.kept.is_empty() {
         let _ = write!(line, ", kept {:x?}", applied.kept);
+    }
+    if applied.swept > 0 {
+        let _ = write!(line, ", {} stale fingerprints swept", applied.swept);
     }
     line
 }

@@ -1,16 +1,20 @@
 //! What the committer owns: behind the commit lock, the pool record as committed and the
-//! reference-count log ([`CommitState`]); and, read by every writer, the batch numbering
+//! reference-count log with the stale fingerprint counts ([`CommitState`]); and, read by every writer, the batch numbering
 //! ([`Batches`]).
 
+use crate::chunk_fps::Stale;
 use crate::meta::PoolRecord;
 use crate::ref_log::RefLog;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// Committed counters and the reference-count log, owned by the committer.
+/// Committed counters, the reference-count log and the stale fingerprint counts, owned by the
+/// committer.
 pub(crate) struct CommitState {
     pub record: PoolRecord,
     pub ref_log: RefLog,
+    /// Stale fingerprints per slice of the log (`chunk_fps.rs`).
+    pub fps_stale: Stale,
     /// Layers a running build owns (`copy/layer_build.rs`); the other layers listed as being
     /// built are abandoned.
     pub building: BTreeSet<u64>,

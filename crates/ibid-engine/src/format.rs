@@ -150,11 +150,17 @@ pub fn record_parts_crc_ok(header: &[u8], payload: &[u8], crc: u32) -> bool {
     crate::checksum::crc32c_parts(&header[0..20], payload) == crc
 }
 
-/// Where a chunk lives and how it is stored: one entry of a `chunk.pages` row
-/// (see `chunk_table.rs`).
+/// A chunk's BLAKE3 fingerprint (of its uncompressed 4 KiB block).
+pub type Fingerprint = [u8; 32];
+
+/// Where a chunk lives, how it is stored and how many map entries reference it: one entry of
+/// a `chunk.pages` row (see `chunk_table.rs`). The chunk's fingerprint is stored apart, in
+/// `chunk.fps` (see `chunk_fps.rs`): it is written once, while this record is rewritten by
+/// every fold of reference changes and every move by the cleaner.
 ///
-/// Layout (64 bytes): segment u64 | offset u32 | stored_len u32 | crc u32 | flags u16 |
-/// reserved u16 | refs u64 | fingerprint [u8; 32].
+/// Layout ([`CHUNK_RECORD_BYTES`] = 24): segment u48 | offset u32 | stored_len u16 | crc u32 |
+/// flags u16 | refs u48, little-endian. Pool format 14 and older stored 64 bytes with the
+/// fingerprint ([`ChunkRecord::decode_v14`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChunkRecord {
     /// Segment holding the record.
@@ -169,12 +175,20 @@ pub struct ChunkRecord {
     pub flags: u16,
     /// Number of map entries (in any volume) that reference this chunk.
     pub refs: u64,
-    /// BLAKE3 of the uncompressed 4 KiB block.
-    pub fingerprint: [u8; 32],
 }
 
 /// Encoded size of a [`ChunkRecord`].
-pub const CHUNK_RECORD_BYTES: usize = 64;
+pub const CHUNK_RECORD_BYTES: usize = 24;
+/// Encoded size of a chunk record of pool format 14 and older (with its fingerprint).
+pub const CHUNK_RECORD_V14_BYTES: usize = 64;
+/// Bound (exclusive) of a record's `segment` and `refs` (48 bits each).
+const U48_END: u64 = 1 << 48;
+
+fn u48_at(v: &[u8], at: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b[..6].copy_from_slice(&v[at..at + 6]);
+    u64::from_le_bytes(b)
+}
 
 impl ChunkRecord {
     /// Physical bytes this chunk occupies in its segment (header and payload).
@@ -182,16 +196,28 @@ impl ChunkRecord {
         RECORD_HEADER_BYTES as u64 + self.stored_len as u64
     }
 
-    /// Encodes the record for a chunk page.
+    /// Checks that the record's fields fit its encoding (a segment id or a reference count of
+    /// 2^48 or more, a payload of 64 KiB or more, do not).
+    pub fn check_encodable(&self) -> Result<()> {
+        if self.segment >= U48_END || self.refs >= U48_END || self.stored_len > u16::MAX as u32 {
+            return Err(Error::Corrupt(format!(
+                "chunk record beyond its encoding's range: {self:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Encodes the record for a chunk page (the fields are taken as
+    /// [`ChunkRecord::check_encodable`] accepts them).
     pub fn encode(&self) -> [u8; CHUNK_RECORD_BYTES] {
+        debug_assert!(self.check_encodable().is_ok(), "{self:?}");
         let mut v = [0u8; CHUNK_RECORD_BYTES];
-        v[0..8].copy_from_slice(&self.segment.to_le_bytes());
-        v[8..12].copy_from_slice(&self.offset.to_le_bytes());
-        v[12..16].copy_from_slice(&self.stored_len.to_le_bytes());
-        v[16..20].copy_from_slice(&self.crc.to_le_bytes());
-        v[20..22].copy_from_slice(&self.flags.to_le_bytes());
-        v[24..32].copy_from_slice(&self.refs.to_le_bytes());
-        v[32..64].copy_from_slice(&self.fingerprint);
+        v[0..6].copy_from_slice(&self.segment.to_le_bytes()[..6]);
+        v[6..10].copy_from_slice(&self.offset.to_le_bytes());
+        v[10..12].copy_from_slice(&(self.stored_len as u16).to_le_bytes());
+        v[12..16].copy_from_slice(&self.crc.to_le_bytes());
+        v[16..18].copy_from_slice(&self.flags.to_le_bytes());
+        v[18..24].copy_from_slice(&self.refs.to_le_bytes()[..6]);
         v
     }
 
@@ -201,15 +227,59 @@ impl ChunkRecord {
             return Err(Error::Corrupt(format!("chunk record of {} bytes", v.len())));
         }
         Ok(ChunkRecord {
+            segment: u48_at(v, 0),
+            offset: u32::from_le_bytes(v[6..10].try_into().expect("4 bytes")),
+            stored_len: u16::from_le_bytes(v[10..12].try_into().expect("2 bytes")) as u32,
+            crc: u32::from_le_bytes(v[12..16].try_into().expect("4 bytes")),
+            flags: u16::from_le_bytes(v[16..18].try_into().expect("2 bytes")),
+            refs: u48_at(v, 18),
+        })
+    }
+
+    /// Decodes a record of pool format 14 or older and its fingerprint. Layout (64 bytes):
+    /// segment u64 | offset u32 | stored_len u32 | crc u32 | flags u16 | reserved u16 | refs u64
+    /// | fingerprint [u8; 32].
+    pub fn decode_v14(v: &[u8]) -> Result<(Self, Fingerprint)> {
+        if v.len() != CHUNK_RECORD_V14_BYTES {
+            return Err(Error::Corrupt(format!(
+                "format-14 chunk record of {} bytes",
+                v.len()
+            )));
+        }
+        let rec = ChunkRecord {
             segment: u64::from_le_bytes(v[0..8].try_into().expect("8 bytes")),
             offset: u32::from_le_bytes(v[8..12].try_into().expect("4 bytes")),
             stored_len: u32::from_le_bytes(v[12..16].try_into().expect("4 bytes")),
             crc: u32::from_le_bytes(v[16..20].try_into().expect("4 bytes")),
             flags: u16::from_le_bytes(v[20..22].try_into().expect("2 bytes")),
             refs: u64::from_le_bytes(v[24..32].try_into().expect("8 bytes")),
-            fingerprint: v[32..64].try_into().expect("32 bytes"),
-        })
+        };
+        rec.check_encodable()
+            .map_err(|_| Error::Corrupt(format!("format-14 chunk record {rec:?}")))?;
+        Ok((rec, v[32..64].try_into().expect("32 bytes")))
     }
+
+    /// Encodes the record and `fp` as pool format 14 did (for tests of the upgrade).
+    pub fn encode_v14(&self, fp: &Fingerprint) -> [u8; CHUNK_RECORD_V14_BYTES] {
+        let mut v = [0u8; CHUNK_RECORD_V14_BYTES];
+        v[0..8].copy_from_slice(&self.segment.to_le_bytes());
+        v[8..12].copy_from_slice(&self.offset.to_le_bytes());
+        v[12..16].copy_from_slice(&self.stored_len.to_le_bytes());
+        v[16..20].copy_from_slice(&self.crc.to_le_bytes());
+        v[20..22].copy_from_slice(&self.flags.to_le_bytes());
+        v[24..32].copy_from_slice(&self.refs.to_le_bytes());
+        v[32..64].copy_from_slice(fp);
+        v
+    }
+}
+
+/// A new chunk until its commit: its record and its fingerprint, which the commit stores apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewChunkRecord {
+    /// Where it is and how it is stored (`refs` 0 until the commit counts them).
+    pub rec: ChunkRecord,
+    /// BLAKE3 of the uncompressed block.
+    pub fingerprint: Fingerprint,
 }
 
 /// A volume's or snapshot's persistent description: the value of the `volumes` table (key:
@@ -601,15 +671,36 @@ mod tests {
     #[test]
     fn chunk_record_round_trips_with_largest_values() {
         let r = ChunkRecord {
-            segment: u64::MAX,
+            segment: U48_END - 1,
             offset: u32::MAX,
-            stored_len: u32::MAX,
+            stored_len: u16::MAX as u32,
             crc: u32::MAX,
             flags: u16::MAX,
-            refs: u64::MAX,
-            fingerprint: [0xff; 32],
+            refs: U48_END - 1,
         };
+        assert!(r.check_encodable().is_ok());
         assert_eq!(ChunkRecord::decode(&r.encode()).expect("decode"), r);
+        let fp = [0xab; 32];
+        assert_eq!(
+            ChunkRecord::decode_v14(&r.encode_v14(&fp)).expect("decode"),
+            (r, fp)
+        );
+        // One past each field's range is refused, not wrapped.
+        for bad in [
+            ChunkRecord {
+                segment: U48_END,
+                ..r
+            },
+            ChunkRecord { refs: U48_END, ..r },
+            ChunkRecord {
+                stored_len: u16::MAX as u32 + 1,
+                ..r
+            },
+        ] {
+            assert!(bad.check_encodable().is_err(), "{bad:?}");
+            assert!(ChunkRecord::decode_v14(&bad.encode_v14(&fp)).is_err());
+        }
+        assert!(ChunkRecord::decode(&r.encode()[..23]).is_err());
     }
 
     #[test]

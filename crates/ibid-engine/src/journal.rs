@@ -58,7 +58,7 @@ use crate::commit_state::Batches;
 use crate::direct_io::{AlignedBuf, PAGE_BYTES};
 use crate::disk::{Disk, DiskFile, OpenMode};
 use crate::error::{Error, Result};
-use crate::format::{ChunkRecord, RECORD_HEADER_BYTES};
+use crate::format::{ChunkRecord, Fingerprint, NewChunkRecord, RECORD_HEADER_BYTES};
 use crate::overlay::Entry;
 use crate::segment::Segments;
 use parking_lot::Mutex;
@@ -113,6 +113,7 @@ pub(crate) enum Change {
     Chunk {
         id: u64,
         rec: ChunkRecord,
+        fingerprint: Fingerprint,
         inline: Option<Vec<u8>>,
     },
     /// Map entries installed in a volume's top layer, each data entry with a new reference.
@@ -131,19 +132,31 @@ fn file_name(i: usize) -> String {
 /// Encodes one record (header and body) onto `out`.
 pub(crate) fn encode(out: &mut Vec<u8>, stamp: u64, change: &Change) {
     match change {
-        Change::Chunk { id, rec, inline } => encode_chunk(out, stamp, *id, rec, inline.as_deref()),
+        Change::Chunk {
+            id,
+            rec,
+            fingerprint,
+            inline,
+        } => encode_chunk(out, stamp, *id, (rec, fingerprint), inline.as_deref()),
         other => encode_record(out, stamp, other, None),
     }
 }
 
 /// Encodes a chunk record carrying `payload` inline, or none.
-fn encode_chunk(out: &mut Vec<u8>, stamp: u64, id: u64, rec: &ChunkRecord, payload: Option<&[u8]>) {
+fn encode_chunk(
+    out: &mut Vec<u8>,
+    stamp: u64,
+    id: u64,
+    (rec, fingerprint): (&ChunkRecord, &Fingerprint),
+    payload: Option<&[u8]>,
+) {
     encode_record(
         out,
         stamp,
         &Change::Chunk {
             id,
             rec: *rec,
+            fingerprint: *fingerprint,
             inline: None,
         },
         payload,
@@ -155,7 +168,12 @@ fn encode_record(out: &mut Vec<u8>, stamp: u64, change: &Change, payload: Option
     let start = out.len();
     out.extend_from_slice(&[0u8; JOURNAL_HEADER_BYTES]);
     let kind = match change {
-        Change::Chunk { id, rec, .. } => {
+        Change::Chunk {
+            id,
+            rec,
+            fingerprint,
+            ..
+        } => {
             out.extend_from_slice(&id.to_le_bytes());
             out.extend_from_slice(&rec.segment.to_le_bytes());
             out.extend_from_slice(&rec.offset.to_le_bytes());
@@ -164,7 +182,7 @@ fn encode_record(out: &mut Vec<u8>, stamp: u64, change: &Change, payload: Option
             out.extend_from_slice(&rec.flags.to_le_bytes());
             out.push(u8::from(payload.is_some()));
             out.push(0);
-            out.extend_from_slice(&rec.fingerprint);
+            out.extend_from_slice(fingerprint);
             if let Some(p) = payload {
                 out.extend_from_slice(p);
             }
@@ -223,7 +241,6 @@ fn decode_body(kind: u8, b: &[u8]) -> Option<Change> {
                 crc: u32_at(b, 24),
                 flags: u16::from_le_bytes([b[28], b[29]]),
                 refs: 0,
-                fingerprint: b[32..64].try_into().expect("32 bytes"),
             };
             let inline = match b[30] {
                 0 if b.len() == CHUNK_BODY_BYTES => None,
@@ -235,6 +252,7 @@ fn decode_body(kind: u8, b: &[u8]) -> Option<Change> {
             Some(Change::Chunk {
                 id: u64_at(b, 0),
                 rec,
+                fingerprint: b[32..64].try_into().expect("32 bytes"),
                 inline,
             })
         }
@@ -548,14 +566,22 @@ impl Journal {
     pub(crate) fn append_chunks<'a>(
         &self,
         stamp: u64,
-        chunks: impl IntoIterator<Item = (u64, ChunkRecord, &'a [u8])>,
+        chunks: impl IntoIterator<Item = (u64, NewChunkRecord, &'a [u8])>,
     ) {
         let mut p = self.pending.lock();
         debug_assert!(p.changes.last().is_none_or(|(s, _)| *s <= stamp));
-        for (id, rec, payload) in chunks {
-            p.new_bytes += rec.stored_len as u64;
+        for (id, new, payload) in chunks {
+            p.new_bytes += new.rec.stored_len as u64;
             let inline = (p.new_bytes <= INLINE_BYTES_MAX).then(|| payload.to_vec());
-            p.changes.push((stamp, Change::Chunk { id, rec, inline }));
+            p.changes.push((
+                stamp,
+                Change::Chunk {
+                    id,
+                    rec: new.rec,
+                    fingerprint: new.fingerprint,
+                    inline,
+                },
+            ));
             p.appended += 1;
         }
     }
@@ -686,9 +712,15 @@ fn encode_batches(
             Change::Chunk {
                 id,
                 rec,
+                fingerprint,
                 inline: Some(payload),
-            } if inline => encode_chunk(buf, *stamp, *id, rec, Some(payload)),
-            Change::Chunk { id, rec, .. } if inline => {
+            } if inline => encode_chunk(buf, *stamp, *id, (rec, fingerprint), Some(payload)),
+            Change::Chunk {
+                id,
+                rec,
+                fingerprint,
+                ..
+            } if inline => {
                 let Some(record) = segments.read_record(rec.segment, rec.offset, rec.stored_len)?
                 else {
                     // Its segment is gone: only a commit of its batch can have freed it.
@@ -699,7 +731,13 @@ fn encode_batches(
                         "journal: chunk {id:#x} of an uncommitted batch has no segment"
                     )));
                 };
-                encode_chunk(buf, *stamp, *id, rec, Some(&record[RECORD_HEADER_BYTES..]));
+                encode_chunk(
+                    buf,
+                    *stamp,
+                    *id,
+                    (rec, fingerprint),
+                    Some(&record[RECORD_HEADER_BYTES..]),
+                );
             }
             other => encode_record(buf, *stamp, other, None),
         }
@@ -724,8 +762,8 @@ mod tests {
                 crc: 0xdead_beef,
                 flags: 1,
                 refs: 0,
-                fingerprint: [id as u8; 32],
             },
+            fingerprint: [id as u8; 32],
             inline,
         }
     }

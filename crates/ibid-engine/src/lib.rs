@@ -24,6 +24,7 @@ mod bloom;
 mod breakdown;
 mod catalog;
 pub mod checksum;
+pub mod chunk_fps;
 pub mod chunk_table;
 mod cleaner_pace;
 mod commit;

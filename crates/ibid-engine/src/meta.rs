@@ -4,11 +4,13 @@
 //! |------------|--------------------------------------|----------------------------------------|
 //! | `pool`     | `"pool"`                             | [`PoolRecord`]                         |
 //! | `pool`     | `"fps.merged"` ([`FPS_MERGED_KEY`])   | per slice of the dedup index's key space, the commit that last merged it (u64 LE each; see `dedup_index.rs`) |
+//! | `pool`     | `"chunk.fps.stale"` ([`FPS_STALE_KEY`]) | per slice of the reference log, fingerprints in `chunk.fps` whose chunk died (u64 LE each; see `chunk_fps.rs`) |
 //! | `pool`     | `"layers.building"` ([`BUILDING_KEY`]) | ids of layers in no stack whose entries are being written (a build) or deleted (a dropped or abandoned layer) (u64 LE each, ascending; see `copy/layer_build.rs`) |
 //! | `volumes`  | volume name                          | [`crate::format::VolumeRecord`]        |
 //! | `map.pages` | (layer u64 BE, block >> 4 u64 BE)   | a page: the entries (chunk id, absent = zero) of up to 16 neighbouring blocks (see `map_table.rs`) |
 //! | `map`      | (layer u64 BE, block u64 BE)         | chunk id; format version 10 and older only, moved into `map.pages` at open |
 //! | `chunk.pages` | chunk id >> 10                    | a page: the [`crate::format::ChunkRecord`]s of up to 16 neighbouring ids (see `chunk_table.rs`) |
+//! | `chunk.fps` | chunk id >> 10                      | a page: the fingerprints of up to 16 neighbouring ids, kept after their chunks die until swept (see `chunk_fps.rs`) |
 //! | `fps`      | (fingerprint prefix u64, chunk id) as u128 BE | () — the dedup index's B-tree |
 //! | `fps.runs` | commit number                        | a run: ascending `fps` keys, 16 B each, as written (merged out a slice at a time, never rewritten) |
 //! | `fps.gone` | commit number                        | keys of the chunks that died in that commit, packed like a run |
@@ -42,6 +44,9 @@ pub const POOL: Def<str, [u8]> = Def::new(Table::Pool);
 /// run or gone row is kept, and in pools of format version 8 and older, whose rows hold only
 /// keys not merged yet).
 pub const FPS_MERGED_KEY: &str = "fps.merged";
+/// Key in [`POOL`] of the stale fingerprint counts per slice of the reference log (see
+/// `chunk_fps.rs`; absent while all are zero, and in pools of format version 14 and older).
+pub const FPS_STALE_KEY: &str = "chunk.fps.stale";
 /// Key in [`POOL`] of the layers in no stack that still have map entries: layers being built
 /// (their entries written in steps before any stack shows them) and layers whose last stack
 /// reference went (their entries deleted in steps by the background); see
@@ -64,6 +69,9 @@ pub const MAP_LOG: Def<u64, [u8]> = Def::new(Table::MapLog);
 /// Chunks: page key (`id >> chunk_table::PAGE_SHIFT`) → page of records (see
 /// [`crate::chunk_table`], the only module that reads or writes it).
 pub const CHUNK_PAGES: Def<u64, [u8]> = Def::new(Table::ChunkPages);
+/// Chunks' fingerprints: page key (as [`CHUNK_PAGES`]) → page of fingerprints (see
+/// [`crate::chunk_fps`], the only module that reads or writes it).
+pub const CHUNK_FPS: Def<u64, [u8]> = Def::new(Table::ChunkFps);
 /// Chunks of pools of format version 5 and older, one row per chunk: id → record. Emptied into
 /// [`CHUNK_PAGES`] when such a pool is opened ([`crate::chunk_table::upgrade`]).
 pub const CHUNKS_BY_ID: Def<u64, [u8]> = Def::new(Table::Chunks);
@@ -154,7 +162,9 @@ pub const POOL_KEY: &str = "pool";
 /// pool's log is summed and logged again when it is opened (`ref_log::upgrade`). 14 — the
 /// map log records a change to an existing page as a delta (`map_page.rs`); a version 13
 /// pool's log rows hold whole pages only, which this build reads as they are, but a build
-/// that knows only version 13 would take a delta for corruption.
+/// that knows only version 13 would take a delta for corruption. 15 — chunk records of 24
+/// bytes in entries of 26 (`chunk.pages`), their fingerprints apart in `chunk.fps`; a version
+/// 14 pool's pages are split when it is opened (`chunk_table::upgrade`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolRecord {
     /// Format version of the pool.
@@ -185,7 +195,9 @@ pub struct PoolRecord {
 }
 
 /// Current pool format version.
-pub const POOL_FORMAT_VERSION: u64 = 14;
+pub const POOL_FORMAT_VERSION: u64 = 15;
+/// First format whose chunk records leave their fingerprints to `chunk.fps`.
+pub const FPS_APART_VERSION: u64 = 15;
 /// First format whose reference log is cut in 64 slices, not 16.
 pub const REF_LOG_64_SLICES_VERSION: u64 = 13;
 /// Oldest pool format version this build opens (and upgrades).

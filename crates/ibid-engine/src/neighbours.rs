@@ -1,7 +1,8 @@
 //! Dedup by locality. Blocks written together are stored together (consecutive chunk sequence
 //! numbers), and copied data (a clone, a backup, a second copy of a file) arrives in runs. So
 //! once one block of a large write is found in the fingerprint index, the chunks stored around
-//! it are read with one range scan of the chunk table, and the write's other blocks are
+//! it are read with one range scan of the chunk table and of their fingerprints (`chunk_fps.rs`),
+//! and the write's other blocks are
 //! looked for among them first: a point read of the `fps` B-tree, whose random 32-byte keys make
 //! every lookup a walk through pages no cache holds, becomes a hash probe and a read of a chunk
 //! record beside the ones just read. A hint only: the caller checks a hit against the chunk's
@@ -90,11 +91,16 @@ impl Neighbours {
     }
 }
 
+/// The fingerprints of the chunks stored with ids in `lo..=hi` (those with a record: a dead
+/// chunk's fingerprint may still be stored, stale).
 fn scan(db: &Store, lo: u64, hi: u64) -> crate::Result<FxHashMap<[u8; 32], u64>> {
     let txn = db.read()?;
+    let stored = crate::chunk_table::range(&txn, lo, hi)?;
     let mut near = FxHashMap::default();
-    for (id, rec) in crate::chunk_table::range(&txn, lo, hi)? {
-        near.insert(rec.fingerprint, id);
+    for (id, fp) in crate::chunk_fps::range(&txn, lo, hi)? {
+        if stored.binary_search_by_key(&id, |&(i, _)| i).is_ok() {
+            near.insert(fp, id);
+        }
     }
     Ok(near)
 }

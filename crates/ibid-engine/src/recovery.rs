@@ -23,13 +23,14 @@
 use crate::background::{Health, Threads};
 use crate::bloom::Bloom;
 use crate::catalog::Catalog;
+use crate::chunk_fps::Stale;
 use crate::commit_state::{Batches, CommitState};
 use crate::config::PoolConfig;
 use crate::dedup::Dedup;
 use crate::dedup_index::Runs;
 use crate::disk::Disk;
 use crate::error::{Error, Result};
-use crate::format::{self, VolumeRecord};
+use crate::format::{self, NewChunkRecord, VolumeRecord};
 use crate::fs_space::FsSpace;
 use crate::inner::{bloom_capacity, name_prepare_threads, Inner};
 use crate::journal::{Change, Journal};
@@ -62,6 +63,7 @@ struct StoredCatalog {
     segment_ids: HashSet<u64>,
     dedup_runs: Runs,
     ref_log: RefLog,
+    fps_stale: Stale,
 }
 
 /// Opens the pool in `dir` (locked by `lock`): the steps of the module's doc, in order.
@@ -80,6 +82,7 @@ pub(crate) fn open(
         let txn = db.read()?;
         catalog.dedup_runs = Runs::load(&txn)?;
         catalog.ref_log = RefLog::load(&txn)?;
+        catalog.fps_stale = Stale::load(&txn)?;
     }
     steps.done("catalog");
     let journaled = read_journal(&*config.disk, dir, &mut catalog)?;
@@ -199,6 +202,7 @@ fn read_catalog(db: &Store) -> Result<StoredCatalog> {
         segment_ids,
         dedup_runs: Runs::load(&txn)?,
         ref_log,
+        fps_stale: Stale::load(&txn)?,
     })
 }
 
@@ -221,12 +225,15 @@ fn upgrade_format(db: &Store, record: &mut PoolRecord, dir: &Path) -> Result<boo
     let mut txn = db.write()?;
     // Nothing reads the pool yet: a format-10 map moves into the table, not into memory.
     txn.write_through();
-    let moved = crate::chunk_table::upgrade(&mut txn)?;
-    if moved > 0 {
-        tracing::info!(
-            "pool {}: {moved} chunk records moved into pages",
-            dir.display()
-        );
+    if old_version < meta::FPS_APART_VERSION {
+        let moved = crate::chunk_table::upgrade(&mut txn)?;
+        if moved > 0 {
+            tracing::info!(
+                "pool {}: {moved} chunk records moved into pages of this format, their \
+                 fingerprints apart",
+                dir.display()
+            );
+        }
     }
     let moved = crate::map_table::upgrade(&mut txn)?;
     if moved > 0 {
@@ -356,6 +363,7 @@ fn assemble(
         snapshots,
         dedup_runs,
         ref_log,
+        fps_stale,
         ..
     } = catalog;
     let bloom = Bloom::with_capacity(
@@ -433,6 +441,7 @@ fn assemble(
         commit: Mutex::new(CommitState {
             record,
             ref_log,
+            fps_stale,
             building: BTreeSet::new(),
         }),
         gc_lock: Mutex::new(()),
@@ -492,6 +501,7 @@ impl Inner {
                 Change::Chunk {
                     id,
                     mut rec,
+                    fingerprint,
                     inline,
                 } => {
                     match inline {
@@ -519,7 +529,7 @@ impl Inner {
                             }
                         }
                     }
-                    self.adopt_chunk(id, rec);
+                    self.adopt_chunk(id, NewChunkRecord { rec, fingerprint });
                 }
                 Change::Install { volume, entries } => {
                     let Some(v) = volumes.get(&volume) else {

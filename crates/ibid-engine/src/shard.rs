@@ -2,7 +2,7 @@
 //! [`SHARDS`] shards, each holding the chunk-level changes writers made since the last cut
 //! and those being committed.
 
-use crate::format::ChunkRecord;
+use crate::format::NewChunkRecord;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::Arc;
 
@@ -15,7 +15,7 @@ pub const SHARD_BITS: u32 = 6;
 /// BLAKE3 fingerprints, and these maps see a few operations per block written.
 #[derive(Default)]
 pub(crate) struct ShardBatch {
-    pub new_chunks: FxHashMap<u64, ChunkRecord>,
+    pub new_chunks: FxHashMap<u64, NewChunkRecord>,
     pub fps: FxHashMap<[u8; 32], u64>,
     pub deltas: FxHashMap<u64, i64>,
 }

@@ -185,7 +185,20 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             cs.ref_log.entries()
         )));
     }
+    // The fingerprints, matched to the records in id order: every chunk has one; the rest are
+    // stale (their chunk died), as many as the committer counts.
+    let mut fps = Vec::new();
+    crate::chunk_fps::for_each(&txn, |id, fp| {
+        fps.push((id, fp));
+        Ok(())
+    })?;
+    let mut fps = fps.into_iter().peekable();
+    let mut stale = 0u64;
     crate::chunk_table::for_each(&txn, |id, rec| {
+        stale += std::iter::from_fn(|| fps.next_if(|&(i, _)| i < id)).count() as u64;
+        let Some((_, fingerprint)) = fps.next_if(|&(i, _)| i == id) else {
+            return Err(fail(format!("chunk {id:#x} has no fingerprint")));
+        };
         let counted = refs.remove(&id).unwrap_or(0);
         let delta = logged.remove(&id).unwrap_or(0);
         if rec.refs as i64 + delta != counted as i64 {
@@ -203,14 +216,14 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
             }
             report.orphans += 1;
         }
-        let key = meta::fps_key(&rec.fingerprint, id);
+        let key = meta::fps_key(&fingerprint, id);
         if !runs.holds(key) && txn.get(meta::FPS, &key)?.is_none() {
             return Err(fail(format!("chunk {id:#x} is not in the dedup index")));
         }
         // Damaged data is noted and the check goes on, to name every damaged chunk and what
         // holds it; I/O errors end the check.
         match inner.read_chunk(id, &mut block) {
-            Ok(true) if blake3::hash(&block).as_bytes() != &rec.fingerprint => {
+            Ok(true) if blake3::hash(&block).as_bytes() != &fingerprint => {
                 damaged.insert(id, "content does not match its fingerprint".into());
             }
             Ok(true) => {}
@@ -227,6 +240,13 @@ pub(crate) fn verify(inner: &Inner) -> Result<VerifyReport> {
         report.physical_bytes += rec.physical_bytes();
         Ok(())
     })?;
+    stale += fps.count() as u64;
+    if stale != cs.fps_stale.total() {
+        return Err(fail(format!(
+            "{stale} stored fingerprints have no chunk, the committer counts {}",
+            cs.fps_stale.total()
+        )));
+    }
     if !damaged.is_empty() {
         return Err(fail(damage_report(&damaged, &stacks, &entries)?));
     }

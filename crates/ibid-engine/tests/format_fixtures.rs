@@ -246,3 +246,8 @@ fn a_format_12_pool_has_its_reference_log_cut_in_this_formats_slices() {
 fn a_format_13_pool_has_its_whole_page_log_rows_read_beside_new_deltas() {
     opens_and_lives_on("pool-v13.tar.gz", 13);
 }
+
+#[test]
+fn a_format_14_pool_has_its_fingerprints_moved_out_of_its_chunk_records() {
+    opens_and_lives_on("pool-v14.tar.gz", 14);
+}

@@ -10,8 +10,54 @@ use ibid_engine::store::{Reader, Store};
 use ibid_engine::{Error, Pool, PoolConfig};
 use std::path::Path;
 
-/// Rewrites the version field of the stored pool record (any value, known or not).
+/// Puts the chunk records of the pool at `dir` back in format 14's layout, if they are in
+/// this one: pages of 72-byte entries (chunk id u64, then the record with its fingerprint),
+/// no `chunk.fps` rows, no stale counts. Returns how many records it rewrote.
+fn chunk_pages_to_format_14(dir: &Path) -> usize {
+    use ibid_engine::{chunk_fps, chunk_table};
+    let store = Store::open(dir).expect("store");
+    let mut fps = std::collections::BTreeMap::new();
+    let mut records = Vec::new();
+    {
+        let r = store.read().expect("read");
+        chunk_fps::for_each(&r, |id, fp| {
+            fps.insert(id, fp);
+            Ok(())
+        })
+        .expect("fingerprints");
+        if fps.is_empty() {
+            return 0;
+        }
+        chunk_table::for_each(&r, |id, rec| {
+            records.push((id, rec));
+            Ok(())
+        })
+        .expect("records");
+    }
+    let mut pages: std::collections::BTreeMap<u64, Vec<u8>> = Default::default();
+    for (id, rec) in &records {
+        let page = pages.entry(chunk_table::page_of(*id)).or_default();
+        page.extend_from_slice(&id.to_le_bytes());
+        page.extend_from_slice(&rec.encode_v14(&fps[id]));
+    }
+    let mut txn = store.write().expect("write");
+    for key in fps.keys().map(|&id| chunk_table::page_of(id)) {
+        txn.remove(meta::CHUNK_FPS, &key);
+    }
+    for (key, page) in &pages {
+        txn.insert(meta::CHUNK_PAGES, key, page.as_slice());
+    }
+    txn.remove(meta::POOL, meta::FPS_STALE_KEY);
+    txn.commit().expect("commit");
+    records.len()
+}
+
+/// Rewrites the version field of the stored pool record (any value, known or not); a version
+/// before 15 gets its chunk records in format 14's layout first.
 fn set_version(dir: &Path, version: u64) {
+    if version < meta::FPS_APART_VERSION {
+        chunk_pages_to_format_14(dir);
+    }
     let store = Store::open(dir).expect("store");
     let mut txn = store.write().expect("write");
     let mut raw = txn
@@ -90,6 +136,7 @@ const CHUNK_PAGES: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::ne
 /// chunk in `chunks` (id → record) instead of pages. Returns how many records it moved.
 fn unpack_chunk_pages(path: &Path) -> usize {
     use redb::{ReadableTable, ReadableTableMetadata};
+    chunk_pages_to_format_14(path);
     let db = redb::Database::open(path.join("meta.redb")).expect("redb");
     let txn = db.begin_write().expect("write");
     let mut moved = 0;
@@ -534,4 +581,87 @@ fn a_pool_merged_by_another_slice_count_opens_and_merges_once() {
         "old blocks found as duplicates"
     );
     assert_eq!(pool.verify().expect("verify at the end").chunks, 80);
+}
+
+/// A version 14 pool (72-byte chunk entries holding the fingerprints) opens upgraded: its
+/// pages split into 26-byte entries and fingerprint pages, every block reads back, verify
+/// agrees, a block written again is found as a duplicate of an old chunk (its fingerprint
+/// read from the new table), and the fold that finds overwritten chunks dead sweeps their
+/// stale fingerprints.
+#[test]
+fn a_version_14_pool_has_its_fingerprints_moved_apart() {
+    use ibid_engine::{chunk_fps, chunk_table};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("p");
+    {
+        let pool = Pool::create(&path, quiet_config(1 << 30)).expect("create");
+        let v = pool.create_volume("v", 64 << 20).expect("volume");
+        for i in 0..300u64 {
+            v.write(i * 4096, &random_block(i), false).expect("write");
+        }
+        drop(v);
+        pool.close().expect("close");
+    }
+    assert_eq!(chunk_pages_to_format_14(&path), 300);
+    set_version(&path, 14);
+    {
+        let store = Store::open(&path).expect("store");
+        let r = store.read().expect("read");
+        assert!(
+            chunk_table::get(&r, 1 << 6).is_err(),
+            "format 14's pages are not this format's"
+        );
+    }
+    let config = || quiet_config(1 << 30);
+    {
+        let pool = Pool::open(&path, config()).expect("open a version 14 pool");
+        assert_eq!(pool.verify().expect("verify after the upgrade").chunks, 300);
+        let v = pool.volume("v").expect("v");
+        let mut got = vec![0u8; 4096];
+        for i in 0..300u64 {
+            v.read(i * 4096, &mut got).expect("read");
+            assert_eq!(got, random_block(i), "block {i}");
+        }
+        v.write(1000 * 4096, &random_block(7), false)
+            .expect("write a duplicate");
+        pool.sync().expect("sync");
+        assert_eq!(pool.stats().unique_chunks, 300, "block 7 deduplicated");
+        // Overwrites kill old chunks: their fingerprints stay, stale, until swept.
+        for i in 100..300u64 {
+            v.write(i * 4096, &random_block(10_000 + i), false)
+                .expect("overwrite");
+        }
+        pool.sync().expect("sync");
+        assert_eq!(pool.verify().expect("verify").chunks, 300);
+        drop(v);
+        pool.close().expect("close");
+    }
+    assert_eq!(stored_version(&path), POOL_FORMAT_VERSION, "upgraded");
+    let store = Store::open(&path).expect("store");
+    let r = store.read().expect("read");
+    let (mut records, mut fps) = (0, 0);
+    chunk_table::for_each(&r, |_, _| {
+        records += 1;
+        Ok(())
+    })
+    .expect("records");
+    chunk_fps::for_each(&r, |_, _| {
+        fps += 1;
+        Ok(())
+    })
+    .expect("fingerprints");
+    assert_eq!(records, 300);
+    assert_eq!(
+        fps, 300,
+        "the sync's fold found the 200 deaths and swept their slice (more stale than live \
+         chunks' sixty-fourth)"
+    );
+    for item in r.iter(meta::CHUNK_PAGES).expect("pages") {
+        let (key, page) = item.expect("page");
+        assert_eq!(page.len() % 26, 0, "page {key}: 26-byte entries");
+    }
+    drop(r);
+    drop(store);
+    let pool = Pool::open(&path, config()).expect("reopen");
+    assert_eq!(pool.verify().expect("verify after a reopen").chunks, 300);
 }

@@ -74,10 +74,12 @@ pub enum Table {
     MapPages,
     /// Changes to `MapPages` not yet written back to it (see [`deferred`]).
     MapLog,
+    /// Chunks' fingerprints in pages of neighbouring ids (format version 15).
+    ChunkFps,
 }
 
 /// Number of tables.
-pub const TABLES: usize = 17;
+pub const TABLES: usize = 18;
 
 impl Table {
     /// Every table, in index order.
@@ -99,6 +101,7 @@ impl Table {
         Table::ChunkDeltas,
         Table::MapPages,
         Table::MapLog,
+        Table::ChunkFps,
     ];
 
     /// Position in [`Table::ALL`].
@@ -126,6 +129,7 @@ impl Table {
             Table::ChunkDeltas => "chunk.deltas",
             Table::MapPages => "map.pages",
             Table::MapLog => "map.log",
+            Table::ChunkFps => "chunk.fps",
         }
     }
 }

@@ -67,6 +67,8 @@ const CHUNK_DELTAS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunk.de
 const MAP_PAGES: TableDefinition<&[u8], &[u8]> = TableDefinition::new("map.pages");
 /// Changes to `map.pages` not yet written back (format version 12; see `deferred.rs`).
 const MAP_LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("map.log");
+/// Chunks' fingerprints in pages (format version 15; see `chunk_fps.rs`).
+const CHUNK_FPS: TableDefinition<u64, &[u8]> = TableDefinition::new("chunk.fps");
 
 /// Runs the generic function `$f` on the redb table of `$table`, with the other arguments.
 macro_rules! dispatch {
@@ -89,6 +91,7 @@ macro_rules! dispatch {
             Table::ChunkDeltas => $f(CHUNK_DELTAS, $($arg),*),
             Table::MapPages => $f(MAP_PAGES, $($arg),*),
             Table::MapLog => $f(MAP_LOG, $($arg),*),
+            Table::ChunkFps => $f(CHUNK_FPS, $($arg),*),
         }
     };
 }

@@ -274,8 +274,8 @@ impl Volume {
     /// The fingerprint of each 4 KiB block of `[offset, offset + len)` (whole blocks), as
     /// [`crate::fingerprint::of_data`] would compute it from the blocks' bytes, taken from the
     /// metadata: `None` for a block that reads as zeros. No data is read, except for a block
-    /// whose chunk could not be located (freed under a live volume's reader): that block is
-    /// read and hashed.
+    /// whose chunk has no fingerprint stored (freed and swept under a live volume's reader):
+    /// that block is read and hashed.
     pub fn block_fingerprints(&self, offset: u64, len: u64) -> Result<Vec<Option<[u8; 32]>>> {
         self.check_range(offset, len)?;
         if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) {
@@ -286,15 +286,15 @@ impl Volume {
         self.inner.note_io();
         let (b0, b1) = (offset / BLOCK, (offset + len) / BLOCK);
         let entries = self.inner.lookup_range(&self.state, b0, b1)?;
-        let locations = self.inner.chunk_locations(entries.values().copied())?;
+        let fingerprints = self.inner.chunk_fingerprints(entries.values().copied())?;
         let mut block = vec![0u8; BLOCK_BYTES];
         (b0..b1)
             .map(|b| {
                 let Some(id) = entries.get(&b) else {
                     return Ok(None);
                 };
-                if let Some(rec) = locations.get(id) {
-                    return Ok(Some(rec.fingerprint));
+                if let Some(&fp) = fingerprints.get(id) {
+                    return Ok(Some(fp));
                 }
                 self.inner
                     .read_range(&self.state, b * BLOCK, &mut block, None)?;

@@ -216,6 +216,38 @@ impl Inner {
         }
         Ok(out)
     }
+
+    /// The fingerprint of each of `ids` that has one (uncommitted chunks first, then one read
+    /// of the store; a chunk freed meanwhile may still have its fingerprint stored, which is
+    /// still its content's: chunk ids are never reused).
+    pub(super) fn chunk_fingerprints(
+        &self,
+        ids: impl Iterator<Item = u64>,
+    ) -> Result<FxHashMap<u64, format::Fingerprint>> {
+        let mut out = FxHashMap::with_capacity_and_hasher(ids.size_hint().0, Default::default());
+        let mut stored = Vec::with_capacity(ids.size_hint().0);
+        for id in ids {
+            let s = self.shards[shard_of_chunk(id)].lock();
+            let new = s
+                .dirty
+                .new_chunks
+                .get(&id)
+                .or_else(|| s.committing.new_chunks.get(&id));
+            match new {
+                Some(new) => {
+                    out.insert(id, new.fingerprint);
+                }
+                None => stored.push(id),
+            }
+        }
+        if !stored.is_empty() {
+            let txn = self.db.read()?;
+            crate::chunk_fps::get_many(&txn, &mut stored, |id, fp| {
+                out.insert(id, fp);
+            })?;
+        }
+        Ok(out)
+    }
 }
 
 impl Inner {
@@ -319,7 +351,7 @@ impl Inner {
             .new_chunks
             .get(&id)
             .or_else(|| s.committing.new_chunks.get(&id))
-            .copied()
+            .map(|new| new.rec)
     }
 
     /// Reads and verifies chunk `id` into `out` (4 KiB). `Ok(false)` if the chunk is gone.

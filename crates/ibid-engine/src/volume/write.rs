@@ -26,7 +26,7 @@ pub(super) struct PlacingMark<'a> {
 impl<'a> PlacingMark<'a> {
     /// Removes the mark and registers the placed chunk `id` (record `rec`) in the shard, with
     /// `refs` references of the current batch, under one hold of the shard lock.
-    pub(super) fn register(self, id: u64, rec: format::ChunkRecord, refs: i64) {
+    pub(super) fn register(self, id: u64, rec: format::NewChunkRecord, refs: i64) {
         let fp = self.fp;
         let mut s = self.clear();
         s.dirty.new_chunks.insert(id, rec);
@@ -460,7 +460,7 @@ impl Inner {
         v: &VolumeState,
         chunks: &[NewChunk<'_>],
         stamp: u64,
-    ) -> Result<Vec<(u64, format::ChunkRecord)>> {
+    ) -> Result<Vec<(u64, format::NewChunkRecord)>> {
         let physical: u64 = chunks
             .iter()
             .map(|c| (RECORD_HEADER_BYTES + c.payload.len()) as u64)
@@ -480,7 +480,7 @@ impl Inner {
         let placed =
             self.segments
                 .append_all(0..DATA_WRITERS, preferred_writer(), &records, stamp)?;
-        let placed: Vec<(u64, format::ChunkRecord)> = records
+        let placed: Vec<(u64, format::NewChunkRecord)> = records
             .iter()
             .zip(chunks)
             .zip(placed)
@@ -492,9 +492,14 @@ impl Inner {
                     crc: at.crc,
                     flags: c.flags,
                     refs: 0,
-                    fingerprint: c.fp,
                 };
-                (r.chunk_id, rec)
+                (
+                    r.chunk_id,
+                    format::NewChunkRecord {
+                        rec,
+                        fingerprint: c.fp,
+                    },
+                )
             })
             .collect();
         self.journal.append_chunks(
@@ -693,18 +698,18 @@ impl Inner {
 
     /// Replays a journaled chunk: it becomes an uncommitted new chunk again, with no reference
     /// yet (the journaled map entries that use it add theirs).
-    pub(crate) fn adopt_chunk(&self, id: u64, rec: format::ChunkRecord) {
+    pub(crate) fn adopt_chunk(&self, id: u64, new: format::NewChunkRecord) {
         self.chunk_seq
             .fetch_max((id >> SHARD_BITS) + 1, Ordering::Relaxed);
         let mut s = self.shards[shard_of_chunk(id)].lock();
-        s.dirty.fps.insert(rec.fingerprint, id);
-        s.dirty.new_chunks.insert(id, rec);
+        s.dirty.fps.insert(new.fingerprint, id);
+        s.dirty.new_chunks.insert(id, new);
         s.dirty.deltas.entry(id).or_default();
         drop(s);
-        self.space.adopt(rec.physical_bytes());
+        self.space.adopt(new.rec.physical_bytes());
         self.dedup
             .filter()
-            .insert(meta::fp_prefix(&rec.fingerprint));
+            .insert(meta::fp_prefix(&new.fingerprint));
     }
 
     /// Replays journaled map entries: each data entry takes its reference again, and the
@@ -752,9 +757,11 @@ pub(super) fn entry_of(id: u64) -> Entry {
     }
 }
 
-/// Whether `store` holds chunk `id` with fingerprint `fp`.
+/// Whether `store` holds chunk `id` with fingerprint `fp` (a record, and that fingerprint: a
+/// dead chunk's may still be stored, stale).
 pub(super) fn holds_chunk_in(store: &impl Reader, id: u64, fp: &[u8; 32]) -> Result<bool> {
-    Ok(crate::chunk_table::get(store, id)?.is_some_and(|rec| rec.fingerprint == *fp))
+    Ok(crate::chunk_fps::get(store, id)? == Some(*fp)
+        && crate::chunk_table::get(store, id)?.is_some())
 }
 
 /// The first of the chunk ids `ids` that `store` holds with fingerprint `fp`.
