@@ -44,8 +44,8 @@ const LOW_MASK: u64 = (1 << PAGE_SHIFT) - 1;
 /// The decoded entries of a page: (chunk id, fingerprint), ascending by id.
 type Entries = Vec<(u64, Fingerprint)>;
 
-/// Decodes page `key`, checking its length and that its ids ascend and belong to it.
-fn decode(key: u64, page: &[u8]) -> Result<Entries> {
+/// Checks page `key`'s length; returns its number of entries.
+fn check_len(key: u64, page: &[u8]) -> Result<usize> {
     let n = page.len() / ENTRY_BYTES;
     if !page.len().is_multiple_of(ENTRY_BYTES) || n == 0 || n > PAGE_SEQS {
         return Err(Error::Corrupt(format!(
@@ -53,6 +53,12 @@ fn decode(key: u64, page: &[u8]) -> Result<Entries> {
             page.len()
         )));
     }
+    Ok(n)
+}
+
+/// Decodes page `key`, checking its length and that its ids ascend and belong to it.
+fn decode(key: u64, page: &[u8]) -> Result<Entries> {
+    let n = check_len(key, page)?;
     let mut out: Entries = Vec::with_capacity(n);
     for e in page.chunks_exact(ENTRY_BYTES) {
         let low = u16::from_le_bytes([e[0], e[1]]) as u64;
@@ -83,10 +89,13 @@ pub fn get(r: &impl Reader, id: u64) -> Result<Option<Fingerprint>> {
     let Some(page) = r.get(meta::CHUNK_FPS, &key)? else {
         return Ok(None);
     };
-    Ok(decode(key, &page)?
-        .into_iter()
-        .find(|&(i, _)| i == id)
-        .map(|(_, fp)| fp))
+    check_len(key, &page)?;
+    // A dedup candidate's confirmation reads one entry: scanned in place, not decoded.
+    let low = (id & LOW_MASK) as u16;
+    Ok(page
+        .chunks_exact(ENTRY_BYTES)
+        .find(|e| u16::from_le_bytes([e[0], e[1]]) == low)
+        .map(|e| e[2..].try_into().expect("32 bytes")))
 }
 
 /// The fingerprints stored for those of `ids` that have one, each page read once (sorts
