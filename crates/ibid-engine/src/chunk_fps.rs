@@ -12,10 +12,11 @@
 //! space, and deleting each one rewrote a page of this table per death. A fingerprint whose
 //! chunk has no record is **stale**: harmless, since every reader asks the chunk table first
 //! (or after), and counted per slice of the reference log ([`Stale`]). When a fold of a
-//! slice leaves the slice's stale fingerprints at least as many as its live chunks, the same
-//! commit **sweeps** the slice: it rewrites the slice's pages with only the live chunks'
-//! fingerprints. Each sweep drops at least as many entries as it writes, so the table stays
-//! under twice the live chunks' and a death costs at most about two entries' bytes, once.
+//! slice leaves the slice's stale fingerprints at least as many as a slice's share of the
+//! live chunks (a sixty-fourth), the same commit **sweeps** the slice: it rewrites the slice's
+//! pages with only the live chunks' fingerprints. With the live chunks spread evenly over the
+//! slices, each sweep drops about as many entries as it keeps or more, so the table stays
+//! near twice the live chunks' at most and a death costs about two entries' bytes, once.
 //!
 //! # Page format (the value of a `chunk.fps` row; key: `id >> chunk_table::PAGE_SHIFT`)
 //!

@@ -649,8 +649,9 @@ impl Inner {
             applied.freed.push(id);
         }
         chunks.write(txn);
-        // Slices folded now whose stale fingerprints outnumber their live chunks are swept
-        // (`chunk_fps.rs`), against the records as this transaction leaves them.
+        // Slices folded now with as many stale fingerprints as a slice's share of the live
+        // chunks are swept (`chunk_fps.rs`), against the records as this transaction leaves
+        // them.
         let end = page_of(self.chunk_seq.load(Ordering::Relaxed) << SHARD_BITS);
         for &slice in fold {
             if stale.due(slice, record.live_chunks) {
