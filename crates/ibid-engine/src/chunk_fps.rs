@@ -30,7 +30,7 @@
 //! `u64 LE` per slice of the reference log ([`ref_log::SLICES`]): fingerprints of that slice
 //! whose chunk died and which no sweep dropped yet. Absent while all are zero.
 
-use crate::chunk_table::{page_of, PAGE_SEQS, PAGE_SHIFT};
+use crate::chunk_table::{by_page, page_of, PAGE_SEQS, PAGE_SHIFT};
 use crate::error::{Error, Result};
 use crate::format::Fingerprint;
 use crate::meta;
@@ -92,11 +92,7 @@ pub fn get(r: &impl Reader, id: u64) -> Result<Option<Fingerprint>> {
     };
     check_len(key, &page)?;
     // A dedup candidate's confirmation reads one entry: scanned in place, not decoded.
-    let low = (id & LOW_MASK) as u16;
-    Ok(page
-        .chunks_exact(ENTRY_BYTES)
-        .find(|e| u16::from_le_bytes([e[0], e[1]]) == low)
-        .map(|e| e[2..].try_into().expect("32 bytes")))
+    Ok(find(&page, id))
 }
 
 /// The fingerprints stored for those of `ids` that have one, each page read once (sorts
@@ -107,21 +103,25 @@ pub fn get_many(
     mut found: impl FnMut(u64, Fingerprint),
 ) -> Result<()> {
     ids.sort_unstable();
-    let mut at = 0;
-    while at < ids.len() {
-        let key = page_of(ids[at]);
-        let end = at + ids[at..].partition_point(|&id| page_of(id) == key);
+    for (key, ids) in by_page(ids) {
         if let Some(page) = r.get(meta::CHUNK_FPS, &key)? {
-            let entries = decode(key, &page)?;
-            for &id in &ids[at..end] {
-                if let Ok(i) = entries.binary_search_by_key(&id, |&(i, _)| i) {
-                    found(id, entries[i].1);
+            check_len(key, &page)?;
+            for &id in ids {
+                if let Some(fp) = find(&page, id) {
+                    found(id, fp);
                 }
             }
         }
-        at = end;
     }
     Ok(())
+}
+
+/// The fingerprint of chunk `id` in its `page` (of checked length), scanned in place.
+fn find(page: &[u8], id: u64) -> Option<Fingerprint> {
+    let low = (id & LOW_MASK) as u16;
+    page.chunks_exact(ENTRY_BYTES)
+        .find(|e| u16::from_le_bytes([e[0], e[1]]) == low)
+        .map(|e| e[2..].try_into().expect("32 bytes"))
 }
 
 /// The fingerprint of chunk `id`, which has a record: corrupt if none is stored.

@@ -132,21 +132,28 @@ pub fn get_many(
     mut found: impl FnMut(u64, ChunkRecord),
 ) -> Result<()> {
     ids.sort_unstable();
-    let mut at = 0;
-    while at < ids.len() {
-        let key = page_of(ids[at]);
-        let end = at + ids[at..].partition_point(|&id| page_of(id) == key);
+    for (key, ids) in by_page(ids) {
         if let Some(page) = r.get(meta::CHUNK_PAGES, &key)? {
             let n = entry_count(key, &page)?;
-            for &id in &ids[at..end] {
+            for &id in ids {
                 if let Some(i) = (0..n).find(|&i| entry_id(key, &page, i) == id) {
                     found(id, entry_record(&page, i)?);
                 }
             }
         }
-        at = end;
     }
     Ok(())
+}
+
+/// Sorted chunk `ids` cut into runs of one page each: (page key, its ids).
+pub(crate) fn by_page(ids: &[u64]) -> impl Iterator<Item = (u64, &[u64])> {
+    let mut rest = ids;
+    std::iter::from_fn(move || {
+        let key = page_of(*rest.first()?);
+        let (run, after) = rest.split_at(rest.partition_point(|&id| page_of(id) == key));
+        rest = after;
+        Some((key, run))
+    })
 }
 
 /// The record of chunk `id`, which something references: corrupt if the store lacks it.
