@@ -227,13 +227,7 @@ impl Inner {
         let mut out = FxHashMap::with_capacity_and_hasher(ids.size_hint().0, Default::default());
         let mut stored = Vec::with_capacity(ids.size_hint().0);
         for id in ids {
-            let s = self.shards[shard_of_chunk(id)].lock();
-            let new = s
-                .dirty
-                .new_chunks
-                .get(&id)
-                .or_else(|| s.committing.new_chunks.get(&id));
-            match new {
+            match self.uncommitted_chunk(id) {
                 Some(new) => {
                     out.insert(id, new.fingerprint);
                 }
@@ -346,12 +340,18 @@ impl Inner {
 
     /// Where a chunk created since the last commit is (`None` for committed chunks).
     pub(super) fn uncommitted_location(&self, id: u64) -> Option<format::ChunkRecord> {
+        self.uncommitted_chunk(id).map(|new| new.rec)
+    }
+
+    /// A chunk created since the last commit, with its fingerprint (`None` for committed
+    /// chunks).
+    fn uncommitted_chunk(&self, id: u64) -> Option<format::NewChunkRecord> {
         let s = self.shards[shard_of_chunk(id)].lock();
         s.dirty
             .new_chunks
             .get(&id)
             .or_else(|| s.committing.new_chunks.get(&id))
-            .map(|new| new.rec)
+            .copied()
     }
 
     /// Reads and verifies chunk `id` into `out` (4 KiB). `Ok(false)` if the chunk is gone.
