@@ -24,6 +24,10 @@ pub struct PoolConfig {
     pub soft_threshold_pct: u8,
     /// Largest segment file in bytes.
     pub segment_bytes_max: u64,
+    /// Most segment files kept open at once (0, the default: half the process's soft limit
+    /// on open files, between 16 and 65,536); past it, idle sealed files are closed and
+    /// opened again when read (`segment::SegmentOptions::open_files_max`).
+    pub segment_files_open_max: usize,
     /// Uncommitted map entries across the pool that trigger a background commit; past it,
     /// writers are paced to the commits' rate (see `pacer.rs`).
     pub dirty_blocks_commit: u64,
@@ -133,6 +137,7 @@ impl Default for PoolConfig {
             capacity_force: false,
             soft_threshold_pct: 80,
             segment_bytes_max: 32 << 20,
+            segment_files_open_max: 0,
             dirty_blocks_commit: 256 << 10,
             dirty_blocks_throttle: 512 << 10,
             dirty_blocks_max: 1 << 20,

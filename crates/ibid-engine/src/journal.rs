@@ -927,6 +927,7 @@ mod tests {
                         next_id: 1,
                         direct_io: false,
                         threads: false,
+                        open_files_max: 0,
                     },
                 )
                 .expect("segments");

@@ -336,6 +336,7 @@ fn open_chunk_store(
         next_id: catalog.record.next_segment_id,
         direct_io: config.direct_io,
         threads: config.threads,
+        open_files_max: config.segment_files_open_max,
     };
     let (segments, found) = Segments::open_on(config.disk.clone(), &dir.join("segments"), options)?;
     for id in found.iter().filter(|id| !keep.contains(id)) {

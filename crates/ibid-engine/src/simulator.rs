@@ -271,6 +271,8 @@ impl Sim {
         PoolConfig {
             capacity_bytes: Some(256 << 20),
             segment_bytes_max: 256 << 10,
+            // Few descriptors, so that reads reopen files closed as idle.
+            segment_files_open_max: 6,
             dirty_blocks_commit: 64,
             dirty_blocks_throttle: 128,
             dirty_blocks_max: 256,

@@ -208,8 +208,28 @@ fn parse() -> (Cli, clap::ArgMatches) {
     })
 }
 
+/// Raises the soft limit on open files to the hard one, as servers that hold many files do:
+/// a pool keeps a segment file per 32 MiB of data and garbage open (up to half the soft
+/// limit, `PoolConfig::segment_files_open_max`), and the usual soft limit of 1,024 would have
+/// it reopen files past ~16 GiB. Left as it is if the call fails.
+fn raise_open_files_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: reads and sets this process's limit through a plain struct owned here.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     ibid_engine::allocator::tune();
+    raise_open_files_limit();
     let (cli, matches) = parse();
     match cli.command {
         Command::Client(command) => {

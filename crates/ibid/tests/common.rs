@@ -33,7 +33,31 @@ impl Server {
 
     /// Starts on an existing directory (to restart a server on the same pool).
     pub fn start_in(dir: tempfile::TempDir, args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ibid"))
+        Self::start_command(Command::new(env!("CARGO_BIN_EXE_ibid")), dir, args)
+    }
+
+    /// Starts with a soft and hard limit of `limit` open files (as `ulimit -n` sets both).
+    pub fn start_with_open_files_limit(limit: u64, args: &[&str]) -> Server {
+        use std::os::unix::process::CommandExt;
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ibid"));
+        // SAFETY: the closure only makes one async-signal-safe system call in the child.
+        unsafe {
+            command.pre_exec(move || {
+                let l = libc::rlimit {
+                    rlim_cur: limit,
+                    rlim_max: limit,
+                };
+                match libc::setrlimit(libc::RLIMIT_NOFILE, &l) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                }
+            });
+        }
+        Self::start_command(command, tempfile::tempdir().expect("tempdir"), args)
+    }
+
+    fn start_command(mut command: Command, dir: tempfile::TempDir, args: &[&str]) -> Server {
+        let mut child = command
             .arg("serve")
             .arg("--data")
             .arg(dir.path().join("pool"))

@@ -180,6 +180,55 @@ fn nbd_workers_flag_sets_the_pool_size() {
     refuses_zero("--nbd-workers");
 }
 
+/// A pool with more segment files than the process may open at once: under a limit of 80
+/// open files (soft and hard, so the server cannot raise it), 2.5 GiB of unique data fill ~80
+/// segment files of 32 MiB, past the 40 the pool keeps open; every write succeeds and every
+/// block reads back verified (before the bound, the writes failed with EIO once the files
+/// took the last descriptors: "open segment: Too many open files").
+#[test]
+fn more_segment_files_than_the_open_files_limit() {
+    require("fio");
+    let srv = Server::start_with_open_files_limit(80, &["--volume", "f=3G", "--no-default-volume"]);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", srv.pid())).expect("limits");
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("open files line");
+    assert_eq!(
+        open_files.split_whitespace().nth(3),
+        Some("80"),
+        "{open_files}"
+    );
+    let port = srv.nbd.rsplit(':').next().expect("port");
+    let work = tempfile::tempdir().expect("tempdir");
+    let out = run(
+        "fio",
+        &[
+            "--name=many-files",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://127.0.0.1:{port}/f"),
+            "--rw=write",
+            "--bs=1M",
+            "--iodepth=8",
+            "--size=2560M",
+            "--refill_buffers=1",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            &format!("--directory={}", work.path().display()),
+            "--output-format=json",
+        ],
+    );
+    let json_start = out.find('{').expect("fio json");
+    let v: serde_json::Value = serde_json::from_str(&out[json_start..]).expect("fio json");
+    assert_eq!(v["jobs"][0]["error"], 0, "{out}");
+    let segments = std::fs::read_dir(srv.pool_dir().join("segments"))
+        .expect("segments")
+        .count();
+    assert!(segments > 70, "{segments} segment files");
+}
+
 /// `ibid serve FLAG 0` fails, naming the flag, before it creates the pool.
 fn refuses_zero(flag: &str) {
     let dir = tempfile::tempdir().expect("tempdir");

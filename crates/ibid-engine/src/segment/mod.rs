@@ -32,9 +32,9 @@ use crate::disk::{Disk, DiskFile, OpenMode};
 use crate::error::{Error, Result};
 use crate::format::{self, RECORD_HEADER_BYTES};
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
@@ -68,11 +68,65 @@ pub struct Placement {
     pub crc: u32,
 }
 
+/// A segment file and its descriptor, which [`Segments`] may close while the file is idle
+/// and reopens on its next read ([`SegmentOptions::open_files_max`]).
 struct SegmentFile {
-    file: Arc<dyn DiskFile>,
+    path: PathBuf,
+    /// The descriptor; `None` once closed as idle, or once the file was removed. Set and
+    /// taken only through [`SegmentFile::set_handle`] and [`SegmentFile::close`], which
+    /// count it in `open_files`.
+    handle: Mutex<Option<Arc<dyn DiskFile>>>,
+    /// The pool's count of files with a descriptor ([`Segments::open_files`]).
+    open_files: Arc<AtomicUsize>,
+    /// Read since the last sweep of idle descriptors passed it (a second chance).
+    used: AtomicBool,
     /// The file's size: as found at open, then as this process's writes and truncation
     /// left it (updated when a write has landed).
     size: AtomicU64,
+}
+
+impl SegmentFile {
+    fn new(
+        path: PathBuf,
+        file: Arc<dyn DiskFile>,
+        size: u64,
+        open_files: &Arc<AtomicUsize>,
+    ) -> SegmentFile {
+        open_files.fetch_add(1, Ordering::Relaxed);
+        SegmentFile {
+            path,
+            handle: Mutex::new(Some(file)),
+            open_files: open_files.clone(),
+            used: AtomicBool::new(true),
+            size: AtomicU64::new(size),
+        }
+    }
+
+    /// Gives a closed file (its locked `handle`) its descriptor again.
+    fn set_handle(
+        handle: &mut Option<Arc<dyn DiskFile>>,
+        file: Arc<dyn DiskFile>,
+        open_files: &AtomicUsize,
+    ) {
+        debug_assert!(handle.is_none());
+        *handle = Some(file);
+        open_files.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Drops the descriptor (readers holding it keep it until they are done).
+    fn close(&self) {
+        if self.handle.lock().take().is_some() {
+            self.open_files.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The descriptor of a file that is never closed while it is an open segment or not
+    /// yet synced (a descriptor opened again would not report an earlier writeback error).
+    fn kept(&self) -> std::io::Result<Arc<dyn DiskFile>> {
+        self.handle.lock().clone().ok_or_else(|| {
+            std::io::Error::other("segment descriptor closed before the file was synced")
+        })
+    }
 }
 
 /// Whole pages of a buffer on their way to a segment file: written by an I/O thread, read
@@ -180,6 +234,29 @@ pub struct SegmentOptions {
     /// Background I/O and sync threads (see [`Segments`]); without, all I/O is on the
     /// caller's thread.
     pub threads: bool,
+    /// Most segment files kept open at once (0: [`open_files_max_default`]). A pool holds a
+    /// file per 32 MiB of data and garbage, more than a process's usual limit of 1,024
+    /// descriptors past ~30 GiB: past the bound, reads reopen idle sealed files, and the
+    /// files least recently read are closed. Open segments and files not yet synced stay
+    /// open whatever the bound.
+    pub open_files_max: usize,
+}
+
+/// Half the process's soft limit on open files, between 16 and 65,536: the rest is for the
+/// journal, the metadata store and the clients' connections.
+pub fn open_files_max_default() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: fills a plain struct owned here.
+    let soft = match unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } {
+        0 => limit.rlim_cur,
+        _ => 1024,
+    };
+    usize::try_from(soft / 2)
+        .unwrap_or(usize::MAX)
+        .clamp(16, 65_536)
 }
 
 /// All segment files of a pool.
@@ -192,6 +269,13 @@ pub struct Segments {
     /// The sum of every file's [`SegmentFile::size`].
     total_bytes: AtomicU64,
     segment_bytes_max: u64,
+    /// Files with a descriptor open ([`SegmentFile::handle`]).
+    open_files: Arc<AtomicUsize>,
+    /// Past this many, idle sealed files are closed ([`SegmentOptions::open_files_max`]).
+    open_files_max: usize,
+    /// The id the next sweep of idle descriptors starts from (a clock hand); held by the
+    /// one sweep at a time.
+    sweep_from: Mutex<u64>,
     /// What the segment threads change too.
     shared: Arc<Shared>,
     /// A file was created or removed since the directory was last synced.
@@ -211,7 +295,7 @@ pub struct Segments {
     /// The I/O threads (one per writer), joined on drop.
     io_threads: Vec<JoinHandle<()>>,
     /// Hands sealed segments to the sync thread (`None` only while dropping).
-    sealed_sync: Option<mpsc::Sender<(u64, Arc<SegmentFile>)>>,
+    sealed_sync: Option<mpsc::Sender<(u64, Kept)>>,
     /// The sync thread, joined on drop.
     sync_thread: Option<JoinHandle<()>>,
 }
@@ -241,6 +325,14 @@ impl Shared {
     }
 }
 
+impl Drop for SegmentFile {
+    fn drop(&mut self) {
+        if self.handle.get_mut().is_some() {
+            self.open_files.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
 impl Drop for Segments {
     fn drop(&mut self) {
         // Closing a channel ends its thread once it has done what was queued.
@@ -252,12 +344,23 @@ impl Drop for Segments {
     }
 }
 
+/// A descriptor taken from [`SegmentFile::kept`].
+type Kept = std::io::Result<Arc<dyn DiskFile>>;
+
+/// Syncs a file through the descriptor taken for it.
+fn sync_kept(file: &Kept) -> std::io::Result<()> {
+    match file {
+        Ok(f) => f.sync_data(),
+        Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+    }
+}
+
 /// The segment sync thread: fsyncs each sealed segment handed to it (its writes have all
 /// landed: sealing waits for them), then takes it off the files the next sync must fsync.
-fn sync_thread(sealed: mpsc::Receiver<(u64, Arc<SegmentFile>)>, shared: Arc<Shared>) {
+fn sync_thread(sealed: mpsc::Receiver<(u64, Kept)>, shared: Arc<Shared>) {
     for (id, file) in sealed {
         let _syncing = shared.syncing.lock();
-        match file.file.sync_data() {
+        match sync_kept(&file) {
             // Nothing writes to a sealed segment any more: it stays durable.
             Ok(()) => drop(shared.unsynced.lock().remove(&id)),
             Err(e) => shared.fail(&format!("sync segment {id:016x}"), &e),
@@ -364,36 +467,48 @@ impl Segments {
             next_id,
             direct_io,
             threads,
+            open_files_max,
         } = options;
+        let open_files_max = match open_files_max {
+            0 => open_files_max_default(),
+            n => n,
+        };
         disk.create_dir_all(dir)
             .map_err(|e| Error::io("create segment directory", e))?;
-        let mut files = BTreeMap::new();
-        let mut total_bytes = 0;
-        let mut max_id = next_id;
+        let mut found: Vec<(u64, String)> = Vec::new();
         for name in disk
             .list(dir)
             .map_err(|e| Error::io("list segment directory", e))?
         {
-            let Some(id) = name
+            if let Some(id) = name
                 .strip_suffix(".seg")
                 .and_then(|h| u64::from_str_radix(h, 16).ok())
-            else {
-                continue;
-            };
+            {
+                found.push((id, name));
+            }
+        }
+        // Newest first: they stay open (up to half the bound), being the likeliest read
+        // soon; the others are closed once their size is known.
+        found.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
+        let mut files = BTreeMap::new();
+        let mut total_bytes = 0;
+        let mut max_id = next_id;
+        let open_files = Arc::new(AtomicUsize::new(0));
+        for (id, name) in found {
+            let path = dir.join(&name);
             let file = disk
-                .open(&dir.join(&name), OpenMode::Existing)
+                .open(&path, OpenMode::Existing)
                 .map_err(|e| Error::io(format!("open segment {id:016x}"), e))?;
             let len = file
                 .len()
                 .map_err(|e| Error::io(format!("stat segment {id:016x}"), e))?;
             total_bytes += len;
-            files.insert(
-                id,
-                Arc::new(SegmentFile {
-                    file,
-                    size: AtomicU64::new(len),
-                }),
-            );
+            let f = SegmentFile::new(path, file, len, &open_files);
+            if open_files.load(Ordering::Relaxed) > open_files_max / 2 {
+                f.close();
+                f.used.store(false, Ordering::Relaxed);
+            }
+            files.insert(id, Arc::new(f));
             max_id = max_id.max(id + 1);
         }
         let ids = files.keys().copied().collect();
@@ -449,6 +564,9 @@ impl Segments {
             next_id: AtomicU64::new(max_id),
             total_bytes: AtomicU64::new(total_bytes),
             segment_bytes_max,
+            open_files,
+            open_files_max,
+            sweep_from: Mutex::new(0),
             dir_dirty: Mutex::new(false),
             sealed: Mutex::new(HashMap::new()),
             sync_lock: Mutex::new(()),
@@ -685,11 +803,9 @@ impl Segments {
             None
         };
         let target = direct.unwrap_or_else(|| file.clone());
-        let file = Arc::new(SegmentFile {
-            file,
-            size: AtomicU64::new(0),
-        });
+        let file = Arc::new(SegmentFile::new(path, file, 0, &self.open_files));
         self.files.write().insert(id, file.clone());
+        self.close_idle_past_bound();
         self.shared.unsynced.lock().insert(id, file.clone());
         *self.dir_dirty.lock() = true;
         let Buffers { mut buf, spare } = recycled.unwrap_or_else(|| Buffers {
@@ -751,9 +867,8 @@ impl Segments {
         self.write_buffer(writer, o)?;
         let end = o.file_len + o.buf.len() as u64;
         if !o.buf.is_empty() {
-            o.file
-                .file
-                .set_len(end)
+            (o.file.kept())
+                .and_then(|f| f.set_len(end))
                 .map_err(|e| Error::io(format!("truncate segment {:016x}", o.id), e))?;
             self.truncated_to(&o.file, end);
         }
@@ -764,10 +879,13 @@ impl Segments {
         // in between, a segment whose records no commit has made live yet would have been
         // cleaned away (its file deleted) under the batch about to reference them.
         self.sealed.lock().insert(o.id, commit_no);
+        // Taken while the file is still the writer's, so not closed as idle: once it is not,
+        // one already synced (not in `unsynced`) may be.
+        let kept = o.file.kept();
         writer.segment.store(NO_SEGMENT, Ordering::Release);
         if let Some(sync) = &self.sealed_sync {
             // If the thread is gone, the next sync fsyncs the file: it is still unsynced.
-            let _ = sync.send((o.id, o.file.clone()));
+            let _ = sync.send((o.id, kept));
         }
         Ok(Some(Buffers {
             buf: o.buf,
@@ -809,11 +927,15 @@ impl Segments {
         } else {
             self.writers.iter().try_for_each(write)?;
         }
-        let mut files: Vec<(u64, Arc<SegmentFile>)> = self.shared.unsynced.lock().drain().collect();
+        // The descriptors are taken under the lock: once off `unsynced`, a file may be closed
+        // as idle.
+        let mut files: Vec<(u64, Kept)> = (self.shared.unsynced.lock().drain())
+            .map(|(id, f)| (id, f.kept()))
+            .collect();
         files.sort_by_key(|(id, _)| *id);
         let dir_dirty = std::mem::take(&mut *self.dir_dirty.lock());
-        let sync_file = |(id, f): &(u64, Arc<SegmentFile>)| {
-            (f.file.sync_data()).map_err(|e| Error::io(format!("sync segment {id:016x}"), e))
+        let sync_file = |(id, f): &(u64, Kept)| {
+            sync_kept(f).map_err(|e| Error::io(format!("sync segment {id:016x}"), e))
         };
         let sync_dir =
             || (self.disk.sync_dir(&self.dir)).map_err(|e| Error::io("sync segment directory", e));
@@ -835,6 +957,8 @@ impl Segments {
         }
         // The sync thread's fsync of one of these files may have failed while ours succeeded.
         drop(self.shared.syncing.lock());
+        // Files kept open until synced may now be closed.
+        self.close_idle_past_bound();
         self.check_io()
     }
 
@@ -855,7 +979,7 @@ impl Segments {
             }
             None => None,
         };
-        let files: Vec<(u64, Arc<SegmentFile>)> = {
+        let files: Vec<(u64, Kept)> = {
             let sealed = self.sealed.lock();
             let mut unsynced = self.shared.unsynced.lock();
             let mut ids: Vec<u64> = (unsynced.keys())
@@ -864,13 +988,14 @@ impl Segments {
                 .collect();
             // In id order, as `sync` does: a seed of the simulator replays the same I/O.
             ids.sort_unstable();
+            // The descriptors are taken under the lock, as in `sync`.
             ids.into_iter()
-                .filter_map(|id| unsynced.remove(&id).map(|f| (id, f)))
+                .filter_map(|id| unsynced.remove(&id).map(|f| (id, f.kept())))
                 .collect()
         };
         let dir_dirty = std::mem::take(&mut *self.dir_dirty.lock());
         for (id, f) in &files {
-            if let Err(e) = f.file.sync_data() {
+            if let Err(e) = sync_kept(f) {
                 let context = format!("sync segment {id:016x}");
                 self.shared.fail(&context, &e);
                 return Err(Error::io(context, e));
@@ -885,6 +1010,7 @@ impl Segments {
         drop(guard);
         // As in `sync`: the sync thread's fsync of one of these files may have failed.
         drop(self.shared.syncing.lock());
+        self.close_idle_past_bound();
         self.check_io()
     }
 
@@ -936,7 +1062,11 @@ impl Segments {
                         )));
                     }
                     let in_file = o.file_len.saturating_sub(offset) as usize;
-                    read_at(&*o.file.file, &mut out[..in_file], offset, segment)?;
+                    let file = o
+                        .file
+                        .kept()
+                        .map_err(|e| read_error(e, offset, len, segment))?;
+                    read_at(&*file, &mut out[..in_file], offset, segment)?;
                     if let Some(f) = &o.flight {
                         copy_overlap(out, offset, f.at, f.buf.bytes());
                     }
@@ -945,10 +1075,10 @@ impl Segments {
                 }
             }
         }
-        let Some(file) = self.files.read().get(&segment).cloned() else {
+        let Some(file) = self.reader(segment)? else {
             return Ok(false);
         };
-        read_at(&*file.file, out, offset, segment)?;
+        read_at(&*file, out, offset, segment)?;
         Ok(true)
     }
 
@@ -975,13 +1105,13 @@ impl Segments {
             crate::disk::scatter(&all, bufs);
             return Ok(true);
         }
-        let Some(file) = self.files.read().get(&segment).cloned() else {
+        let Some(file) = self.reader(segment)? else {
             return Ok(false);
         };
         let read = if NO_WAIT.with(|f| f.get()) {
-            file.file.read_scattered_at_nowait(bufs, offset as u64)
+            file.read_scattered_at_nowait(bufs, offset as u64)
         } else {
-            file.file.read_scattered_at(bufs, offset as u64)
+            file.read_scattered_at(bufs, offset as u64)
         };
         read.map_err(|e| read_error(e, offset as u64, len, segment))?;
         Ok(true)
@@ -989,13 +1119,12 @@ impl Segments {
 
     /// Reads a whole sealed segment file (for the cleaner and the verifier).
     pub fn read_all(&self, segment: u64) -> Result<Option<Vec<u8>>> {
-        let Some(file) = self.files.read().get(&segment).cloned() else {
+        let Some(file) = self.reader(segment)? else {
             return Ok(None);
         };
-        let len = file.file.len().map_err(|e| Error::io("stat segment", e))?;
+        let len = file.len().map_err(|e| Error::io("stat segment", e))?;
         let mut out = vec![0u8; len as usize];
-        file.file
-            .read_exact_at(&mut out, 0)
+        file.read_exact_at(&mut out, 0)
             .map_err(|e| Error::io(format!("read segment {segment:016x}"), e))?;
         Ok(Some(out))
     }
@@ -1043,6 +1172,7 @@ impl Segments {
             let size = f.size.load(Ordering::Relaxed);
             let total = self.total_bytes.fetch_sub(size, Ordering::Relaxed);
             assert!(total >= size, "segment byte count below zero");
+            f.close();
         }
         self.shared.unsynced.lock().remove(&segment);
         self.sealed.lock().remove(&segment);
@@ -1058,6 +1188,80 @@ impl Segments {
     /// Path of a segment file (for tests that corrupt it).
     pub fn path(&self, segment: u64) -> PathBuf {
         segment_path(&self.dir, segment)
+    }
+
+    /// Segment files with a descriptor open now.
+    #[cfg(test)]
+    pub fn open_files(&self) -> usize {
+        self.open_files.load(Ordering::Relaxed)
+    }
+
+    /// The bound on [`Segments::open_files`] past which idle sealed files are closed.
+    #[cfg(test)]
+    pub fn open_files_max(&self) -> usize {
+        self.open_files_max
+    }
+
+    /// A descriptor to read `segment` with: its open one, or the file opened again if it
+    /// was closed as idle. `None` if the segment is gone (removed, before or meanwhile).
+    fn reader(&self, segment: u64) -> Result<Option<Arc<dyn DiskFile>>> {
+        let Some(f) = self.files.read().get(&segment).cloned() else {
+            return Ok(None);
+        };
+        f.used.store(true, Ordering::Relaxed);
+        let mut handle = f.handle.lock();
+        if let Some(file) = &*handle {
+            return Ok(Some(file.clone()));
+        }
+        // Closed as idle, or removed since (then the open finds no file, or a file about to
+        // be unlinked whose descriptor goes with the last holder of `f`).
+        let file = match self.disk.open(&f.path, OpenMode::Existing) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(format!("open segment {segment:016x}"), e)),
+        };
+        SegmentFile::set_handle(&mut handle, file.clone(), &self.open_files);
+        drop(handle);
+        self.close_idle_past_bound();
+        Ok(Some(file))
+    }
+
+    /// Closes idle descriptors if more than the bound are open.
+    fn close_idle_past_bound(&self) {
+        if self.open_files.load(Ordering::Relaxed) > self.open_files_max {
+            self.close_idle();
+        }
+    }
+
+    /// Closes descriptors of sealed, synced files not read since the sweep last passed them
+    /// (a clock: a file read meanwhile is spared once), from where the last sweep stopped,
+    /// until three quarters of the bound are open or every file was seen twice. One sweep at
+    /// a time; a caller that finds one running leaves it the work.
+    fn close_idle(&self) {
+        let Some(mut hand) = self.sweep_from.try_lock() else {
+            return;
+        };
+        let target = self.open_files_max * 3 / 4;
+        let files = self.files.read();
+        // Taken under the files' lock: a file created since is not in `files`, and one
+        // sealed and synced since may only be spared.
+        let mut kept: HashSet<u64> = self.shared.unsynced.lock().keys().copied().collect();
+        kept.extend(
+            self.writers
+                .iter()
+                .map(|w| w.segment.load(Ordering::Acquire)),
+        );
+        let order = files.range(*hand..).chain(files.range(..*hand));
+        for (&id, f) in order.clone().chain(order) {
+            if self.open_files.load(Ordering::Relaxed) <= target {
+                *hand = id;
+                return;
+            }
+            if kept.contains(&id) || f.used.swap(false, Ordering::Relaxed) {
+                continue;
+            }
+            f.close();
+        }
     }
 }
 

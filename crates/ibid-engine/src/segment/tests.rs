@@ -19,6 +19,7 @@ fn open_on(
         next_id,
         direct_io,
         threads: true,
+        open_files_max: 0,
     };
     Segments::open_on(disk, dir, options)
 }
@@ -414,6 +415,7 @@ fn a_failed_background_write_fails_later_syncs_and_appends() {
         next_id: 1,
         direct_io: false,
         threads: true,
+        open_files_max: 0,
     };
     let (segs, _) = Segments::open_on(Arc::new(disk.clone()), Path::new("/p"), options).unwrap();
     segs.append(0, 0, 0, &payload(0, 100), 1).unwrap();
@@ -517,6 +519,7 @@ fn one_writers_sync_makes_its_records_durable() {
             next_id: 1,
             direct_io: false,
             threads: false,
+            open_files_max: 0,
         };
         let dir = Path::new("/p");
         let (segs, _) = Segments::open_on(Arc::new(disk.clone()), dir, options).unwrap();
@@ -557,6 +560,7 @@ fn a_failed_seal_keeps_the_records_for_the_next_sync() {
             next_id: 1,
             direct_io: false,
             threads: false,
+            open_files_max: 0,
         };
         let dir = Path::new("/p");
         let (segs, _) = Segments::open_on(Arc::new(disk.clone()), dir, options).unwrap();
@@ -624,4 +628,107 @@ fn a_segment_being_sealed_is_never_cleanable() {
     stop.store(true, Ordering::Release);
     let looks = watcher.join().expect("no uncommitted segment was offered");
     assert!(looks > 0);
+}
+
+/// With a bound of 4 descriptors over a few dozen segment files, every record reads back
+/// (files closed as idle are opened again, also by scattered reads), at most the bound stays
+/// open beyond the writers' open segments and unsynced files, a removed file reads as gone,
+/// and a reopened store opens only the newest files up to half the bound.
+#[test]
+fn idle_segment_files_are_closed_past_the_bound_and_reopened_when_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = SegmentOptions {
+        writers: 2,
+        segment_bytes_max: 64 << 10,
+        next_id: 1,
+        direct_io: false,
+        threads: true,
+        open_files_max: 4,
+    };
+    let (segs, _) = Segments::open_on(crate::disk::fs(), dir.path(), options).unwrap();
+    let placed: Vec<(Placement, Vec<u8>)> = (0u64..600)
+        .map(|i| {
+            let p = payload(i, 3000);
+            (segs.append((i % 2) as usize, i, 0, &p, 1).unwrap(), p)
+        })
+        .collect();
+    segs.sync().unwrap();
+    segs.seal_writers(2, 1).unwrap();
+    segs.sync().unwrap();
+    let files: std::collections::BTreeSet<u64> = placed.iter().map(|(p, _)| p.segment).collect();
+    assert!(files.len() > 20, "{} segment files", files.len());
+    for round in 0..2 {
+        read_back(&segs, &placed).unwrap();
+        // Backwards, scattered: every file is opened again.
+        for (i, (at, p)) in placed.iter().enumerate().rev() {
+            let (mut head, mut body) = (vec![0u8; RECORD_HEADER_BYTES], vec![0u8; p.len()]);
+            assert!(segs
+                .read_span_scattered(at.segment, at.offset, &mut [&mut head, &mut body])
+                .unwrap());
+            assert_eq!(&body, p, "round {round}, record {i}");
+        }
+        assert!(
+            segs.open_files() <= segs.open_files_max(),
+            "{} files open",
+            segs.open_files()
+        );
+    }
+    let gone = *files.first().unwrap();
+    let (at, p) = placed.iter().find(|(at, _)| at.segment == gone).unwrap();
+    segs.remove(gone).unwrap();
+    assert_eq!(
+        segs.read_record(gone, at.offset, p.len() as u32).unwrap(),
+        None
+    );
+    drop(segs);
+    let (segs, found) = Segments::open_on(crate::disk::fs(), dir.path(), options).unwrap();
+    assert_eq!(found.len(), files.len() - 1);
+    assert_eq!(segs.open_files(), 2, "half the bound, the newest files");
+    let rest: Vec<_> = placed
+        .iter()
+        .filter(|(at, _)| at.segment != gone)
+        .cloned()
+        .collect();
+    for (at, p) in &rest {
+        let rec = segs
+            .read_record(at.segment, at.offset, p.len() as u32)
+            .unwrap();
+        assert_eq!(&rec.expect("segment exists")[RECORD_HEADER_BYTES..], &p[..]);
+    }
+    assert!(segs.open_files() <= segs.open_files_max());
+}
+
+/// Files not yet synced are never closed, however far past the bound: their sync must see
+/// the descriptor that wrote them (a descriptor opened again would not report an earlier
+/// writeback error). Without threads nothing is synced until `sync`, which then succeeds
+/// for every file.
+#[test]
+fn unsynced_segment_files_stay_open_past_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = SegmentOptions {
+        writers: 1,
+        segment_bytes_max: 64 << 10,
+        next_id: 1,
+        direct_io: false,
+        threads: false,
+        open_files_max: 4,
+    };
+    let (segs, _) = Segments::open_on(crate::disk::fs(), dir.path(), options).unwrap();
+    let placed: Vec<(Placement, Vec<u8>)> = (0u64..300)
+        .map(|i| {
+            let p = payload(i, 3000);
+            (segs.append(0, i, 0, &p, 1).unwrap(), p)
+        })
+        .collect();
+    let files = placed
+        .iter()
+        .map(|(p, _)| p.segment)
+        .collect::<HashSet<_>>()
+        .len();
+    assert!(files > 8, "{files} segment files");
+    read_back(&segs, &placed).unwrap();
+    assert_eq!(segs.open_files(), files, "every unsynced file kept open");
+    segs.sync().unwrap();
+    read_back(&segs, &placed).unwrap();
+    assert!(segs.open_files() <= segs.open_files_max());
 }
