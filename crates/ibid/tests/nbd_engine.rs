@@ -199,30 +199,17 @@ fn more_segment_files_than_the_open_files_limit() {
         Some("80"),
         "{open_files}"
     );
-    let port = srv.nbd.rsplit(':').next().expect("port");
-    let work = tempfile::tempdir().expect("tempdir");
-    let out = run(
-        "fio",
+    fio_write_verified(
+        &srv,
         &[
             "--name=many-files",
-            "--ioengine=nbd",
-            &format!("--uri=nbd://127.0.0.1:{port}/f"),
             "--rw=write",
             "--bs=1M",
             "--iodepth=8",
             "--size=2560M",
             "--refill_buffers=1",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--verify_state_save=0",
-            &format!("--directory={}", work.path().display()),
-            "--output-format=json",
         ],
     );
-    let json_start = out.find('{').expect("fio json");
-    let v: serde_json::Value = serde_json::from_str(&out[json_start..]).expect("fio json");
-    assert_eq!(v["jobs"][0]["error"], 0, "{out}");
     let segments = std::fs::read_dir(srv.pool_dir().join("segments"))
         .expect("segments")
         .count();
@@ -279,35 +266,47 @@ fn io_threads_flag_sets_the_runtime_size() {
 /// Random 4 KiB writes at queue depth 16 over the export `f` (32 MiB of it) with fio's crc32c
 /// verification.
 fn fio_verify(srv: &Server) {
-    let port = srv.nbd.rsplit(':').next().expect("port");
-    let work = tempfile::tempdir().expect("tempdir");
-    let out = run(
-        "fio",
+    let v = fio_write_verified(
+        srv,
         &[
             "--name=verify",
-            "--ioengine=nbd",
-            &format!("--uri=nbd://127.0.0.1:{port}/f"),
             "--rw=randwrite",
             "--bs=4k",
             "--iodepth=16",
             "--size=32M",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--verify_state_save=0",
-            &format!("--directory={}", work.path().display()),
-            "--output-format=json",
         ],
     );
-    let json_start = out.find('{').expect("fio json");
-    let v: serde_json::Value = serde_json::from_str(&out[json_start..]).expect("fio json");
-    assert_eq!(v["jobs"][0]["error"], 0, "{out}");
     assert!(
         v["jobs"][0]["write"]["io_bytes"]
             .as_u64()
             .expect("io_bytes")
             >= 32 << 20
     );
+}
+
+/// Runs fio's nbd engine against volume `f` with the `job` options, verifying what it wrote
+/// by crc32c (fatal on the first mismatch); asserts the job ended without error and returns
+/// fio's JSON report.
+fn fio_write_verified(srv: &Server, job: &[&str]) -> serde_json::Value {
+    let port = srv.nbd.rsplit(':').next().expect("port");
+    let work = tempfile::tempdir().expect("tempdir");
+    let uri = format!("--uri=nbd://127.0.0.1:{port}/f");
+    let directory = format!("--directory={}", work.path().display());
+    let mut args = vec!["--ioengine=nbd", uri.as_str()];
+    args.extend_from_slice(job);
+    args.extend_from_slice(&[
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+        "--verify_state_save=0",
+        directory.as_str(),
+        "--output-format=json",
+    ]);
+    let out = run("fio", &args);
+    let json_start = out.find('{').expect("fio json");
+    let v: serde_json::Value = serde_json::from_str(&out[json_start..]).expect("fio json");
+    assert_eq!(v["jobs"][0]["error"], 0, "{out}");
+    v
 }
 
 /// A real filesystem on the volume (nbdfuse + loop + ext4): files round-trip, and after

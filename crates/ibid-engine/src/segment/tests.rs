@@ -630,6 +630,18 @@ fn a_segment_being_sealed_is_never_cleanable() {
     assert!(looks > 0);
 }
 
+/// Options for a store of 64 KiB segment files that keeps at most 4 open.
+fn bounded_to_4_files(writers: usize, threads: bool) -> SegmentOptions {
+    SegmentOptions {
+        writers,
+        segment_bytes_max: 64 << 10,
+        next_id: 1,
+        direct_io: false,
+        threads,
+        open_files_max: 4,
+    }
+}
+
 /// With a bound of 4 descriptors over a few dozen segment files, every record reads back
 /// (files closed as idle are opened again, also by scattered reads), at most the bound stays
 /// open beyond the writers' open segments and unsynced files, a removed file reads as gone,
@@ -637,14 +649,7 @@ fn a_segment_being_sealed_is_never_cleanable() {
 #[test]
 fn idle_segment_files_are_closed_past_the_bound_and_reopened_when_read() {
     let dir = tempfile::tempdir().unwrap();
-    let options = SegmentOptions {
-        writers: 2,
-        segment_bytes_max: 64 << 10,
-        next_id: 1,
-        direct_io: false,
-        threads: true,
-        open_files_max: 4,
-    };
+    let options = bounded_to_4_files(2, true);
     let (segs, _) = Segments::open_on(crate::disk::fs(), dir.path(), options).unwrap();
     let placed: Vec<(Placement, Vec<u8>)> = (0u64..600)
         .map(|i| {
@@ -705,14 +710,7 @@ fn idle_segment_files_are_closed_past_the_bound_and_reopened_when_read() {
 #[test]
 fn unsynced_segment_files_stay_open_past_the_bound() {
     let dir = tempfile::tempdir().unwrap();
-    let options = SegmentOptions {
-        writers: 1,
-        segment_bytes_max: 64 << 10,
-        next_id: 1,
-        direct_io: false,
-        threads: false,
-        open_files_max: 4,
-    };
+    let options = bounded_to_4_files(1, false);
     let (segs, _) = Segments::open_on(crate::disk::fs(), dir.path(), options).unwrap();
     let placed: Vec<(Placement, Vec<u8>)> = (0u64..300)
         .map(|i| {
